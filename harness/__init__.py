@@ -1,0 +1,1 @@
+"""Regression and conformance harness for quantized model loading."""
