@@ -1,0 +1,263 @@
+"""The reference loader: skip-aware, quantization-aware loading of a checkpoint directory.
+
+The skeleton is built on the meta device, tensors are read through mmap, every on-disk layout is
+decoded in plain torch (harness.quant), fused groups follow DESIGN.md's rules, and the result is
+the architecture's own transformers module with reference linears in place of nn.Linear.
+"""
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from accelerate import init_empty_weights
+from torch import nn
+
+from harness.errors import CheckpointError
+from harness.quant import Decoded, fp8, formats, skip
+from harness.quant.source import TensorSource
+from harness.reference import architectures, attention
+from harness.reference.linear import FusedLinear, InputQuant, ReferenceLinear
+from harness.reference.report import Disagreement, FusedGroup, LoadReport
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    report: LoadReport
+
+
+class _Phases:
+    def __init__(self, timings: dict[str, float]):
+        self.timings = timings
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
+
+
+def load(path, device: str = "cpu", fuse: bool = True) -> Loaded:
+    """Load a checkpoint directory. `fuse=False` keeps every projection separate, which is how
+    transformers executes it; the default fuses as an engine does (DESIGN.md)."""
+    path = Path(path)
+    config_dict = _read_config(path)
+    quant_config = config_dict.get("quantization_config")
+    method = formats.quant_method(config_dict)
+    report = LoadReport(str(path), (config_dict.get("architectures") or ["?"])[0], method)
+    phase = _Phases(report.timings)
+    started = time.perf_counter()
+
+    with phase("skeleton"):
+        model = _skeleton(path, config_dict)
+    arch = model.config.model_type
+    with phase("read"):
+        src = TensorSource.open(path)
+
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    activation = _activation_scheme(quant_config)
+    decoded: dict[str, tuple[Decoded, torch.Tensor | None]] = {}
+    with phase("decode"):
+        for name, module in linears.items():
+            decoded[name] = _decode_linear(src, model, name, module, arch)
+            report.modules[name] = decoded[name][0].label
+
+    replacements: dict[str, nn.Module] = {}
+    with phase("fuse"):
+        for parent, rule in architectures.fusion_groups(model):
+            shards = [f"{parent}.{s}" if parent else s for s in rule.shards]
+            reason = _unfusable(shards, decoded) if fuse else "fusion disabled (fuse=False)"
+            report.groups.append(FusedGroup(parent, rule.kind, shards, not reason, reason))
+            if not reason:
+                fused = _fuse([decoded[s] for s in shards], activation)
+                model.get_submodule(parent).register_module(rule.kind.replace("-", "_") + "_proj", fused)
+                for index, shard in enumerate(shards):
+                    replacements[shard] = fused.shard(index)
+
+    with phase("assign"):
+        for name, (dec, bias) in decoded.items():
+            module = replacements.get(name) or ReferenceLinear(
+                dec.weight, bias, dec.label, _input_quant(dec, activation))
+            _set_submodule(model, name, module)
+        _assign_remaining(src, model, arch)
+        _attach_kv_scales(src, model, arch, quant_config, report)
+
+    report.disagreements.extend(_disagreements(quant_config, report.modules))
+    model.eval().to(device)
+    report.timings["total"] = time.perf_counter() - started
+    return Loaded(model, report)
+
+
+def _read_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(str(path), "not a checkpoint directory")
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(str(file), "missing") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(str(file), f"invalid JSON: {e}") from None
+
+
+def _skeleton(path: Path, config_dict: dict) -> nn.Module:
+    architecture = (config_dict.get("architectures") or [None])[0]
+    cls = getattr(transformers, architecture or "", None)
+    if cls is None:
+        raise CheckpointError(str(path / "config.json"), f"unknown architecture {architecture!r}")
+    config = transformers.AutoConfig.from_pretrained(path)
+    # The reference decodes quantized tensors itself; transformers must not quantize anything.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        model = cls._from_config(config, dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def _disk_name(name: str, arch: str) -> str:
+    return skip.to_checkpoint(name, arch)
+
+
+def _decode_linear(src, model, name, module, arch) -> tuple[Decoded, torch.Tensor | None]:
+    disk = _disk_name(name, arch)
+    weight_key = f"{disk}.weight"
+    if weight_key not in src.keys and _is_tied_output(model, module):
+        embedding = _module_name(model, model.get_input_embeddings())
+        weight_key = f"{_disk_name(embedding, arch)}.weight"
+    dec = formats.decode_weight(src, weight_key)
+    expected = (module.out_features, module.in_features)
+    if tuple(dec.weight.shape) != expected:
+        raise CheckpointError(weight_key, f"decodes to shape {tuple(dec.weight.shape)}, "
+                                          f"the model expects {expected}")
+    bias = None
+    if module.bias is not None:
+        bias = src.get(f"{disk}.bias").float()
+        if tuple(bias.shape) != (module.out_features,):
+            raise CheckpointError(f"{disk}.bias", f"shape {tuple(bias.shape)}, expected {(module.out_features,)}")
+    return dec, bias
+
+
+def _is_tied_output(model, module) -> bool:
+    return bool(getattr(model.config, "tie_word_embeddings", False)) and module is model.get_output_embeddings()
+
+
+def _module_name(model, target) -> str:
+    return next(name for name, m in model.named_modules() if m is target)
+
+
+def _unfusable(shards: list[str], decoded) -> str:
+    """Why these shards cannot share one weight, or '' when they can."""
+    labels = {s: decoded[s][0].label for s in shards}
+    if len(set(labels.values())) > 1:
+        return "different schemes: " + ", ".join(f"{s.rsplit('.', 1)[-1]}={l}" for s, l in labels.items())
+    settings = [decoded[s][0].settings for s in shards]
+    if any(x != settings[0] for x in settings):
+        return "different settings: " + "; ".join(
+            f"{s.rsplit('.', 1)[-1]}={x}" for s, x in zip(shards, settings))
+    return ""
+
+
+def _fuse(parts: list[tuple[Decoded, torch.Tensor | None]], activation: str | None) -> FusedLinear:
+    decs = [d for d, _ in parts]
+    if decs[0].fp8 is not None:
+        decs = fp8.requantize_fused(decs)
+    weight = torch.cat([d.weight for d in decs])
+    biases = [b for _, b in parts]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else torch.zeros(d.weight.shape[0]) for d, b in zip(decs, biases)])
+    return FusedLinear(weight, bias, decs[0].label, _input_quant(decs[0], activation),
+                       [d.weight.shape[0] for d in decs])
+
+
+def _activation_scheme(quant_config: dict | None) -> str | None:
+    """'static', 'dynamic' or None: how the checkpoint's producer quantizes FP8 linear inputs."""
+    if not quant_config:
+        return None
+    if quant_config.get("quant_method") == "fp8":
+        return quant_config.get("activation_scheme", "dynamic")
+    for group in (quant_config.get("config_groups") or {}).values():
+        acts = (group or {}).get("input_activations")
+        if acts:
+            return "dynamic" if acts.get("dynamic") else "static"
+    return None
+
+
+def _input_quant(dec: Decoded, activation: str | None) -> InputQuant | None:
+    if dec.fp8 is None or activation is None:
+        return None
+    if dec.fp8.input_scale is not None:
+        return InputQuant(dec.fp8.input_scale)
+    if activation == "static":
+        raise CheckpointError(f"{dec.label} weight", "static activation scheme but no input_scale on disk")
+    return InputQuant(None)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _assign_remaining(src, model, arch) -> None:
+    """Everything that is not a linear weight: embeddings, norms, convolutions, positions."""
+    for name, param in list(model.named_parameters()):
+        if not param.is_meta:
+            continue
+        key = _disk_name(name, arch)
+        tensor = src.get(key)
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(key, f"shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
+        parent, _, leaf = name.rpartition(".")
+        model.get_submodule(parent)._parameters[leaf] = nn.Parameter(tensor.float(), requires_grad=False)
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if leftover:
+        raise CheckpointError(leftover[0], "not found in the checkpoint")
+
+
+def _attach_kv_scales(src, model, arch, quant_config, report: LoadReport) -> None:
+    wants_fp8_kv = bool((quant_config or {}).get("kv_cache_scheme"))
+    for name in architectures.attention_modules(model):
+        k_scale, v_scale, notes = fp8.kv_scales(src, _disk_name(name, arch))
+        report.notes.extend(notes)
+        if k_scale is None and v_scale is None:
+            if wants_fp8_kv:
+                # vLLM's behaviour: without scales on disk the fp8 cache uses 1.0.
+                k_scale = v_scale = torch.tensor(1.0)
+                report.notes.append(f"{name}: kv_cache_scheme set but no k/v scales on disk; using 1.0 as vLLM does")
+            else:
+                continue
+        module = model.get_submodule(name)
+        module.register_buffer("k_scale", k_scale.float().reshape(()), persistent=False)
+        module.register_buffer("v_scale", v_scale.float().reshape(()), persistent=False)
+        report.kv_scales[name] = {"k_scale": float(k_scale), "v_scale": float(v_scale)}
+    if report.kv_scales and wants_fp8_kv:
+        attention.enable(model)
+        report.kv_fake_quant = True
+    elif report.kv_scales:
+        report.notes.append("k/v scales on disk but no kv_cache_scheme: the KV cache stays unquantized")
+
+
+def _disagreements(quant_config: dict | None, labels: dict[str, str]) -> list[Disagreement]:
+    """Where the producer's skip list, read in its own dialect, and the disk disagree, and where an
+    entry's dialect and its evident intent disagree."""
+    if not quant_config:
+        return []
+    policy = skip.SkipPolicy.from_config(quant_config)
+    found = []
+    for name, label in labels.items():
+        skipped = policy.skips(name)
+        if skipped and label != "unquantized":
+            found.append(Disagreement(name, "config-vs-disk",
+                                      f"the {policy.dialect} skip rules leave it unquantized, the disk holds {label}"))
+        elif not skipped and label == "unquantized":
+            found.append(Disagreement(name, "config-vs-disk",
+                                      f"the {policy.dialect} rules would quantize it, the disk holds it unquantized"))
+    for d in skip.intent_disagreements(policy, list(labels)):
+        found.append(Disagreement(d.module, d.dialect, f"entry {d.entry!r}: {d.explanation}"))
+    return found

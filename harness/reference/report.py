@@ -1,0 +1,63 @@
+"""The load report: what the reference loader found on disk and what it made of it."""
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class FusedGroup:
+    parent: str  # in-memory FQN of the module holding the shards, e.g. model.layers.0.self_attn
+    kind: str  # qkv, cross-q, cross-kv, gate-up
+    shards: list[str]  # in-memory FQNs, in fused order
+    fused: bool
+    reason: str = ""  # why the group stays unfused; empty when fused
+
+
+@dataclass
+class Disagreement:
+    module: str
+    source: str  # "config-vs-disk" or the skip dialect that disagrees with evident intent
+    detail: str
+
+
+@dataclass
+class LoadReport:
+    path: str
+    architecture: str
+    quant_method: str | None
+    modules: dict[str, str] = field(default_factory=dict)  # in-memory FQN -> label
+    groups: list[FusedGroup] = field(default_factory=list)
+    kv_scales: dict[str, dict[str, float]] = field(default_factory=dict)  # attention FQN -> {k_scale, v_scale}
+    kv_fake_quant: bool = False
+    disagreements: list[Disagreement] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def summary(self) -> str:
+        """A human-readable report for `harness load`."""
+        counts: dict[str, int] = {}
+        for label in self.modules.values():
+            counts[label] = counts.get(label, 0) + 1
+        lines = [
+            f"{self.path}: {self.architecture}, quant_method={self.quant_method or 'none'}",
+            "labels: " + ", ".join(f"{label}={n}" for label, n in sorted(counts.items())),
+        ]
+        fused = [g for g in self.groups if g.fused]
+        lines.append(f"fused groups: {len(fused)} of {len(self.groups)}")
+        for group in self.groups:
+            if not group.fused:
+                lines.append(f"  unfused {group.parent} {group.kind}: {group.reason}")
+        if self.kv_scales:
+            lines.append(f"kv-cache scales: {len(self.kv_scales)} attention modules"
+                         f" (fake quantization {'on' if self.kv_fake_quant else 'off'})")
+        for d in self.disagreements:
+            lines.append(f"disagreement [{d.source}] {d.module}: {d.detail}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        lines.append("timings: " + ", ".join(f"{k}={v * 1000:.1f}ms" for k, v in self.timings.items()))
+        return "\n".join(lines)
