@@ -1,0 +1,396 @@
+"""Baselines: the stored result of a cell, as reviewable text (modelled on pytest-regressions).
+
+One file per cell: ``baselines/<tier>/<cell id>.json``. Pretty JSON with a fixed key order and
+one sequence position per line, so that ``git diff`` shows which positions moved. It holds the
+scored token sequence and its logprobs (with top-k), the greedy tokens and their top-k, load-time
+statistics, the fixture identity (or hub source) and provenance: engine, engine version,
+environment, torch, platform, date, commit.
+
+- ``read(root, tier, cell_id)`` returns the baseline or None.
+- ``update(root, record)`` writes it; the CLI calls it only under ``--update-baselines``. It refuses
+  a record whose verdict is failed, error, unsupported or waived (a bug in today's engine never
+  becomes tomorrow's baseline), writes atomically and returns what changed.
+- ``write_obtained(root, record)`` writes ``<cell id>.obtained.json`` beside the baseline in the
+  same format, so ``diff baselines/cpu-tiny/X.json baselines/cpu-tiny/X.obtained.json`` shows a
+  mismatch. Obtained files are git-ignored.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from harness.records import (
+    FixtureRef,
+    Greedy,
+    LoadInfo,
+    PromptRef,
+    Record,
+    Scored,
+    SequenceResult,
+    SourceRef,
+    TopK,
+    atomic_write_text,
+    render_json,
+)
+
+BASELINE_VERSION = 1
+DEFAULT_ROOT = Path(__file__).resolve().parent.parent / "baselines"
+# Verdicts whose record must never become a baseline.
+REFUSED_VERDICTS = frozenset({"failed", "error", "unsupported", "waived"})
+# Verdicts after which the obtained result is written beside the baseline (when not updating).
+OBTAINED_VERDICTS = frozenset({"regressed", "improved", "waived", "stale-baseline", "missing-baseline", "failed"})
+
+
+class BaselineError(Exception):
+    """A baseline file that cannot be read. ``str()`` is one line naming the file."""
+
+
+class BaselineRefused(Exception):
+    """update() was asked to store a record that must not become a baseline."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Provenance(_Strict):
+    engine: str
+    engine_version: str
+    environment: str | None = None
+    torch: str | None = None
+    platform: str
+    date: str  # when the recorded run started (ISO 8601 UTC)
+    commit: str | None = None  # git rev-parse HEAD of the harness checkout, when available
+
+
+class ScoredRow(_Strict):
+    """Position ``pos`` of the scored sequence: its token, the logprob of that token given the
+    positions before it, and the top-k of that same distribution. Position 0 has neither."""
+
+    pos: int
+    token: int
+    logprob: float | None = None
+    topk: TopK | None = None
+
+
+class GreedyRow(_Strict):
+    step: int
+    token: int
+    topk: TopK
+
+
+class BaselineSequence(_Strict):
+    prompt: PromptRef
+    prompt_tokens: list[int]
+    scored: list[ScoredRow]
+    greedy: list[GreedyRow]
+
+    @model_validator(mode="after")
+    def _rows(self) -> BaselineSequence:
+        if not self.scored:
+            raise ValueError(f"sequence {self.prompt.id}: scored needs at least one row")
+        for i, row in enumerate(self.scored):
+            if row.pos != i:
+                raise ValueError(f"sequence {self.prompt.id}: scored row {i} has pos {row.pos}")
+            if (i == 0) != (row.logprob is None) or (i == 0) != (row.topk is None):
+                raise ValueError(f"sequence {self.prompt.id}: scored row {i}: only position 0 has no logprob/topk")
+        for i, row in enumerate(self.greedy):
+            if row.step != i:
+                raise ValueError(f"sequence {self.prompt.id}: greedy row {i} has step {row.step}")
+        return self
+
+    @classmethod
+    def from_sequence(cls, s: SequenceResult) -> BaselineSequence:
+        scored = [ScoredRow(pos=0, token=s.scored.tokens[0])]
+        scored += [
+            ScoredRow(pos=i + 1, token=t, logprob=lp, topk=tk)
+            for i, (t, lp, tk) in enumerate(zip(s.scored.tokens[1:], s.scored.logprobs, s.scored.topk))
+        ]
+        greedy = [GreedyRow(step=i, token=t, topk=tk) for i, (t, tk) in enumerate(zip(s.greedy.tokens, s.greedy.topk))]
+        return cls(prompt=s.prompt, prompt_tokens=s.prompt_tokens, scored=scored, greedy=greedy)
+
+    def to_sequence(self) -> SequenceResult:
+        return SequenceResult(
+            prompt=self.prompt,
+            prompt_tokens=self.prompt_tokens,
+            scored=Scored(
+                tokens=[r.token for r in self.scored],
+                logprobs=[r.logprob for r in self.scored[1:]],
+                topk=[r.topk for r in self.scored[1:]],
+            ),
+            greedy=Greedy(tokens=[r.token for r in self.greedy], topk=[r.topk for r in self.greedy]),
+        )
+
+
+class Baseline(_Strict):
+    schema_version: Literal[1] = BASELINE_VERSION
+    cell: str
+    tier: str
+    provenance: Provenance
+    fixture: FixtureRef | None = None
+    source: SourceRef | None = None
+    load: LoadInfo | None = None
+    sequences: list[BaselineSequence]
+
+    def record_sequences(self) -> list[SequenceResult]:
+        """The sequences in the result record's shape, for compare."""
+        return [s.to_sequence() for s in self.sequences]
+
+    @classmethod
+    def from_record(cls, record: Record, commit: str | None = None) -> Baseline:
+        if record.status != "ok":
+            raise ValueError(f"{record.cell}: a record with status {record.status} has no results to store")
+        info = record.engine_info
+        return cls(
+            cell=record.cell,
+            tier=record.tier,
+            provenance=Provenance(
+                engine=info.name,
+                engine_version=info.version,
+                environment=info.environment,
+                torch=info.torch,
+                platform=info.platform,
+                date=record.started_at,
+                commit=commit,
+            ),
+            fixture=record.fixture,
+            source=record.source,
+            load=record.load,
+            sequences=[BaselineSequence.from_sequence(s) for s in record.sequences],
+        )
+
+    def to_text(self) -> str:
+        return render_json(self.model_dump())
+
+
+# ------------------------------------------------------------------------------- file access
+
+
+def path_for(root: str | Path, tier: str, cell_id: str) -> Path:
+    return Path(root) / tier / f"{cell_id}.json"
+
+
+def obtained_path_for(root: str | Path, tier: str, cell_id: str) -> Path:
+    return Path(root) / tier / f"{cell_id}.obtained.json"
+
+
+def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
+    """The stored baseline of a cell, or None when there is none. A corrupt file raises BaselineError."""
+    path = path_for(root, tier, cell_id)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise BaselineError(f"{path}: cannot read: {e.strerror or e}") from None
+    return parse(text, str(path))
+
+
+def parse(text: str, source: str = "<baseline>") -> Baseline:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BaselineError(f"{source}: not JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(data, dict) or data.get("schema_version") != BASELINE_VERSION:
+        found = data.get("schema_version") if isinstance(data, dict) else None
+        raise BaselineError(f"{source}: baseline schema_version {found!r} is not supported (this harness reads {BASELINE_VERSION})")
+    try:
+        return Baseline.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise BaselineError(f"{source}: {loc}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    """``git rev-parse HEAD`` of the checkout holding ``cwd`` (default: this package), or None."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=str(cwd or Path(__file__).resolve().parent),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None
+
+
+# ------------------------------------------------------------------------------------ update
+
+
+@dataclass
+class Change:
+    """What update() did to one baseline file."""
+
+    cell: str
+    path: Path
+    kind: Literal["new", "updated", "unchanged"]
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def written(self) -> bool:
+        return self.kind != "unchanged"
+
+    def __str__(self) -> str:
+        head = f"{self.path}: {self.kind}"
+        return "\n".join([head, *(f"  - {m}" for m in self.messages)])
+
+
+@dataclass
+class Outcome:
+    """What handle() did after a verdict: a baseline change, an obtained file, or a refusal."""
+
+    change: Change | None = None
+    obtained: Path | None = None
+    refused: str | None = None
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def describe_changes(old: Baseline | None, new: Baseline) -> tuple[list[str], bool]:
+    """Human-readable differences old -> new, and whether any is material (anything but the
+    date, the commit and load-time statistics)."""
+    if old is None:
+        n = sum(len(s.scored) for s in new.sequences)
+        return [f"new baseline: {len(new.sequences)} sequence(s), {n} scored positions, "
+                f"{new.provenance.engine} {new.provenance.engine_version} on {new.provenance.platform}"], True
+    msgs: list[str] = []
+    material = False
+    op, np_ = old.provenance, new.provenance
+    for key, label in (("engine_version", "engine version"), ("platform", "platform"), ("torch", "torch"), ("environment", "environment")):
+        a, b = getattr(op, key), getattr(np_, key)
+        if a != b:
+            msgs.append(f"provenance: {label} {a} -> {b}")
+            material = True
+    if (old.fixture and old.fixture.identity) != (new.fixture and new.fixture.identity):
+        msgs.append(f"fixture identity {old.fixture.identity if old.fixture else None} -> {new.fixture.identity if new.fixture else None}")
+        material = True
+    if old.source != new.source:
+        msgs.append(f"source {old.source} -> {new.source}")
+        material = True
+    old_seqs = {s.prompt.id: s for s in old.sequences}
+    new_seqs = {s.prompt.id: s for s in new.sequences}
+    for pid in sorted(set(old_seqs) - set(new_seqs)):
+        msgs.append(f"prompt {pid}: removed")
+        material = True
+    for pid in sorted(set(new_seqs) - set(old_seqs)):
+        msgs.append(f"prompt {pid}: added")
+        material = True
+    for pid in [p for p in new_seqs if p in old_seqs]:
+        a, b = old_seqs[pid], new_seqs[pid]
+        if a.prompt_tokens != b.prompt_tokens:
+            msgs.append(f"prompt {pid}: prompt tokens changed")
+            material = True
+        at, bt = [r.token for r in a.scored], [r.token for r in b.scored]
+        if at != bt:
+            pos = next((i for i, (x, y) in enumerate(zip(at, bt)) if x != y), min(len(at), len(bt)))
+            msgs.append(f"prompt {pid}: scored tokens changed at position {pos}")
+            material = True
+        deltas = [
+            (abs(ra.logprob - rb.logprob), ra.pos)
+            for ra, rb in zip(a.scored[1:], b.scored[1:])
+            if ra.token == rb.token and ra.logprob is not None and rb.logprob is not None
+        ]
+        deltas = [(d if not math.isnan(d) else math.inf, p) for d, p in deltas]
+        if deltas:
+            worst, pos = max(deltas)
+            if worst > 0:
+                msgs.append(f"prompt {pid}: max |Δlogprob| vs old {_fmt(worst)} at position {pos}")
+                material = True
+        if any(ra.topk != rb.topk for ra, rb in zip(a.scored, b.scored)):
+            material = True
+        ag, bg = [r.token for r in a.greedy], [r.token for r in b.greedy]
+        if ag != bg:
+            step = next((i for i, (x, y) in enumerate(zip(ag, bg)) if x != y), min(len(ag), len(bg)))
+            x = ag[step] if step < len(ag) else "(end)"
+            y = bg[step] if step < len(bg) else "(end)"
+            msgs.append(f"prompt {pid}: greedy tokens changed at step {step}: {x} -> {y}")
+            material = True
+        elif [r.topk for r in a.greedy] != [r.topk for r in b.greedy]:
+            material = True
+    if old.load and new.load and old.load.seconds != new.load.seconds:
+        msgs.append(f"load {_fmt(old.load.seconds)} s -> {_fmt(new.load.seconds)} s")
+    if material and op.commit != np_.commit:
+        msgs.append(f"provenance: commit {op.commit} -> {np_.commit}")
+    if material and not any(m for m in msgs if not m.startswith(("load ", "provenance: commit"))):
+        msgs.append("top-k logprobs changed")
+    return msgs, material
+
+
+def update(root: str | Path, record: Record, verdict: str | None = None, *, commit: str | None = None) -> Change:
+    """Store ``record`` as its cell's baseline and return what changed.
+
+    ``verdict`` defaults to ``record.verdict``; a record that was never judged, or whose verdict
+    is failed, error, unsupported or waived, raises BaselineRefused. When nothing material
+    changed (only the date, commit or load time) and the verdict is not about load time, the
+    file is left untouched and the change is ``unchanged``. Any obtained file is removed."""
+    verdict = verdict if verdict is not None else record.verdict
+    if verdict is None:
+        raise BaselineRefused(f"{record.cell}: refusing to update the baseline of a record that was never compared (no verdict)")
+    if verdict in REFUSED_VERDICTS:
+        why = record.verdict_reason or (record.error.message if record.error else "")
+        raise BaselineRefused(
+            f"{record.cell}: refusing to update the baseline: verdict is {verdict}" + (f" ({why})" if why else "")
+            + "; fix the cell (or record a known failure) first"
+        )
+    if record.status != "ok":
+        raise BaselineRefused(f"{record.cell}: refusing to update the baseline: status is {record.status}, nothing to store")
+    path = path_for(root, record.tier, record.cell)
+    try:
+        old = read(root, record.tier, record.cell)
+    except BaselineError as e:
+        old = None
+        unreadable = str(e)
+    else:
+        unreadable = None
+    new = Baseline.from_record(record, commit=commit if commit is not None else git_commit())
+    messages, material = describe_changes(old, new)
+    if unreadable:
+        messages.insert(0, f"old baseline unreadable, replaced: {unreadable}")
+        material = True
+    if old is not None and not material and verdict not in ("regressed", "improved", "stale-baseline"):
+        return Change(record.cell, path, "unchanged", messages)
+    atomic_write_text(path, new.to_text())
+    obtained_path_for(root, record.tier, record.cell).unlink(missing_ok=True)
+    return Change(record.cell, path, "new" if old is None and not unreadable else "updated", messages)
+
+
+def write_obtained(root: str | Path, record: Record) -> Path:
+    """Write the obtained result beside the baseline, in the baseline's format, atomically."""
+    path = obtained_path_for(root, record.tier, record.cell)
+    atomic_write_text(path, Baseline.from_record(record, commit=git_commit()).to_text())
+    return path
+
+
+def clear_obtained(root: str | Path, tier: str, cell_id: str) -> None:
+    obtained_path_for(root, tier, cell_id).unlink(missing_ok=True)
+
+
+def handle(root: str | Path, record: Record, *, update_baselines: bool = False) -> Outcome:
+    """The step after a verdict, for the CLI and the pytest plugin: with ``update_baselines``,
+    update (a refusal is returned, not raised); otherwise write the obtained file when the
+    record is ok and its verdict is a mismatch, and clear a stale obtained file on pass."""
+    if update_baselines:
+        try:
+            return Outcome(change=update(root, record))
+        except BaselineRefused as e:
+            out = Outcome(refused=str(e))
+            if record.status == "ok":
+                out.obtained = write_obtained(root, record)
+            return out
+    if record.status == "ok" and record.verdict in OBTAINED_VERDICTS:
+        return Outcome(obtained=write_obtained(root, record))
+    if record.verdict == "pass":
+        clear_obtained(root, record.tier, record.cell)
+    return Outcome()

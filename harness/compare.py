@@ -1,0 +1,483 @@
+"""The comparison rules and the verdict (DESIGN.md, "Comparison rules"). Pure functions on records.
+
+Checks (each a records.Check named ``<kind>:<against>``):
+- ``teacher-forced``: the main check. Both runs scored the same token sequence; |Δlogprob| of the
+  scored token is bounded at every position, and |Δlogprob| over the top-k ids both runs share.
+  Reports max |Δ|, the worst position and |Δ| per position (for the report's chart).
+- ``scored-tokens``: a distinct failure when the runs scored different sequences, which makes the
+  teacher-forced comparison meaningless.
+- ``greedy``: vLLM's check_logprobs_close rule. At the first step where the greedy tokens differ,
+  each run's token must be in the other run's top-k. Reports that first divergence.
+- ``prompts``: both runs have the same prompt ids.
+- ``load-time``: the load-time ratio, normalised by the in-run calibration.
+- ``module-diff``: vLLM's module-level conformance (from the record).
+
+``verdict()`` applies DESIGN.md's order; ``summarize()`` counts verdicts and gives the exit code.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from harness.records import VERDICTS, Check, KnownFailureRef, Record, SequenceResult, platform_key
+
+if TYPE_CHECKING:
+    from harness.baselines import Baseline
+    from harness.matrix import Bounds, Cell
+
+# Verdicts that make a run exit 1.
+BAD_VERDICTS = frozenset({"regressed", "failed", "error"})
+
+
+class KnownFailureLike(Protocol):
+    engine: str
+    versions: str
+    pattern: str
+    reason: str
+    link: str | None
+
+    def applies_to(self, engine: str, version: str | None) -> bool: ...
+
+    def matches(self, text: str) -> bool: ...
+
+
+@dataclass
+class Judgement:
+    verdict: str
+    reason: str
+    checks: list[Check] = field(default_factory=list)
+    known_failure: KnownFailureLike | None = None
+
+    def apply(self, record: Record) -> Record:
+        """A copy of ``record`` carrying this verdict, its reason, checks and known failure."""
+        kf = None
+        if self.known_failure is not None:
+            k = self.known_failure
+            kf = KnownFailureRef(engine=k.engine, versions=k.versions, pattern=k.pattern, reason=k.reason, link=k.link)
+        return record.model_copy(update={"verdict": self.verdict, "verdict_reason": self.reason, "checks": list(self.checks), "known_failure": kf})
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+def _delta(a: float, b: float) -> float:
+    if a == b:  # equal infinities included
+        return 0.0
+    d = abs(a - b)
+    return math.inf if math.isnan(d) else d
+
+
+def _safe(x: float) -> float | None:
+    """JSON-safe number for check data: non-finite becomes None."""
+    return x if math.isfinite(x) else None
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def _pair(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult]):
+    e = {s.prompt.id: s for s in expected}
+    o = {s.prompt.id: s for s in obtained}
+    shared = [pid for pid in e if pid in o]
+    return [(pid, e[pid], o[pid]) for pid in shared], sorted(set(e) - set(o)), sorted(set(o) - set(e))
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def check_prompts(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], *, against: str) -> Check | None:
+    """A failing ``prompts`` check when the prompt ids differ, else None."""
+    _, missing, extra = _pair(expected, obtained)
+    if not missing and not extra:
+        return None
+    parts = []
+    if missing:
+        parts.append(f"missing {', '.join(missing)}")
+    if extra:
+        parts.append(f"not in {against}: {', '.join(extra)}")
+    return Check(name=f"prompts:{against}", ok=False, detail="prompt set differs: " + "; ".join(parts),
+                 data={"missing": missing, "extra": extra})
+
+
+def check_teacher_forced(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], *,
+                         logprob_bound: float, topk_bound: float, against: str) -> list[Check]:
+    """The teacher-forced check, plus a distinct ``scored-tokens`` failure for sequences whose
+    scored tokens differ (those are left out of the logprob comparison)."""
+    pairs, _, _ = _pair(expected, obtained)
+    checks: list[Check] = []
+    differing = []
+    per_position: dict[str, list[float | None]] = {}
+    topk_per_position: dict[str, list[float | None]] = {}
+    prompt_len: dict[str, int] = {}
+    worst = {"delta": 0.0, "prompt": None, "position": None, "what": None}
+    worst_tok = 0.0
+    worst_topk = 0.0
+    compared = 0
+    for pid, e, o in pairs:
+        et, ot = e.scored.tokens, o.scored.tokens
+        if et != ot:
+            pos = next((i for i, (x, y) in enumerate(zip(et, ot)) if x != y), min(len(et), len(ot)))
+            differing.append({
+                "prompt": pid,
+                "position": pos,
+                against: et[pos] if pos < len(et) else None,
+                "obtained": ot[pos] if pos < len(ot) else None,
+                "lengths": [len(et), len(ot)],
+            })
+            continue
+        compared += 1
+        prompt_len[pid] = len(e.prompt_tokens)
+        tok_deltas, topk_deltas = [], []
+        for i, (la, lb, ka, kb) in enumerate(zip(e.scored.logprobs, o.scored.logprobs, e.scored.topk, o.scored.topk)):
+            pos = i + 1  # logprobs[i] scores tokens[i + 1]
+            d = _delta(la, lb)
+            tok_deltas.append(d)
+            if d > worst_tok:
+                worst_tok = d
+            if d > worst["delta"]:
+                worst = {"delta": d, "prompt": pid, "position": pos, "what": "token"}
+            kb_map = dict(kb)
+            shared = [(t, lp, kb_map[t]) for t, lp in ka if t in kb_map]
+            dk = max((_delta(x, y) for _, x, y in shared), default=0.0)
+            topk_deltas.append(dk)
+            if dk > worst_topk:
+                worst_topk = dk
+            if dk > worst["delta"]:
+                worst = {"delta": dk, "prompt": pid, "position": pos, "what": "topk"}
+        per_position[pid] = [_safe(x) for x in tok_deltas]
+        topk_per_position[pid] = [_safe(x) for x in topk_deltas]
+    if differing:
+        first = differing[0]
+        checks.append(Check(
+            name=f"scored-tokens:{against}",
+            ok=False,
+            detail=(f"scored tokens differ from {against}'s in {len(differing)} sequence(s); first: prompt "
+                    f"{first['prompt']} position {first['position']}: {against} {first[against]} vs obtained "
+                    f"{first['obtained']} (the runs scored different sequences; logprobs not comparable)"),
+            data={"sequences": differing},
+        ))
+    if compared:
+        ok = worst_tok <= logprob_bound and worst_topk <= topk_bound
+        where = f" at prompt {worst['prompt']} position {worst['position']} ({worst['what']})" if worst["prompt"] is not None else ""
+        detail = (f"max |Δlogprob| vs {against} {_fmt(worst['delta'])}{where}; scored tokens {_fmt(worst_tok)} "
+                  f"(bound {_fmt(logprob_bound)}), shared top-k {_fmt(worst_topk)} (bound {_fmt(topk_bound)})")
+        checks.append(Check(
+            name=f"teacher-forced:{against}",
+            ok=ok,
+            detail=detail if ok else "exceeds bound: " + detail,
+            data={
+                "max_abs_delta": _safe(worst["delta"]),
+                "max_abs_delta_tokens": _safe(worst_tok),
+                "max_abs_delta_topk": _safe(worst_topk),
+                "worst": {**worst, "delta": _safe(worst["delta"])},
+                "bound": {"logprob": logprob_bound, "topk": topk_bound},
+                "per_position": per_position,  # |Δ| of the scored token, index i = position i + 1
+                "topk_per_position": topk_per_position,
+                "prompt_len": prompt_len,  # positions >= prompt_len are generated tokens
+            },
+        ))
+    return checks
+
+
+def check_greedy(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], *, against: str) -> Check | None:
+    """vLLM's check_logprobs_close rule, per prompt: at the first step where the greedy tokens
+    differ, each token must be in the other run's top-k at that step. Runs that agree on every
+    step both produced (one may be shorter) pass, as in vLLM."""
+    pairs, _, _ = _pair(expected, obtained)
+    if not pairs:
+        return None
+    divergences = []
+    bad = []
+    for pid, e, o in pairs:
+        for step, (te, to) in enumerate(zip(e.greedy.tokens, o.greedy.tokens)):
+            if te == to:
+                continue
+            ke, ko = e.greedy.topk[step], o.greedy.topk[step]
+            ok = te in {t for t, _ in ko} and to in {t for t, _ in ke}
+            d = {"prompt": pid, "step": step, "ok": ok, against: te, "obtained": to,
+                 f"{against}_topk": [[t, _safe(lp)] for t, lp in ke],
+                 "obtained_topk": [[t, _safe(lp)] for t, lp in ko]}
+            divergences.append(d)
+            if not ok:
+                bad.append(d)
+            break
+    if bad:
+        d = bad[0]
+        detail = (f"greedy tokens diverge from {against}'s at prompt {d['prompt']} step {d['step']}: {against} "
+                  f"{d[against]} vs obtained {d['obtained']}, and a token is missing from the other run's top-k "
+                  f"({against} top-k {[t for t, _ in d[f'{against}_topk']]}, obtained top-k {[t for t, _ in d['obtained_topk']]})")
+        return Check(name=f"greedy:{against}", ok=False, detail=detail, data={"divergences": divergences})
+    if divergences:
+        d = divergences[0]
+        detail = (f"greedy tokens diverge at prompt {d['prompt']} step {d['step']} ({against} {d[against]} vs "
+                  f"obtained {d['obtained']}), each within the other's top-k")
+    else:
+        detail = f"greedy tokens equal to {against}'s"
+    return Check(name=f"greedy:{against}", ok=True, detail=detail, data={"divergences": divergences})
+
+
+def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], bounds: Bounds, *, against: str) -> list[Check]:
+    """All sequence checks of ``obtained`` against ``expected`` (a baseline or another engine)."""
+    checks: list[Check] = []
+    p = check_prompts(expected, obtained, against=against)
+    if p is not None:
+        checks.append(p)
+    checks += check_teacher_forced(expected, obtained, logprob_bound=bounds.logprob, topk_bound=bounds.topk, against=against)
+    g = check_greedy(expected, obtained, against=against)
+    if g is not None:
+        checks.append(g)
+    return checks
+
+
+def _normalised_load(load) -> tuple[float, float | None]:
+    calib = load.phases.get("calibration")
+    return load.seconds, (calib if calib and calib > 0 else None)
+
+
+def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: bool) -> Check | None:
+    """Load-time ratio obtained / baseline, each divided by its in-run calibration
+    (load.phases["calibration"]) when both have one. ``ok`` is False only when gated and the
+    ratio exceeds ``bound``; data["improved"] marks a ratio below 1/bound."""
+    if record.load is None or baseline.load is None or baseline.load.seconds <= 0:
+        return None
+    s_obt, c_obt = _normalised_load(record.load)
+    s_base, c_base = _normalised_load(baseline.load)
+    normalised = c_obt is not None and c_base is not None
+    ratio = (s_obt / c_obt) / (s_base / c_base) if normalised else s_obt / s_base
+    regressed = ratio > bound
+    improved = ratio < 1 / bound
+    text = (f"load {_fmt(s_obt)} s vs baseline {_fmt(s_base)} s: ratio {_fmt(ratio)}"
+            f"{' (calibrated)' if normalised else ''}, bound {_fmt(bound)}")
+    if not gated:
+        text += " (measured, not gated on this tier)"
+    elif regressed:
+        text = "slower than bound: " + text
+    elif improved:
+        text = "faster than 1/bound: " + text
+    return Check(name="load-time:baseline", ok=not (gated and regressed), detail=text,
+                 data={"ratio": _safe(ratio), "seconds": s_obt, "baseline_seconds": s_base, "calibrated": normalised,
+                       "bound": bound, "gated": gated, "regressed": gated and regressed, "improved": gated and improved})
+
+
+def check_module_diff(record: Record, *, against: str = "reference") -> Check | None:
+    if record.module_diff is None:
+        return None
+    md = record.module_diff
+    return Check(name=f"module-diff:{against}", ok=False,
+                 detail=f"first differing module {md.first_differing_module}: {md.detail}",
+                 data={"first_differing_module": md.first_differing_module})
+
+
+def cross_engine(record: Record, others: Iterable[Record], bounds: Bounds) -> list[Check]:
+    """Checks of ``record`` against the other engines' records of the same cell in the same run.
+    Records that are not ok, or are this same engine, are skipped."""
+    checks: list[Check] = []
+    if record.status != "ok":
+        return checks
+    for other in others:
+        if other.status != "ok" or other.engine == record.engine:
+            continue
+        checks += compare_sequences(other.sequences, record.sequences, bounds, against=other.engine)
+    return checks
+
+
+# ------------------------------------------------------------------------------- known failures
+
+
+def applicable(known_failures: Iterable[KnownFailureLike], engine: str, version: str | None) -> list[KnownFailureLike]:
+    return [k for k in known_failures if k.applies_to(engine, version)]
+
+
+def match_error(known_failures: Iterable[KnownFailureLike], record: Record) -> KnownFailureLike | None:
+    """The first known failure covering the record's engine version whose pattern matches its
+    error: searched in "<type>: <message>", then in the log tail."""
+    if record.error is None:
+        return None
+    texts = [f"{record.error.type}: {record.error.message}", record.error.log_tail]
+    for k in applicable(known_failures, record.engine, record.engine_info.version):
+        if any(t and k.matches(t) for t in texts):
+            return k
+    return None
+
+
+def _waiver(known: list[KnownFailureLike], failing: list[Check]) -> KnownFailureLike | None:
+    """A known failure when every failing check is matched by one (searched in "name: detail")."""
+    first = None
+    for c in failing:
+        hit = next((k for k in known if k.matches(f"{c.name}: {c.detail}")), None)
+        if hit is None:
+            return None
+        first = first or hit
+    return first
+
+
+# --------------------------------------------------------------------------------------- verdict
+
+
+def baseline_key_problems(record: Record, baseline: Baseline, *, expected_engine_version: str | None = None,
+                          platform: str | None = None) -> list[str]:
+    """Why ``baseline`` is not the one this record must be compared with (empty when it is)."""
+    problems = []
+    version = record.engine_info.version
+    bv = baseline.provenance.engine_version
+    if bv != version:
+        problems.append(f"baseline recorded with {record.engine} {bv}, this run is {version}")
+    if expected_engine_version is not None and not _same_public_version(expected_engine_version, version):
+        problems.append(f"this run's {record.engine} {version} is not the environment's pinned {expected_engine_version}")
+    run_platform = platform if platform is not None else record.engine_info.platform
+    if platform_key(baseline.provenance.platform) != platform_key(run_platform):
+        problems.append(f"baseline recorded on {baseline.provenance.platform}, this run is on {run_platform}")
+    if (baseline.fixture and record.fixture and baseline.fixture.identity != record.fixture.identity
+            and baseline.provenance.platform == run_platform):
+        # On one platform a fixture is byte-identical; a new identity means the recipe changed.
+        problems.append(f"fixture identity changed: baseline {baseline.fixture.identity[:12]}, this run "
+                        f"{record.fixture.identity[:12]}")
+    if baseline.source and record.source and baseline.source != record.source:
+        problems.append("checkpoint source changed (hub revision or path)")
+    return problems
+
+
+def _same_public_version(a: str, b: str | None) -> bool:
+    if b is None:
+        return False
+    if a == b:
+        return True
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(a).public == Version(b).public
+    except InvalidVersion:
+        return False
+
+
+def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
+            known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
+            expected_engine_version: str | None = None, platform: str | None = None,
+            gate_load_time: bool = False) -> Judgement:
+    """The verdict of one record, in DESIGN.md's order:
+
+    1. status unsupported (a capability probe) -> unsupported
+    2. status error: a known failure (engine, version range, pattern) matches -> unsupported
+       with its reason; otherwise -> error
+    3. module diff or cross-engine disagreement beyond the bounds -> failed, or waived when known
+       failures match every failing check
+    4. no baseline -> missing-baseline
+    5. baseline from another engine version / platform (or fixture, source) -> stale-baseline
+       (the baseline checks are still run and reported)
+    6. a baseline check fails -> regressed, or waived when known failures match every failing check
+    7. gated tier and load-time ratio > bound -> regressed (same waiver rule)
+    8. a known failure covers this engine version, yet all passed -> unexpected-pass
+    9. gated tier and load-time ratio < 1/bound -> improved
+    10. otherwise pass
+    """
+    known = applicable(known_failures, record.engine, record.engine_info.version)
+    if record.status == "unsupported":
+        return Judgement("unsupported", record.unsupported_reason or "unsupported")
+    if record.status == "error":
+        k = match_error(known_failures, record)
+        if k is not None:
+            return Judgement("unsupported", f"known failure: {k.reason}", known_failure=k)
+        err = record.error
+        first_line = (err.message.strip().splitlines() or [""])[0]
+        return Judgement("error", f"{err.type}: {first_line}")
+
+    checks: list[Check] = []
+    md = check_module_diff(record)
+    if md is not None:
+        checks.append(md)
+    checks += list(cross_engine_checks)
+    failing = [c for c in checks if not c.ok]
+    if failing:
+        k = _waiver(known, failing)
+        if k is not None:
+            return Judgement("waived", f"known failure: {k.reason} ({failing[0].name})", checks, k)
+        return Judgement("failed", "; ".join(f"{c.name}: {c.detail}" for c in failing), checks)
+
+    if baseline is None:
+        return Judgement("missing-baseline", "no baseline stored for this cell; run with --update-baselines to create one", checks)
+
+    base_checks = compare_sequences(baseline.record_sequences(), record.sequences, bounds, against="baseline")
+    load_check = check_load_time(record, baseline, bound=bounds.load_time, gated=gate_load_time)
+    checks += base_checks + ([load_check] if load_check is not None else [])
+
+    stale = baseline_key_problems(record, baseline, expected_engine_version=expected_engine_version, platform=platform)
+    if stale:
+        return Judgement("stale-baseline", "; ".join(stale), checks)
+
+    failing = [c for c in base_checks if not c.ok]
+    if failing:
+        k = _waiver(known, failing)
+        if k is not None:
+            return Judgement("waived", f"known failure: {k.reason} ({failing[0].name})", checks, k)
+        return Judgement("regressed", "; ".join(f"{c.name}: {c.detail}" for c in failing), checks)
+    if load_check is not None and not load_check.ok:
+        k = _waiver(known, [load_check])
+        if k is not None:
+            return Judgement("waived", f"known failure: {k.reason} ({load_check.name})", checks, k)
+        return Judgement("regressed", f"{load_check.name}: {load_check.detail}", checks)
+    if known:
+        k = known[0]
+        return Judgement("unexpected-pass", f"passes, but a known failure covers {record.engine} "
+                         f"{record.engine_info.version}: {k.reason}; remove or narrow it in models.yaml", checks, k)
+    if load_check is not None and load_check.data and load_check.data.get("improved"):
+        return Judgement("improved", f"{load_check.name}: {load_check.detail}", checks)
+    return Judgement("pass", "matches the baseline", checks)
+
+
+def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = ()) -> Judgement:
+    """verdict() with every setting taken from the cell: bounds, known failures, the pinned
+    engine version, load-time gating; cross-engine checks against ``others`` (same cell, other
+    engines, this run)."""
+    return verdict(
+        record,
+        baseline,
+        bounds=cell.bounds,
+        known_failures=cell.known_failures,
+        cross_engine_checks=cross_engine(record, others, cell.bounds),
+        expected_engine_version=cell.engine_version,
+        gate_load_time=cell.gate_load_time,
+    )
+
+
+# --------------------------------------------------------------------------------------- summary
+
+
+@dataclass
+class Summary:
+    counts: dict[str, int]
+    total: int
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code_for(self.counts)
+
+    def table(self) -> str:
+        width = max(len(v) for v in VERDICTS)
+        lines = [f"{'verdict':<{width}}  cells"]
+        lines += [f"{v:<{width}}  {n}" for v, n in self.counts.items() if n]
+        lines.append(f"{'total':<{width}}  {self.total}")
+        return "\n".join(lines)
+
+
+def summarize(items: Iterable[Record | str | None]) -> Summary:
+    """Counts per verdict (every verdict listed, in the taxonomy's order). A record that was
+    never judged counts as error."""
+    counts = {v: 0 for v in VERDICTS}
+    total = 0
+    for item in items:
+        v = item.verdict if isinstance(item, Record) else item
+        if v not in counts:
+            v = "error"
+        counts[v] += 1
+        total += 1
+    return Summary(counts, total)
+
+
+def exit_code_for(verdicts: dict[str, int] | Iterable[Any]) -> int:
+    """0 when nothing is regressed, failed or errored; 1 otherwise."""
+    if isinstance(verdicts, dict):
+        return 1 if any(verdicts.get(v, 0) for v in BAD_VERDICTS) else 0
+    return 1 if summarize(verdicts).exit_code else 0

@@ -1,0 +1,627 @@
+"""The models.yaml schema and its expansion into cells.
+
+``load(path)`` parses and validates models.yaml. Any problem (a YAML syntax error, an unknown
+key, a bad value, a dangling reference) raises ``MatrixError`` whose text is ONE line naming the
+file and the key path, e.g.::
+
+    models.yaml: models.llama.schemes.bnb-nf4.bounds.logprob: must be > 0
+
+``expand(matrix, tier=None, engines=None)`` turns the matrix into a sorted list of ``Cell``s, one
+per model x scheme x engine, with every setting resolved (scheme > model > defaults).
+``select(cells, expr)`` filters cells with pytest's own ``-k`` expression language, matching the
+way pytest matches keywords: case-insensitive substrings of the cell id (and of the cell's
+markers, as pytest also matches marker names).
+
+Nothing here imports torch; loading models.yaml is cheap.
+"""
+from __future__ import annotations
+
+import re
+import types
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, field_validator, model_validator
+
+ENGINES: tuple[str, ...] = ("reference", "transformers", "vllm")
+TIERS: tuple[str, ...] = ("cpu-tiny", "gpu-tiny", "gpu-full")
+# Tiers on which load time is gated (DESIGN.md: never on cpu-tiny, where Python overhead dominates).
+GATED_TIERS: frozenset[str] = frozenset({"gpu-tiny", "gpu-full"})
+ARCHS: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "WhisperForConditionalGeneration",
+    "MllamaForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "BartForConditionalGeneration",
+)
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
+UNPINNED = "unpinned"
+
+Engine = Literal["reference", "transformers", "vllm"]
+Tier = Literal["cpu-tiny", "gpu-tiny", "gpu-full"]
+Arch = Literal[
+    "LlamaForCausalLM",
+    "WhisperForConditionalGeneration",
+    "MllamaForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "BartForConditionalGeneration",
+]
+# Names that become part of a cell id: no dots (ids are dot-separated), no spaces, no shell.
+_NAME_RE = r"^[a-z0-9][a-z0-9_+-]*$"
+Name = Annotated[str, StringConstraints(pattern=_NAME_RE)]
+# Environment names never enter a cell id, so they may carry versions with dots.
+_ENV_NAME_RE = r"^[a-z0-9][a-z0-9_.+-]*$"
+EnvName = Annotated[str, StringConstraints(pattern=_ENV_NAME_RE)]
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+
+
+class MatrixError(Exception):
+    """A models.yaml problem, or a bad selection. ``str()`` is one line: ``<file>: <key path>: <what>``."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ------------------------------------------------------------------------------------- blocks
+
+
+class Environment(_Strict):
+    """A named, pinned install of one or more engines."""
+
+    description: str | None = None
+    # engine -> the version string its results carry (and baselines are keyed by)
+    engines: dict[Engine, Annotated[str, StringConstraints(min_length=1)]] = Field(min_length=1)
+    pip: list[str] = []  # pip arguments, one requirement or option per item
+    wheel: str | None = None  # a wheel URL or path, instead of or beside pip
+    plugins: list[str] = []  # extra pip arguments installed after, e.g. "vllm-bnb-plugin==0.0.3 --no-deps"
+    image: str | None = None  # container image for agents
+    env: dict[str, str] = {}  # environment variables the engine needs
+
+
+class Bounds(_Strict):
+    """Comparison bounds, fully resolved."""
+
+    logprob: float = Field(gt=0)  # max |Δlogprob| of the scored tokens, teacher-forced
+    topk: float = Field(gt=0)  # max |Δlogprob| over the top-k ids both runs share
+    load_time: float = Field(gt=1)  # load-time ratio bound on gated tiers: > bound regressed, < 1/bound improved
+
+
+class BoundsOverride(_Strict):
+    logprob: float | None = Field(default=None, gt=0)
+    topk: float | None = Field(default=None, gt=0)
+    load_time: float | None = Field(default=None, gt=1)
+
+
+class Defaults(_Strict):
+    max_tokens: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    timeout_s: float = Field(gt=0)
+    bounds: dict[Name, Bounds] = Field(min_length=1)  # scheme family -> bounds
+
+
+class Hardware(_Strict):
+    gpus: int | None = Field(default=None, ge=0)
+    gpu_memory_gb: float | None = Field(default=None, gt=0)
+    compute_capability: str | None = None  # minimum, "8.9"
+
+    @field_validator("compute_capability")
+    @classmethod
+    def _cc(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"\d+\.\d+", v):
+            raise ValueError(f"{v!r} is not a compute capability like '8.9'")
+        return v
+
+
+class KnownFailure(_Strict):
+    """An engine version range that is known to fail a cell, and how to recognise the failure."""
+
+    engine: Engine
+    versions: str  # PEP 440 specifier, e.g. "<0.33,>=0.32"
+    pattern: str  # regex searched in the error (type: message, then log tail) or a failing check's text
+    reason: Annotated[str, StringConstraints(min_length=1)]
+    link: str | None = None
+    evidence: str | None = None
+
+    @field_validator("versions")
+    @classmethod
+    def _versions(cls, v: str) -> str:
+        try:
+            SpecifierSet(v)
+        except InvalidSpecifier:
+            raise ValueError(f"{v!r} is not a PEP 440 version specifier") from None
+        return v
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"{v!r} is not a valid regex ({e})") from None
+        return v
+
+    def applies_to(self, engine: str, version: str | None) -> bool:
+        """True when this entry covers ``engine`` at ``version`` (local labels like +cpu ignored)."""
+        if engine != self.engine or not version:
+            return False
+        try:
+            public = Version(version).public
+        except InvalidVersion:
+            return False
+        return SpecifierSet(self.versions).contains(public, prereleases=True)
+
+    def matches(self, text: str) -> bool:
+        return re.search(self.pattern, text) is not None
+
+
+class Prompt(_Strict):
+    """One prompt. Image and audio are paths relative to the repo root, or ``synthetic:<name>``
+    for an input the engine generates deterministically."""
+
+    id: Name
+    text: str | None = None
+    image: str | None = None
+    audio: str | None = None
+
+    @model_validator(mode="after")
+    def _some_input(self) -> Prompt:
+        if self.text is None and self.image is None and self.audio is None:
+            raise ValueError("a prompt needs text, image or audio")
+        if self.image is not None and self.audio is not None:
+            raise ValueError("a prompt takes an image or an audio input, not both")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "image" if self.image is not None else "audio" if self.audio is not None else "text"
+
+
+class Hub(_Strict):
+    id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")]
+    revision: str  # a 40-hex commit, or the literal "unpinned" (warned about)
+
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, v: str) -> str:
+        if v != UNPINNED and not _HEX40.match(v):
+            raise ValueError(f"{v!r} must be a 40-hex commit id (or the literal '{UNPINNED}')")
+        return v
+
+
+class _CellSettings(_Strict):
+    """Settings shared by a model (as defaults for its schemes) and by each scheme."""
+
+    tier: Tier | None = None
+    engines: dict[Engine, EnvName] | None = None  # engine -> environment name
+    max_tokens: int | None = Field(default=None, gt=0)
+    top_k: int | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0)
+    bounds: BoundsOverride | None = None
+    hardware: Hardware | None = None
+
+
+class Scheme(_CellSettings):
+    description: str | None = None
+    family: Name | None = None  # bounds family; default: from the scheme name
+    fixture_scheme: Name | None = None  # the fixture this cell loads, when not <fixture>-<scheme>
+    known_failures: list[KnownFailure] = []
+
+
+class Model(_CellSettings):
+    description: str | None = None
+    arch: Arch
+    fixture: Name | None = None  # recipe model name in harness.fixtures
+    path: str | None = None  # local checkpoint directory, relative to models.yaml
+    hub: Hub | None = None
+    prompts: Name  # "fixture" or the name of a prompt set
+    schemes: dict[Name, Scheme | None] = Field(min_length=1)
+
+
+class Matrix(_Strict):
+    version: Literal[1]
+    environments: dict[EnvName, Environment] = Field(min_length=1)
+    defaults: Defaults
+    prompt_sets: dict[Name, Annotated[list[Prompt], Field(min_length=1)]] = {}
+    models: dict[Name, Model] = Field(min_length=1)
+
+    _file: str = PrivateAttr(default="models.yaml")
+
+    @property
+    def file(self) -> str:
+        return self._file
+
+    def cells(self, tier: str | Iterable[str] | None = None, engines: Iterable[str] | None = None) -> list[Cell]:
+        return expand(self, tier=tier, engines=engines)
+
+    def warnings(self) -> list[str]:
+        return warnings(expand(self))
+
+
+# --------------------------------------------------------------------------------------- cells
+
+
+class Cell(_Strict):
+    """One model x scheme x engine, every setting resolved."""
+
+    id: str
+    model: str
+    scheme: str
+    engine: Engine
+    tier: Tier
+    arch: str
+    description: str | None = None
+    environment: str
+    engine_version: str  # the version the environment pins; results carry the installed one
+    source_kind: Literal["fixture", "path", "hub"]
+    fixture: str | None = None  # recipe model name
+    fixture_scheme: str | None = None
+    path: str | None = None
+    hub: Hub | None = None
+    prompt_set: str  # "fixture" or a prompt set name
+    prompts: tuple[Prompt, ...] = ()  # empty when prompt_set == "fixture"
+    family: str
+    max_tokens: int
+    top_k: int
+    timeout_s: float
+    bounds: Bounds
+    hardware: Hardware
+    known_failures: tuple[KnownFailure, ...] = ()  # those for this engine only
+
+    @property
+    def fixture_name(self) -> str | None:
+        """The fixture directory name, "<model>-<scheme>", e.g. "llama-bnb-nf4-skip-ambiguous"."""
+        if self.source_kind != "fixture":
+            return None
+        return f"{self.fixture}-{self.fixture_scheme or self.scheme}"
+
+    @property
+    def pinned(self) -> bool:
+        """False only for hub sources whose revision is "unpinned"."""
+        return not (self.hub is not None and self.hub.revision == UNPINNED)
+
+    @property
+    def gate_load_time(self) -> bool:
+        return self.tier in GATED_TIERS
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """pytest marker names for this cell: the tier (``cpu_tiny``...) and ``cpu`` or ``gpu``."""
+        return (self.tier.replace("-", "_"), "gpu" if (self.hardware.gpus or 0) > 0 else "cpu")
+
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        """The names ``select`` matches -k identifiers against (as pytest does: id and markers)."""
+        return (self.id, *self.markers)
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a duplicated mapping key is an error (yaml silently keeps the last)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen[key] = True
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load(path: str | Path = DEFAULT_PATH) -> Matrix:
+    """Read and validate a models.yaml. Raises MatrixError (one line) on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise MatrixError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        shown = str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        shown = str(path)
+    return loads(text, filename=shown)
+
+
+def loads(text: str, filename: str = "models.yaml") -> Matrix:
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{filename}:{mark.line + 1}" if mark is not None else filename
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise MatrixError(f"{where}: YAML syntax error: {problem}") from None
+    if not isinstance(data, dict):
+        raise MatrixError(f"{filename}: the top level must be a mapping (found {type(data).__name__})")
+    try:
+        matrix = Matrix.model_validate(data)
+    except ValidationError as e:
+        raise MatrixError(f"{filename}: {_first_error(e)}") from None
+    matrix._file = filename
+    _check_references(matrix, filename)
+    return matrix
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "[key]":
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _unwrap(annotation: Any) -> Any:
+    """Strip Annotated / Optional to the type that carries fields or items."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) != 1:
+                return annotation
+            annotation = args[0]
+        else:
+            return annotation
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
+    """The keys allowed in the mapping that holds loc[-1] (best effort)."""
+    current: Any = Matrix
+    for part in loc[:-1]:
+        current = _unwrap(current)
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(part)
+            if field is None:
+                return None
+            current = field.annotation
+        elif typing.get_origin(current) in (dict, list, tuple):
+            args = typing.get_args(current)
+            current = args[-1] if typing.get_origin(current) is dict else args[0]
+        else:
+            return None
+    current = _unwrap(current)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return None
+
+
+def _num(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, (int, float)) else str(x)
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors(include_url=False)[0]
+    loc = tuple(err["loc"])
+    where = _format_loc(loc)
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(loc)
+        what = "unknown key" + (f" (allowed: {', '.join(allowed)})" if allowed else "")
+    elif kind == "missing":
+        what = "required key is missing"
+    elif kind == "greater_than":
+        what = f"must be > {_num(ctx.get('gt'))}"
+    elif kind == "greater_than_equal":
+        what = f"must be >= {_num(ctx.get('ge'))}"
+    elif kind == "literal_error":
+        what = f"{value!r} is not one of {ctx.get('expected')}"
+    elif kind == "string_pattern_mismatch":
+        if ctx.get("pattern") == _NAME_RE:
+            what = f"{value!r} is not a valid name (lower case letters, digits, '-', '_', '+'; no dots)"
+        elif ctx.get("pattern") == _ENV_NAME_RE:
+            what = f"{value!r} is not a valid environment name (lower case letters, digits, '-', '_', '+', '.')"
+        else:
+            what = f"{value!r} does not match {ctx.get('pattern')}"
+    elif kind == "too_short":
+        what = "must not be empty"
+    elif kind == "value_error":
+        what = str(ctx.get("error", err["msg"]))
+    else:
+        what = err["msg"].replace("Input should be", "must be")
+        if isinstance(value, (str, int, float, bool)) and kind != "missing":
+            what += f" (got {value!r})"
+    return f"{where}: {what}"
+
+
+def _family(scheme: str) -> str:
+    """Bounds family from a scheme name: "online-bnb-nf4" -> "bnb", "torchao-int8wo" -> "torchao"."""
+    name = scheme.removeprefix("online-")
+    return name.split("-", 1)[0]
+
+
+def _check_references(m: Matrix, filename: str) -> None:
+    def fail(path: str, what: str) -> typing.NoReturn:
+        raise MatrixError(f"{filename}: {path}: {what}")
+
+    for pname, prompts in m.prompt_sets.items():
+        seen: set[str] = set()
+        for i, p in enumerate(prompts):
+            if p.id in seen:
+                fail(f"prompt_sets.{pname}[{i}].id", f"duplicate prompt id {p.id!r}")
+            seen.add(p.id)
+    for mname, model in m.models.items():
+        mpath = f"models.{mname}"
+        sources = [k for k in ("fixture", "path", "hub") if getattr(model, k) is not None]
+        if len(sources) != 1:
+            found = ", ".join(sources) if sources else "none"
+            fail(mpath, f"exactly one of fixture, path, hub is required (found: {found})")
+        if model.prompts == "fixture":
+            if model.fixture is None:
+                fail(f"{mpath}.prompts", "'fixture' prompts need a fixture source; name a prompt set instead")
+        elif model.prompts not in m.prompt_sets:
+            fail(f"{mpath}.prompts", f"prompt set {model.prompts!r} is not defined under prompt_sets{_defined(m.prompt_sets)}")
+        if model.engines is not None:
+            _check_engines(m, model.engines, f"{mpath}.engines", fail)
+        for sname, scheme in model.schemes.items():
+            s = scheme or Scheme()
+            spath = f"{mpath}.schemes.{sname}"
+            if s.engines is not None:
+                _check_engines(m, s.engines, f"{spath}.engines", fail)
+            tier = s.tier or model.tier
+            if tier is None:
+                fail(f"{spath}.tier", "required key is missing (set it on the scheme or on the model)")
+            engines = s.engines if s.engines is not None else model.engines
+            if not engines:
+                fail(f"{spath}.engines", "required key is missing (set it on the scheme or on the model)")
+            family = s.family or _family(sname)
+            if family not in m.defaults.bounds:
+                where = f"{spath}.family" if s.family else spath
+                fail(where, f"bounds family {family!r} is not defined under defaults.bounds{_defined(m.defaults.bounds)}")
+            for i, kf in enumerate(s.known_failures):
+                if kf.engine not in engines:
+                    fail(f"{spath}.known_failures[{i}].engine", f"{kf.engine!r} is not one of this cell's engines ({', '.join(engines)})")
+            hw = _merge_hardware(model.hardware, s.hardware)
+            if tier == "cpu-tiny" and (hw.gpus or 0) > 0:
+                fail(f"{spath}.hardware.gpus" if s.hardware and s.hardware.gpus else f"{mpath}.hardware.gpus", "cpu-tiny cells cannot need a GPU")
+            if tier != "cpu-tiny" and hw.gpus == 0:
+                fail(f"{spath}.hardware.gpus" if s.hardware and s.hardware.gpus is not None else f"{mpath}.hardware.gpus", f"{tier} cells need at least one GPU")
+            if s.fixture_scheme is not None and model.fixture is None:
+                fail(f"{spath}.fixture_scheme", "only fixture models load a fixture")
+
+
+def _defined(d: dict) -> str:
+    return f" (defined: {', '.join(d)})" if d else " (none defined)"
+
+
+def _check_engines(m: Matrix, engines: dict[str, str], path: str, fail) -> None:
+    for engine, env in engines.items():
+        if env not in m.environments:
+            fail(f"{path}.{engine}", f"environment {env!r} is not defined under environments{_defined(m.environments)}")
+        if engine not in m.environments[env].engines:
+            fail(f"{path}.{engine}", f"environment {env!r} does not provide engine {engine!r} (it provides: {', '.join(m.environments[env].engines)})")
+
+
+def _merge_hardware(*layers: Hardware | None) -> Hardware:
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        if layer is not None:
+            merged.update({k: v for k, v in layer.model_dump().items() if v is not None})
+    return Hardware(**merged)
+
+
+# ----------------------------------------------------------------------------------- expansion
+
+
+def _as_set(value: str | Iterable[str] | None, known: tuple[str, ...], what: str) -> set[str] | None:
+    if value is None:
+        return None
+    items = {value} if isinstance(value, str) else set(value)
+    items = {x.strip() for item in items for x in item.split(",") if x.strip()}
+    bad = sorted(items - set(known))
+    if bad:
+        raise MatrixError(f"--{what}: unknown {what} {', '.join(map(repr, bad))} (known: {', '.join(known)})")
+    return items
+
+
+def expand(matrix: Matrix, tier: str | Iterable[str] | None = None, engines: str | Iterable[str] | None = None) -> list[Cell]:
+    """All cells of the matrix (optionally of some tiers / engines), sorted by id."""
+    tiers = _as_set(tier, TIERS, "tier")
+    engine_set = _as_set(engines, ENGINES, "engine")
+    d = matrix.defaults
+    cells: list[Cell] = []
+    for mname, model in matrix.models.items():
+        for sname, scheme in model.schemes.items():
+            s = scheme or Scheme()
+            cell_tier = s.tier or model.tier
+            if tiers is not None and cell_tier not in tiers:
+                continue
+            family = s.family or _family(sname)
+            bounds = matrix.defaults.bounds[family].model_dump()
+            for layer in (model.bounds, s.bounds):
+                if layer is not None:
+                    bounds.update({k: v for k, v in layer.model_dump().items() if v is not None})
+            hw = _merge_hardware(model.hardware, s.hardware)
+            if hw.gpus is None:
+                hw = hw.model_copy(update={"gpus": 0 if cell_tier == "cpu-tiny" else 1})
+            engine_envs = s.engines if s.engines is not None else model.engines
+            for engine, env in (engine_envs or {}).items():
+                if engine_set is not None and engine not in engine_set:
+                    continue
+                cells.append(
+                    Cell(
+                        id=f"{mname}.{sname}.{engine}",
+                        model=mname,
+                        scheme=sname,
+                        engine=engine,
+                        tier=cell_tier,
+                        arch=model.arch,
+                        description=s.description or model.description,
+                        environment=env,
+                        engine_version=matrix.environments[env].engines[engine],
+                        source_kind="fixture" if model.fixture else "path" if model.path else "hub",
+                        fixture=model.fixture,
+                        fixture_scheme=s.fixture_scheme,
+                        path=model.path,
+                        hub=model.hub,
+                        prompt_set=model.prompts,
+                        prompts=tuple(matrix.prompt_sets.get(model.prompts, ())) if model.prompts != "fixture" else (),
+                        family=family,
+                        max_tokens=s.max_tokens or model.max_tokens or d.max_tokens,
+                        top_k=s.top_k or model.top_k or d.top_k,
+                        timeout_s=s.timeout_s or model.timeout_s or d.timeout_s,
+                        bounds=Bounds(**bounds),
+                        hardware=hw,
+                        known_failures=tuple(k for k in s.known_failures if k.engine == engine),
+                    )
+                )
+    cells.sort(key=lambda c: c.id)
+    return cells
+
+
+def select(cells: Iterable[Cell], k_expr: str | None) -> list[Cell]:
+    """Cells whose keywords satisfy a pytest ``-k`` expression (empty/None selects all).
+
+    Matching mirrors pytest's KeywordMatcher: an identifier matches when it is a case-insensitive
+    substring of one of the cell's names (its id, and its marker names)."""
+    cells = list(cells)
+    if k_expr is None or not k_expr.strip():
+        return cells
+    from _pytest.mark.expression import Expression
+
+    try:
+        expr = Expression.compile(k_expr.strip())
+    except SyntaxError as e:
+        raise MatrixError(f"-k {k_expr!r}: wrong expression: {e.msg if hasattr(e, 'msg') else e}") from None
+
+    def matcher_for(cell: Cell):
+        names = [n.lower() for n in cell.keywords]
+
+        def matcher(name: str, /, **kwargs: Any) -> bool:
+            if kwargs:
+                raise MatrixError(f"-k {k_expr!r}: keyword expressions do not support call parameters")
+            sub = name.lower()
+            return any(sub in n for n in names)
+
+        return matcher
+
+    return [c for c in cells if expr.evaluate(matcher_for(c))]
+
+
+def warnings(cells: Iterable[Cell]) -> list[str]:
+    """Human-readable warnings about cells, one per line: unpinned hub revisions on gpu-full."""
+    out = []
+    for c in cells:
+        if not c.pinned and c.tier == "gpu-full":
+            out.append(f"warning: {c.id}: hub revision of {c.hub.id} is unpinned; pin a 40-hex commit in models.yaml")
+    return out

@@ -1,0 +1,244 @@
+"""bitsandbytes 4-bit (nf4 / fp4), pre-quantized, decoded in plain torch.
+
+On-disk layout per weight `W` (what `Linear4bit._save_to_state_dict` writes through
+`QuantState.as_dict(packed=True)`; transformers saves it as is):
+
+    W                                       U8  [ceil(n/2), 1]  two 4-bit codes per byte, the
+                                                                 first element in the high nibble
+    W.absmax                                F32 [ceil(n/blocksize)]          (no double quant)
+                                            U8  [ceil(n/blocksize)]          (double quant)
+    W.quant_map                             F32 [16]   the 4-bit code table
+    W.nested_absmax                         F32 [ceil(n_blocks/nested_blocksize)]  (double quant)
+    W.nested_quant_map                      F32 [256]  bnb's 8-bit dynamic map    (double quant)
+    W.quant_state.bitsandbytes__nf4|__fp4   U8  [len]  UTF-8 JSON: quant_type, blocksize, dtype,
+                                                       shape, and with double quant
+                                                       nested_blocksize, nested_dtype, nested_offset
+
+Decoding, as bitsandbytes 0.50 does it (`dequantize_4bit` / `dequantize_blockwise`):
+- the flat weight (n = prod(shape) values) is cut into blocks of `blocksize`; value i is
+  `code[nibble_i] * absmax[i // blocksize]`, computed in float32;
+- with double quant, absmax itself is `nested_quant_map[absmax_u8[j]] * nested_absmax[j //
+  nested_blocksize] + nested_offset`, in float32;
+- the result is cast to the quant state's `dtype` (the original weight dtype); this module returns
+  it widened back to float32.
+- bitsandbytes decodes 4-bit codes with its own built-in table for the quant type and ignores the
+  stored `quant_map`. This module does the same, and refuses a checkpoint whose stored
+  `quant_map` disagrees with that table: an engine would silently decode something other than
+  what the file says.
+
+An absmax of 0 is legal (an all-zero block); a negative or non-finite one is not.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from harness.errors import CheckpointError
+from harness.quant import Decoded
+from harness.quant.source import TensorSource
+
+QUANT_TYPES = ("nf4", "fp4")
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' 4-bit dequantize accepts
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# bitsandbytes.functional.get_4bit_type, built the same way (list -> float32 tensor -> / max|.|)
+_NF4 = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+]
+_FP4 = [0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0]
+
+
+def code_table(quant_type: str) -> torch.Tensor:
+    """The 16 float32 values a 4-bit code stands for, exactly as bitsandbytes builds them."""
+    data = {"nf4": _NF4, "fp4": _FP4}[quant_type]
+    t = torch.tensor(data, dtype=torch.float32)
+    return t.div_(t.abs().max())
+
+
+def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n 4-bit codes of a packed buffer (high nibble first), as int64."""
+    flat = packed.contiguous().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    codes = torch.empty(flat.numel() * 2, dtype=torch.int64)
+    codes[0::2] = (flat >> 4).to(torch.int64)
+    codes[1::2] = (flat & 0xF).to(torch.int64)
+    return codes[:n]
+
+
+def blockwise_scale(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """values[i] * absmax[i // blocksize] for a flat float32 tensor (last block may be short)."""
+    n = values.numel()
+    return values * absmax.repeat_interleave(blocksize)[:n]
+
+
+def dequantize_absmax(qabsmax: torch.Tensor, nested_absmax: torch.Tensor, nested_quant_map: torch.Tensor,
+                      nested_blocksize: int, nested_offset: float) -> torch.Tensor:
+    """Undo double quantization of the absmax values (bitsandbytes `dequantize_blockwise` + offset)."""
+    vals = nested_quant_map.float()[qabsmax.reshape(-1).to(torch.int64)]
+    absmax = blockwise_scale(vals, nested_absmax.float().reshape(-1), nested_blocksize)
+    return absmax + torch.tensor(float(nested_offset), dtype=torch.float32)
+
+
+def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_type: str, blocksize: int,
+               shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *,
+               nested: dict | None = None) -> torch.Tensor:
+    """Dequantize a packed 4-bit buffer to float32, as bitsandbytes does.
+
+    `nested`, for double quant: {"absmax": nested_absmax, "quant_map": nested_quant_map,
+    "blocksize": nested_blocksize, "offset": nested_offset}; `absmax` is then the uint8 codes.
+    `dtype` is the quant state's dtype: bitsandbytes returns the weight in it, and so the
+    float32 result here is rounded through it.
+    """
+    n = math.prod(shape)
+    if nested is not None:
+        absmax = dequantize_absmax(absmax, nested["absmax"], nested["quant_map"], int(nested["blocksize"]),
+                                   float(nested["offset"]))
+    codes = unpack_nibbles(packed, n)
+    values = code_table(quant_type)[codes]
+    out = blockwise_scale(values, absmax.float().reshape(-1), blocksize).reshape(shape)
+    if dtype != torch.float32:
+        out = out.to(dtype).float()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the checkpoint side
+
+
+def _state_key(src: TensorSource, weight: str) -> str | None:
+    found = [f"{weight}.quant_state.bitsandbytes__{qt}" for qt in QUANT_TYPES
+             if f"{weight}.quant_state.bitsandbytes__{qt}" in src.keys]
+    if len(found) > 1:
+        raise CheckpointError(weight, f"two quant states: {found}")
+    return found[0] if found else None
+
+
+def owns(src: TensorSource, weight: str) -> bool:
+    """True when the tensors for `weight` are bitsandbytes 4-bit: a packed quant state or an absmax."""
+    if _state_key(src, weight) is not None:
+        return True
+    return f"{weight}.absmax" in src.keys or f"{weight}.nested_absmax" in src.keys
+
+
+def read_quant_state(src: TensorSource, weight: str) -> dict:
+    """The JSON quant state of `weight`, checked: quant_type, blocksize, dtype, shape, nested_*."""
+    key = _state_key(src, weight)
+    if key is None:
+        raise CheckpointError(f"{weight}.quant_state.bitsandbytes__nf4", "missing tensor (bitsandbytes quant state)")
+    raw = src.get(key)
+    if raw.dtype != torch.uint8 or raw.dim() != 1:
+        raise CheckpointError(key, f"quant state must be 1-D uint8 JSON bytes, got {raw.dtype} {tuple(raw.shape)}")
+    try:
+        state = json.loads(bytes(raw.numpy()).decode("utf-8"))
+    except Exception as e:
+        raise CheckpointError(key, f"quant state JSON unreadable: {e}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(key, "quant state JSON is not an object")
+    suffix = key.rsplit("__", 1)[1]
+    for field in ("quant_type", "blocksize", "dtype", "shape"):
+        if field not in state:
+            raise CheckpointError(key, f"quant state has no '{field}'")
+    if state["quant_type"] != suffix:
+        raise CheckpointError(key, f"quant state says quant_type '{state['quant_type']}' under a __{suffix} key")
+    bs = state["blocksize"]
+    if not isinstance(bs, int) or bs not in BLOCKSIZES:
+        raise CheckpointError(key, f"blocksize {bs!r} is not one of {BLOCKSIZES}")
+    if state["dtype"] not in _DTYPES:
+        raise CheckpointError(key, f"dtype {state['dtype']!r} is not one of {sorted(_DTYPES)}")
+    shape = state["shape"]
+    if (not isinstance(shape, list) or len(shape) != 2
+            or not all(isinstance(d, int) and d > 0 for d in shape)):
+        raise CheckpointError(key, f"shape {shape!r} is not a 2-D [out, in] weight shape")
+    state["_key"] = key
+    return state
+
+
+def _get(src: TensorSource, name: str, what: str) -> torch.Tensor:
+    if name not in src.keys:
+        raise CheckpointError(name, f"missing tensor ({what})")
+    return src.get(name)
+
+
+def _check_scale(name: str, t: torch.Tensor, *, allow_zero: bool = True) -> None:
+    if not torch.isfinite(t).all():
+        raise CheckpointError(name, "NaN or infinite values")
+    if (t < 0).any():
+        raise CheckpointError(name, "negative values")
+    if not allow_zero and (t == 0).any():
+        raise CheckpointError(name, "zero values")
+
+
+def decode(src: TensorSource, weight: str) -> Decoded:
+    state = read_quant_state(src, weight)
+    key = state["_key"]
+    qt, bs, shape = state["quant_type"], state["blocksize"], tuple(state["shape"])
+    dtype = _DTYPES[state["dtype"]]
+    n = math.prod(shape)
+
+    packed = _get(src, weight, "packed 4-bit weight")
+    if packed.dtype != torch.uint8 and tuple(packed.shape) == shape:
+        raise CheckpointError(weight, f"is a {packed.dtype} tensor of the full shape {list(shape)}, not packed 4-bit data")
+    nbytes = packed.numel() * packed.dtype.itemsize
+    if nbytes != (n + 1) // 2:
+        raise CheckpointError(weight, f"packed weight holds {nbytes} bytes but quant state shape {list(shape)} needs {(n + 1) // 2}")
+
+    quant_map = _get(src, f"{weight}.quant_map", "quant_map")
+    if quant_map.dtype != torch.float32 or quant_map.numel() != 16:
+        raise CheckpointError(f"{weight}.quant_map", f"expected 16 float32 values, got {quant_map.dtype} {tuple(quant_map.shape)}")
+    if not torch.allclose(quant_map.reshape(-1), code_table(qt), rtol=0, atol=1e-6):
+        raise CheckpointError(f"{weight}.quant_map",
+                              f"differs from bitsandbytes' {qt} table, which bitsandbytes decodes with regardless")
+
+    n_blocks = -(-n // bs)
+    absmax = _get(src, f"{weight}.absmax", "absmax")
+    if absmax.numel() != n_blocks:
+        raise CheckpointError(f"{weight}.absmax", f"has {absmax.numel()} values; shape {list(shape)} in blocks of {bs} needs {n_blocks}")
+
+    double = f"{weight}.nested_absmax" in src.keys or "nested_offset" in state or absmax.dtype == torch.uint8
+    nested = None
+    if double:
+        if absmax.dtype != torch.uint8:
+            raise CheckpointError(f"{weight}.absmax", f"double-quant absmax must be uint8, got {absmax.dtype}")
+        for field in ("nested_blocksize", "nested_offset"):
+            if field not in state:
+                raise CheckpointError(key, f"double quant but the quant state has no '{field}'")
+        nbs, offset = state["nested_blocksize"], state["nested_offset"]
+        if not isinstance(nbs, int) or nbs <= 0:
+            raise CheckpointError(key, f"nested_blocksize {nbs!r} is not a positive integer")
+        if not isinstance(offset, (int, float)) or not math.isfinite(offset):
+            raise CheckpointError(key, f"nested_offset {offset!r} is not a finite number")
+        if state.get("nested_dtype", "float32") != "float32":
+            raise CheckpointError(key, f"nested_dtype {state['nested_dtype']!r}: bitsandbytes writes float32")
+        n_abs = _get(src, f"{weight}.nested_absmax", "nested_absmax")
+        n_map = _get(src, f"{weight}.nested_quant_map", "nested_quant_map")
+        if n_abs.dtype != torch.float32:
+            raise CheckpointError(f"{weight}.nested_absmax", f"must be float32, got {n_abs.dtype}")
+        if n_abs.numel() != -(-n_blocks // nbs):
+            raise CheckpointError(f"{weight}.nested_absmax",
+                                  f"has {n_abs.numel()} values; {n_blocks} absmax codes in blocks of {nbs} need {-(-n_blocks // nbs)}")
+        _check_scale(f"{weight}.nested_absmax", n_abs)
+        if n_map.dtype != torch.float32 or n_map.numel() != 256:
+            raise CheckpointError(f"{weight}.nested_quant_map", f"expected 256 float32 values, got {n_map.dtype} {tuple(n_map.shape)}")
+        if not torch.isfinite(n_map).all():
+            raise CheckpointError(f"{weight}.nested_quant_map", "NaN or infinite values")
+        nested = {"absmax": n_abs, "quant_map": n_map, "blocksize": nbs, "offset": offset}
+        real_absmax = dequantize_absmax(absmax, n_abs, n_map, nbs, offset)
+        if not torch.isfinite(real_absmax).all():
+            raise CheckpointError(f"{weight}.absmax", "NaN or infinite after double-quant decoding")
+    else:
+        if absmax.dtype != torch.float32:
+            raise CheckpointError(f"{weight}.absmax", f"must be float32 (or uint8 with double quant), got {absmax.dtype}")
+        _check_scale(f"{weight}.absmax", absmax)
+
+    w = dequantize(packed, absmax, qt, bs, shape, dtype, nested=nested)
+    return Decoded(
+        label=f"bnb-{qt}",
+        weight=w,
+        settings={"quant_type": qt, "blocksize": bs, "double_quant": double},
+    )

@@ -1,0 +1,308 @@
+"""Read the tensors of a checkpoint directory without loading whole files.
+
+`TensorSource.open(directory)` opens every `*.safetensors` file in the directory through
+`safetensors.safe_open` (mmap: a tensor is read when it is asked for, and `dtype`/`shape` read
+only the header). A directory without safetensors files may instead hold legacy
+`pytorch_model*.bin` files; those are read with `torch.load(weights_only=True, mmap=True)`, with
+torchao's tensor subclasses allow-listed and nothing else. A pickle that asks for anything else is
+refused with a `CheckpointError`; it never runs.
+
+Legacy torchao tensor subclasses are split, at open time, into the same flattened plain tensors
+and the same per-tensor JSON metadata that transformers' safetensors writer produces
+(`<module>._weight_qdata`, `<module>._weight_scale`, `<module>._weight_zero_point`, metadata
+`<module>.weight = {"_type": "Int8Tensor", "_data": {...}, "_tensor_data_names": [...]}`), so the
+torchao decoder reads one layout only.
+
+`TensorSource.from_tensors(...)` builds an in-memory source, for tests and for callers that
+already hold a state dict.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+
+import torch
+
+from harness.errors import CheckpointError
+
+# safetensors header dtype strings -> torch dtypes
+_ST_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _torchao_safe_globals() -> list:
+    """The classes a legacy torchao .bin may name: torchao's own safetensors allow-list.
+
+    Imported only when a .bin is read. Without torchao, the list is empty and a torchao pickle
+    is refused like any other.
+    """
+    try:
+        from torchao.prototype.safetensors.safetensors_utils import ALLOWED_CLASSES
+    except Exception:  # torchao missing or broken: allow nothing extra
+        return []
+    return list(ALLOWED_CLASSES.values())
+
+
+def _refusal(e: Exception) -> str:
+    """The one line of torch's weights-only refusal that says what was refused."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln).strip() for ln in str(e).splitlines()]
+    lines = [ln for ln in lines if ln]
+    detail = next((ln for ln in lines if "unsupported" in ln.lower() or "unpickler error" in ln.lower()),
+                  lines[-1] if lines else type(e).__name__)
+    detail = detail.removeprefix("WeightsUnpickler error:").strip()
+    detail = detail.split(". Please use", 1)[0]
+    if "torchao" in detail:
+        detail += " (only torchao's current tensor subclasses are allowed; older AffineQuantizedTensor checkpoints cannot be read)"
+    return detail
+
+
+def _is_torchao_subclass(t) -> bool:
+    return isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and hasattr(type(t), "tensor_data_names")
+
+
+def _json_attr(value):
+    """A torchao subclass attribute, as transformers' writer spells it in the metadata JSON."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return {"_type": "torch.dtype", "_data": str(value).removeprefix("torch.")}
+    if isinstance(value, (list, tuple, torch.Size)):
+        return [_json_attr(v) for v in value]
+    # enums, configs, kwargs: the decoder only needs to know they are there
+    return {"_type": type(value).__name__, "_data": str(value)}
+
+
+def _flatten_torchao(name: str, t) -> tuple[dict[str, torch.Tensor], str]:
+    """Split one torchao subclass into the plain tensors and metadata JSON of the safetensors layout."""
+    module, param = name.rsplit(".", 1) if "." in name else ("", name)
+    prefix = f"{module}._{param}_" if module else f"_{param}_"
+    cls = type(t)
+    parts: dict[str, torch.Tensor] = {}
+    data_names = list(cls.tensor_data_names) + list(getattr(cls, "optional_tensor_data_names", []))
+    for dn in data_names:
+        v = getattr(t, dn, None)
+        if v is not None:
+            parts[prefix + dn] = v.detach()
+    attrs = {}
+    for an in list(getattr(cls, "tensor_attribute_names", [])) + list(getattr(cls, "optional_tensor_attribute_names", [])):
+        attrs[an] = _json_attr(getattr(t, an, None))
+    if "dtype" not in attrs or attrs["dtype"] is None:
+        attrs["dtype"] = _json_attr(t.dtype)
+    present = [dn for dn in data_names if prefix + dn in parts]
+    meta = json.dumps({"_type": cls.__name__, "_data": attrs, "_tensor_data_names": present})
+    return parts, meta
+
+
+class TensorSource:
+    """All the tensors of one checkpoint directory, by name, read lazily.
+
+    Attributes:
+        directory: the checkpoint directory (None for an in-memory source)
+        keys: every tensor name (frozenset)
+        metadata: the safetensors `__metadata__` of all files merged (str -> str); for torchao
+            files the per-tensor JSON entries are merged as they are, and `tensor_names` is the
+            union of the files' lists (JSON).
+    """
+
+    def __init__(self, directory: str | None = None):
+        self.directory = directory
+        self._handles: dict[str, object] = {}  # safetensors path -> safe_open handle
+        self._where: dict[str, str] = {}  # tensor name -> file path
+        self._tensors: dict[str, torch.Tensor] = {}  # tensors held in memory (.bin, from_tensors)
+        self._file_meta: dict[str, dict[str, str]] = {}
+        self.metadata: dict[str, str] = {}
+        self.keys: frozenset[str] = frozenset()
+
+    # construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> "TensorSource":
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise CheckpointError(str(directory), "not a checkpoint directory")
+        src = cls(str(directory))
+        st_files = sorted(directory.glob("*.safetensors"))
+        if st_files:
+            src._check_index(directory, st_files)
+            for path in st_files:
+                src._open_safetensors(path)
+        else:
+            bins = sorted(directory.glob("pytorch_model*.bin"))
+            if not bins:
+                raise CheckpointError(str(directory), "no *.safetensors or pytorch_model*.bin file")
+            for path in bins:
+                src._open_bin(path)
+        src._finish()
+        return src
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                     file: str = "<memory>") -> "TensorSource":
+        """An in-memory source. torchao subclasses are flattened as for a .bin file."""
+        src = cls(None)
+        src._add_state_dict(file, dict(tensors))
+        if metadata:
+            src._file_meta.setdefault(file, {}).update(metadata)
+        src._finish()
+        return src
+
+    def _check_index(self, directory: Path, st_files: list[Path]) -> None:
+        index = directory / _SAFETENSORS_INDEX
+        if not index.exists():
+            return
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except Exception as e:
+            raise CheckpointError(str(index), f"unreadable index: {e}") from None
+        present = {p.name for p in st_files}
+        for shard in sorted(set(weight_map.values())):
+            if shard not in present:
+                raise CheckpointError(str(directory / shard), "shard named in the index is missing")
+
+    def _open_safetensors(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+            names = list(handle.keys())
+            meta = handle.metadata() or {}
+        except Exception as e:
+            raise CheckpointError(str(path), f"not a readable safetensors file: {e}") from None
+        self._handles[str(path)] = handle
+        self._file_meta[str(path)] = dict(meta)
+        for n in names:
+            self._claim(n, str(path))
+
+    def _open_bin(self, path: Path) -> None:
+        kwargs = {"weights_only": True, "map_location": "cpu"}
+        if zipfile.is_zipfile(path):
+            kwargs["mmap"] = True  # the legacy (non-zip) format cannot be mmapped
+        allowed = _torchao_safe_globals()
+        try:
+            with torch.serialization.safe_globals(allowed):
+                state = torch.load(str(path), **kwargs)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(str(path), f"refused to unpickle: {_refusal(e)}") from None
+        except Exception as e:
+            raise CheckpointError(str(path), f"could not read: {type(e).__name__}: {e}") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(str(path), f"holds a {type(state).__name__}, not a state dict")
+        self._add_state_dict(str(path), state)
+
+    def _add_state_dict(self, file: str, state: dict) -> None:
+        meta = self._file_meta.setdefault(file, {})
+        for name, value in state.items():
+            if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+                raise CheckpointError(file, f"entry {name!r} is a {type(value).__name__}, not a tensor")
+            if _is_torchao_subclass(value):
+                parts, m = _flatten_torchao(name, value)
+                meta[name] = m
+                for pn, pt in parts.items():
+                    self._claim(pn, file)
+                    self._tensors[pn] = pt
+            else:
+                if isinstance(value, torch.nn.Parameter) or type(value) is not torch.Tensor:
+                    value = value.detach().as_subclass(torch.Tensor)
+                self._claim(name, file)
+                self._tensors[name] = value
+
+    def _claim(self, name: str, file: str) -> None:
+        if name in self._where and self._where[name] != file:
+            raise CheckpointError(name, f"tensor is in two files: {self._where[name]} and {file}")
+        self._where[name] = file
+
+    def _finish(self) -> None:
+        self.keys = frozenset(self._where)
+        merged: dict[str, str] = {}
+        tensor_names: list[str] = []
+        for meta in self._file_meta.values():
+            for k, v in meta.items():
+                if k == "tensor_names":
+                    try:
+                        tensor_names += [n for n in json.loads(v) if n not in tensor_names]
+                    except Exception:
+                        pass
+                    continue
+                merged[k] = v
+        if tensor_names:
+            merged["tensor_names"] = json.dumps(tensor_names)
+        self.metadata = merged
+
+    # access ---------------------------------------------------------------------------------
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> str:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise CheckpointError(name, "missing tensor") from None
+
+    def file_metadata(self, file: str) -> dict[str, str]:
+        """The `__metadata__` of one file (or the synthesised metadata of a .bin)."""
+        return self._file_meta.get(file, {})
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.file_of(name)
+        if name in self._tensors:
+            return self._tensors[name]
+        try:
+            return self._handles[file].get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(name, f"unreadable in {file}: {e}") from None
+
+    def dtype(self, name: str) -> torch.dtype:
+        file = self.file_of(name)
+        if name in self._tensors:
+            return self._tensors[name].dtype
+        st = self._handles[file].get_slice(name).get_dtype()
+        if st in _ST_DTYPES:
+            return _ST_DTYPES[st]
+        return self.get(name).dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        file = self.file_of(name)
+        if name in self._tensors:
+            return tuple(self._tensors[name].shape)
+        return tuple(self._handles[file].get_slice(name).get_shape())
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.shape(name))
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._tensors.clear()
+
+    def __enter__(self) -> "TensorSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TensorSource({self.directory or '<memory>'}, {len(self.keys)} tensors)"

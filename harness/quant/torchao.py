@@ -1,0 +1,170 @@
+"""torchao weight-only Int8 / Float8 checkpoints, decoded in plain torch.
+
+On-disk layout (transformers 5.19 + torchao 0.18, `torchao.prototype.safetensors`
+`flatten_tensor_state_dict`): for a parameter `M.weight` that is a tensor subclass,
+
+    M._weight_qdata        I8 [out, in] (Int8Tensor)  or  F8_E4M3 [out, in] (Float8Tensor)
+    M._weight_scale        F32, one value per block: [out, 1] per row, [1, 1] per tensor
+    M._weight_zero_point   I8 [out, 1]   Int8Tensor only (zeros for the symmetric default)
+
+and the file's `__metadata__` holds, under the key `M.weight`, the JSON
+    {"_type": "Int8Tensor" | "Float8Tensor",
+     "_data": {"block_size": [1, in], "dtype": {"_type": "torch.dtype", "_data": "float32"},
+               "act_quant_kwargs": null, ...},
+     "_tensor_data_names": ["zero_point", "qdata", "scale"]}
+plus `tensor_names` (a JSON list of every parameter) and `format: pt`. Plain tensors keep their
+names and get `{"_type": "Tensor"}`.
+
+Legacy `torch.save`d `.bin` checkpoints hold the subclass objects themselves; `TensorSource`
+splits them into this same layout when it opens the file.
+
+Decoding, as the subclasses' `dequantize()`:
+- Int8Tensor: `(float(q) - float(zero_point)) * scale`, scale broadcast over its block;
+- Float8Tensor: `float32(q) * scale`;
+then cast to the metadata's `dtype` (the original weight dtype) and widened back to float32.
+Activation quantization (`act_quant_kwargs` not null, `act_pre_scale`...) is refused: the labels
+here are weight-only.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from harness.errors import CheckpointError
+from harness.quant import Decoded
+from harness.quant.source import TensorSource
+
+SUBCLASSES = {"Int8Tensor": "torchao-int8", "Float8Tensor": "torchao-float8"}
+_QDTYPE = {"Int8Tensor": torch.int8, "Float8Tensor": torch.float8_e4m3fn}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ACT_PARTS = ("act_quant_scale", "act_quant_zero_point", "act_pre_scale")
+
+
+def _split(weight: str) -> tuple[str, str]:
+    return weight.rsplit(".", 1) if "." in weight else ("", weight)
+
+
+def part_name(weight: str, part: str) -> str:
+    """`M.weight`, `qdata` -> `M._weight_qdata` (the flattened safetensors name)."""
+    module, param = _split(weight)
+    return f"{module}._{param}_{part}" if module else f"_{param}_{part}"
+
+
+def owns(src: TensorSource, weight: str) -> bool:
+    return part_name(weight, "qdata") in src.keys
+
+
+def read_metadata(src: TensorSource, weight: str) -> dict:
+    qname = part_name(weight, "qdata")
+    raw = src.file_metadata(src.file_of(qname)).get(weight) if qname in src.keys else None
+    if raw is None:
+        raw = src.metadata.get(weight)
+    if raw is None:
+        raise CheckpointError(weight, "missing torchao metadata: no entry for it in the safetensors __metadata__")
+    try:
+        meta = json.loads(raw)
+    except Exception as e:
+        raise CheckpointError(weight, f"torchao metadata JSON unreadable: {e}") from None
+    if not isinstance(meta, dict) or "_type" not in meta:
+        raise CheckpointError(weight, "torchao metadata has no _type")
+    return meta
+
+
+def _attr_dtype(weight: str, data: dict) -> torch.dtype:
+    d = data.get("dtype")
+    name = d.get("_data") if isinstance(d, dict) else d
+    if name is None:
+        return torch.float32
+    if isinstance(name, str):
+        name = name.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise CheckpointError(weight, f"torchao metadata dtype {d!r} is not float32/float16/bfloat16")
+    return _DTYPES[name]
+
+
+def _expand(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A per-block tensor [out/bo, in/bi] repeated over its blocks to [out, in]."""
+    return t.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+
+
+def granularity(block: tuple[int, int], shape: tuple[int, int]) -> str:
+    if tuple(block) == tuple(shape):
+        return "per-tensor"
+    if block[0] == 1 and block[1] == shape[1]:
+        return "per-row"
+    return f"block-{block[0]}x{block[1]}"
+
+
+def decode(src: TensorSource, weight: str) -> Decoded:
+    meta = read_metadata(src, weight)
+    kind = meta["_type"]
+    if kind not in SUBCLASSES:
+        raise CheckpointError(weight, f"torchao subclass {kind!r} is not supported (only {sorted(SUBCLASSES)})")
+    data = meta.get("_data") or {}
+    if data.get("act_quant_kwargs") is not None:
+        raise CheckpointError(weight, "torchao activation quantization (act_quant_kwargs) is not supported; "
+                                      "only weight-only Int8/Float8")
+    for part in _ACT_PARTS:
+        if part_name(weight, part) in src.keys:
+            raise CheckpointError(part_name(weight, part), "torchao activation quantization tensors are not supported")
+    dtype = _attr_dtype(weight, data)
+
+    qname, sname, zname = (part_name(weight, p) for p in ("qdata", "scale", "zero_point"))
+    if qname not in src.keys:
+        raise CheckpointError(qname, "missing tensor (torchao qdata)")
+    if sname not in src.keys:
+        raise CheckpointError(sname, "missing tensor (torchao scale)")
+    q = src.get(qname)
+    if q.dtype != _QDTYPE[kind]:
+        raise CheckpointError(qname, f"{kind} qdata must be {_QDTYPE[kind]}, got {q.dtype}")
+    if q.dim() != 2:
+        raise CheckpointError(qname, f"expected a 2-D [out, in] weight, got shape {tuple(q.shape)}")
+    shape = tuple(q.shape)
+
+    block = data.get("block_size")
+    if block is None or len(block) == 0:
+        block = list(shape)  # Float8Tensor: an empty block_size means per tensor
+    if (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)
+            or shape[0] % block[0] or shape[1] % block[1]):
+        raise CheckpointError(weight, f"block_size {block!r} does not tile the weight shape {list(shape)}")
+    block = (block[0], block[1])
+    nblocks = (shape[0] // block[0], shape[1] // block[1])
+
+    scale = src.get(sname)
+    if not scale.dtype.is_floating_point:
+        raise CheckpointError(sname, f"scale must be floating point, got {scale.dtype}")
+    if scale.numel() != nblocks[0] * nblocks[1]:
+        raise CheckpointError(sname, f"scale shape {tuple(scale.shape)} does not match weight {list(shape)} "
+                                     f"in blocks of {list(block)}")
+    scale = scale.float().reshape(nblocks)
+    if not torch.isfinite(scale).all():
+        raise CheckpointError(sname, "NaN or infinite scale")
+    if (scale <= 0).any():
+        raise CheckpointError(sname, "zero or negative scale")
+
+    asymmetric = False
+    if kind == "Int8Tensor":
+        w = q.float()
+        if zname in src.keys:
+            zp = src.get(zname)
+            if zp.dtype.is_floating_point or zp.dtype.is_complex:
+                raise CheckpointError(zname, f"zero point must be an integer tensor, got {zp.dtype}")
+            if zp.numel() != scale.numel():
+                raise CheckpointError(zname, f"zero point shape {tuple(zp.shape)} does not match scale shape {tuple(scale.shape)}")
+            zp = zp.reshape(nblocks)
+            asymmetric = bool((zp != 0).any())
+            w = w - _expand(zp.float(), block)
+        w = w * _expand(scale, block)
+    else:
+        if zname in src.keys:
+            raise CheckpointError(zname, "Float8Tensor has no zero point")
+        w = q.float() * _expand(scale, block)
+    if dtype != torch.float32:
+        w = w.to(dtype).float()
+
+    return Decoded(
+        label=SUBCLASSES[kind],
+        weight=w,
+        settings={"subclass": kind, "granularity": granularity(block, shape), "asymmetric": asymmetric},
+    )

