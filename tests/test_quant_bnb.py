@@ -87,7 +87,7 @@ def test_safetensors_roundtrip_and_ownership(tmp_path):
 
 def test_transformers_saved_checkpoint(tmp_path):
     """The layout transformers 5.x really writes: decode equals what its loaded Linear4bit holds."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,

@@ -1,5 +1,4 @@
 """TensorSource (safetensors, legacy .bin, refusal of unsafe pickles) and the format dispatch."""
-import io
 import json
 import os
 import pickle
