@@ -70,3 +70,18 @@ def greedy(model, prompt: Prompt, max_tokens: int, k: int) -> Greedy:
         out.topk.append(top)
         tokens.append(top[0][0])
     return out
+
+
+def fixture_prompts(path) -> list[Prompt]:
+    """The fixed prompts of a fixture directory, from its manifest."""
+    from harness import fixtures
+
+    manifest = fixtures.manifest(path)
+    prompts = []
+    for index, kwargs in enumerate(fixtures.prompt_inputs(manifest)):
+        if "decoder_input_ids" in kwargs:
+            tokens = kwargs.pop("decoder_input_ids")[0].tolist()
+            prompts.append(Prompt(f"audio-{index}", "audio", tokens, kwargs))
+        else:
+            prompts.append(Prompt(f"text-{index}", "text", kwargs["input_ids"][0].tolist()))
+    return prompts

@@ -443,7 +443,9 @@ def ct_match_targets(name: str, module_class: Any, targets: Iterable[str] | None
     *alphabetically*, not in config order); name matches come before class matches."""
     ordered = sorted(targets or [], key=lambda x: ("re:" in x, x))
     matched = [t for t in ordered if ct_match_name(name, t)]
-    matched += [t for t in ordered if ct_match_class(module_class, t) and t not in matched]
+    for t in ordered:
+        if ct_match_class(module_class, t) and t not in matched:
+            matched.append(t)
     return matched
 
 
@@ -1061,7 +1063,11 @@ class SkipPolicy:
                 notes.append(f"{source} is null: transformers adds its default keys {list(default_keys)}")
             else:
                 entries.extend(SkipEntry(k, source, spell(k)) for k in user)
-                if "lm_head" in default_keys and not any(transformers_key_matches("lm_head", k) for k in user):
+                try:
+                    covers = any(transformers_key_matches("lm_head", k) for k in user)
+                except re.error:
+                    covers = True
+                if "lm_head" in default_keys and not covers:
                     notes.append(f"{source} replaces transformers' defaults and does not cover lm_head")
             entries.extend(SkipEntry(k, "keep_in_fp32", (k,)) for k in keep_in_fp32)
 
@@ -1341,21 +1347,51 @@ def _prefixes(name: str) -> list[str]:
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
+def _intent_core(body: str) -> tuple[str, str] | None:
+    r"""Split a regex into (lead, core) as its author evidently meant it: a leading ``.*`` means
+    "starting at some component", a trailing ``.*``, ``$`` or ``\.`` means "this module and what is
+    under it". ``None`` when nothing is left (``.*`` names everything)."""
+    core = body.removeprefix("^")
+    lead = ""
+    for wild in (".*", ".+"):
+        if core.startswith(wild):
+            core, lead = core[2:], r"(?:.*\.)?"
+            core = core.removeprefix("\\.")
+            break
+    changed = True
+    while changed and core:
+        changed = False
+        for tail in ("$", ".*", ".+", "\\.", "."):
+            if core.endswith(tail) and not (tail in (".*", ".+", ".") and core.endswith("\\" + tail)):
+                core = core[: -len(tail)]
+                changed = True
+                break
+    if not core:
+        return None
+    return lead, core
+
+
 def _intent(entry: str, name: str) -> bool:
     """What an entry evidently names: a plain entry names a dot-bounded run of components
-    (``layers.1`` names ``model.layers.1.mlp``, not ``model.layers.11``); a regex, read with
-    literal dots, names every module with a dot-bounded prefix it fully matches."""
+    (``layers.1`` names ``model.layers.1.mlp``, not ``model.layers.11``; a trailing ``.`` is a
+    boundary); a regex, read with literal dots and with a leading/trailing ``.*`` taken as
+    "any components", names every module with a dot-bounded prefix it fully matches."""
     is_regex = entry.startswith("re:") or any(c in _REGEX_META for c in entry)
     if not is_regex:
-        return name == entry or f".{entry}." in f".{name}."
+        e = entry.rstrip(".")
+        return bool(e) and (name == e or f".{e}." in f".{name}.")
     body = entry[3:] if entry.startswith("re:") else entry
+    split = _intent_core(body)
+    if split is None:
+        return True
+    lead, core = split
     try:
-        rx = re.compile(literal_dots(body))
+        rx = re.compile(lead + literal_dots(core))
     except re.error:
         return False
-    if body.startswith(("^", ".*", ".+")) or entry.startswith("re:"):
+    if entry.startswith("re:") or lead or body.startswith("^"):
         return any(rx.fullmatch(p) for p in _prefixes(name))
-    # a transformers key with regex syntax: anchored at the start, may also be a suffix run
+    # a transformers key with regex syntax: anchored at the start, or a suffix run (endswith)
     parts = name.split(".")
     return any(rx.fullmatch(".".join(parts[i:j])) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)
                if i == 0 or j == len(parts))
@@ -1536,22 +1572,22 @@ def intent_disagreements(
                     f"compressed-tensors applies group {ct.group} (target {ct.target!r}, most specific first) "
                     f"but vLLM applies {vl[0]} (first target in config order)"))
 
-    # fused groups covered in part
-    if d not in VLLM_DIALECTS:
-        for group in _fused_groups(names):
-            states = {}
-            for n in group:
-                try:
-                    states[n] = policy.skips(n, classes.get(n, "Linear"))
-                except (ValueError, re.error):
-                    states = {}
-                    break
-            if states and len(set(states.values())) > 1:
-                skipped = [n.rpartition(".")[2] for n, s in states.items() if s]
-                kept = [n.rpartition(".")[2] for n, s in states.items() if not s]
-                parent = group[0].rpartition(".")[0]
-                out.append(Disagreement(
-                    ", ".join(skipped), parent, d, "partial-fused-group",
-                    f"{'/'.join(skipped)} skipped but {'/'.join(kept)} quantized under {parent}: "
-                    "engines that fuse them must load unfused (vLLM raises)"))
+    # fused groups covered in part (vLLM names are fused already, so only unfused spellings have groups)
+    for group in _fused_groups(names):
+        states = {}
+        for n in group:
+            try:
+                states[n] = policy.skips(n, classes.get(n, "Linear"))
+            except (ValueError, re.error):
+                states = {}
+                break
+        if states and len(set(states.values())) > 1:
+            skipped = [n.rpartition(".")[2] for n, s in states.items() if s]
+            kept = [n.rpartition(".")[2] for n, s in states.items() if not s]
+            parent = group[0].rpartition(".")[0]
+            out.append(Disagreement(
+                ", ".join(skipped), parent, d, "partial-fused-group",
+                f"{'/'.join(skipped)} skipped but {'/'.join(kept)} quantized under {parent}: "
+                "engines that fuse them must load unfused (vLLM raises)"))
     return out
+

@@ -87,7 +87,7 @@ def load(path, device: str = "cpu", fuse: bool = True) -> Loaded:
         _assign_remaining(src, model, arch)
         _attach_kv_scales(src, model, arch, quant_config, report)
 
-    report.disagreements.extend(_disagreements(quant_config, report.modules))
+    report.disagreements.extend(_disagreements(quant_config, report.modules, arch))
     model.eval().to(device)
     report.timings["total"] = time.perf_counter() - started
     return Loaded(model, report)
@@ -243,21 +243,21 @@ def _attach_kv_scales(src, model, arch, quant_config, report: LoadReport) -> Non
         report.notes.append("k/v scales on disk but no kv_cache_scheme: the KV cache stays unquantized")
 
 
-def _disagreements(quant_config: dict | None, labels: dict[str, str]) -> list[Disagreement]:
-    """Where the producer's skip list, read in its own dialect, and the disk disagree, and where an
-    entry's dialect and its evident intent disagree."""
+def _disagreements(quant_config: dict | None, labels: dict[str, str], arch: str) -> list[Disagreement]:
+    """Where the producer's skip rules, read in its own dialect, and the disk disagree, and where an
+    entry's dialect and its evident intent disagree (skip.intent_disagreements)."""
     if not quant_config:
         return []
-    policy = skip.SkipPolicy.from_config(quant_config)
+    policy = skip.SkipPolicy.from_quantization_config(quant_config, arch=arch)
     found = []
     for name, label in labels.items():
-        skipped = policy.skips(name)
-        if skipped and label != "unquantized":
-            found.append(Disagreement(name, "config-vs-disk",
-                                      f"the {policy.dialect} skip rules leave it unquantized, the disk holds {label}"))
-        elif not skipped and label == "unquantized":
-            found.append(Disagreement(name, "config-vs-disk",
-                                      f"the {policy.dialect} rules would quantize it, the disk holds it unquantized"))
+        decision = policy.decide(name)
+        if decision.skipped and label != "unquantized":
+            found.append(Disagreement(name, "config-vs-disk", f"{policy.dialect}: {decision.reason}, "
+                                                              f"but the disk holds {label}"))
+        elif not decision.skipped and label == "unquantized":
+            found.append(Disagreement(name, "config-vs-disk", f"{policy.dialect}: {decision.reason}, "
+                                                              "but the disk holds it unquantized"))
     for d in skip.intent_disagreements(policy, list(labels)):
-        found.append(Disagreement(d.module, d.dialect, f"entry {d.entry!r}: {d.explanation}"))
+        found.append(Disagreement(d.module or "-", f"{d.dialect}:{d.kind}", f"entry {d.entry!r}: {d.explanation}"))
     return found

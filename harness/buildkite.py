@@ -1,0 +1,584 @@
+"""The Buildkite pipeline generator: ``harness pipeline`` (docs/README-buildkite.md).
+
+``generate(matrix, cells, ...)`` turns cells into a pipeline (a dict; ``to_yaml`` writes it):
+
+- one command step per cell (``<model>.<scheme>.<engine>``), grouped per model;
+- the agent queue from the cell's hardware needs (``queue_for``): ``cpu``, or the smallest GPU
+  queue of ``GPU_QUEUES`` with enough GPUs, memory and compute capability;
+- the cell's engine environment: its ``image`` through the docker plugin, or a virtualenv built
+  from its ``pip`` / ``plugins`` / ``wheel`` install arguments;
+- ``timeout_in_minutes`` strictly above the cell's own ``timeout_s`` plus the setup allowance, so a
+  hang ends as an ``error`` record written by the harness, not as a killed job;
+- automatic retry only for lost agents (``signal_reason: agent_stop``, ``exit_status: -1``),
+  never for 143 (SIGTERM, which a cancel also sends);
+- ``soft_fail`` (exit status 1 only) for cells with known failures;
+- ``artifact_paths``: the cell's record ``<results>/<cell id>.json`` and its engine log
+  ``<results>/<cell id>.log``;
+- a final step that depends on every cell step, runs even when they fail, downloads the
+  records, writes the HTML report, the JUnit XML and the annotation, annotates the build (one
+  context per pipeline) and uploads to Buildkite Test Engine when ``BUILDKITE_ANALYTICS_TOKEN``
+  is set.
+
+Every value that comes from models.yaml and reaches a command is quoted with ``shlex``; values
+that reach other fields (env, plugin config) are validated. The pipeline must be uploaded with
+``buildkite-agent pipeline upload --no-interpolation`` (.buildkite/pipeline.yml does), so that a
+``$`` in a value is never interpolated by Buildkite.
+
+``select_changed`` maps changed files (this project's, and an engine's own source tree) to cells.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import math
+import re
+import shlex
+import subprocess
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.matrix import ENGINES, TIERS, Cell, Environment, Matrix, MatrixError
+
+# ------------------------------------------------------------------------------------ queues
+
+
+@dataclass(frozen=True)
+class Queue:
+    """A Buildkite agent queue and the hardware every agent on it has."""
+
+    name: str
+    gpus: int = 0
+    gpu_memory_gb: float = 0  # per GPU
+    compute_capability: str = "0.0"
+    example: str = ""
+
+
+CPU_QUEUE = Queue("cpu", example="x86_64 CPU agent, 2+ cores")
+# The GPU agent queues, smallest first. A cell goes to the first queue that has at least its GPU
+# count, per-GPU memory and compute capability. Queue names say what they hold: gpu-<n>x<mem>gb.
+GPU_QUEUES: tuple[Queue, ...] = tuple(
+    Queue(f"gpu-{n}x{mem}gb", n, mem, cc, f"{n} x {card}")
+    for n in (1, 2, 4, 8)
+    for mem, cc, card in ((24, "8.9", "L4"), (48, "8.9", "L40S"), (80, "9.0", "H100"))
+)
+
+
+def _cc(v: str | None) -> tuple[int, int]:
+    if not v:
+        return (0, 0)
+    major, minor = v.split(".")
+    return int(major), int(minor)
+
+
+def queue_for(cell: Cell, queues: Sequence[Queue] = GPU_QUEUES) -> Queue:
+    """The agent queue for a cell's hardware needs (``cpu`` when it needs no GPU)."""
+    hw = cell.hardware
+    gpus = hw.gpus or 0
+    if gpus == 0:
+        return CPU_QUEUE
+    for q in queues:
+        if (q.gpus >= gpus and q.gpu_memory_gb >= (hw.gpu_memory_gb or 0)
+                and _cc(q.compute_capability) >= _cc(hw.compute_capability)):
+            return q
+    raise MatrixError(f"{cell.id}: no GPU queue has {gpus} GPU(s) with {hw.gpu_memory_gb or 0:g} GB and compute "
+                      f"capability {hw.compute_capability or 'any'} (queues: {', '.join(q.name for q in queues)})")
+
+
+# -------------------------------------------------------------------------------- step keys
+
+_KEY_CHARS = re.compile(r"[^a-zA-Z0-9_\-:.,]")  # Buildkite's key charset, minus ${} (interpolation)
+_KEY_MAX = 100
+
+
+def step_key(cell_id: str, prefix: str = "cell:") -> str:
+    """A Buildkite step key derived from a cell id: ``cell:<id>`` when the id fits Buildkite's key
+    charset and length; otherwise the id with other characters replaced by ``_``, cut, and a hash
+    of the id appended, so that keys stay unique."""
+    key = prefix + cell_id
+    if not _KEY_CHARS.search(key) and len(key) <= _KEY_MAX:
+        return key
+    digest = hashlib.sha1(cell_id.encode()).hexdigest()[:10]
+    cleaned = _KEY_CHARS.sub("_", key)[: _KEY_MAX - len(digest) - 1]
+    return f"{cleaned}-{digest}"
+
+
+# ------------------------------------------------------------------------------ environments
+
+# Minutes a step may spend before the cell itself runs: the environment install (or an image
+# pull), the fixture build and the harness's own start. timeout_in_minutes = this + the cell's
+# timeout_s + a margin, so the harness's per-cell timeout always fires first.
+SETUP_MINUTES_VENV = 20
+SETUP_MINUTES_IMAGE = 30
+MARGIN_MINUTES = 5
+DOCKER_PLUGIN = "docker#v5.12.0"
+VENV = ".venv-buildkite"
+PIP = ("python3", "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off")
+# What the harness itself imports beyond an engine image's own packages (pytest: -k expressions).
+HARNESS_RUNTIME = ("pydantic>=2", "pyyaml", "packaging", "filelock", "pytest")
+# Secrets and caches an agent may provide, passed into containers by name (never by value).
+PASS_THROUGH_ENV = ("HF_TOKEN", "HF_HOME")
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$")
+_CONSTRAINT_OPTS = ("-c", "--constraint")
+
+
+def _split(value: str, where: str) -> list[str]:
+    try:
+        return shlex.split(value)
+    except ValueError as e:
+        raise MatrixError(f"{where}: {value!r} is not a list of pip arguments ({e})") from None
+
+
+def pip_commands(env_name: str, env: Environment) -> list[str]:
+    """Shell lines that install an environment's ``pip`` items, then its ``plugins``, then its
+    ``wheel``, one ``pip install`` per item, in order. A ``-c FILE`` item is a constraint that
+    applies to every install. Each argument is shell-quoted."""
+    where = f"environments.{env_name}"
+    constraints: list[str] = []
+    installs: list[list[str]] = []
+    for i, item in enumerate(env.pip):
+        args = _split(item, f"{where}.pip[{i}]")
+        if args and (args[0] in _CONSTRAINT_OPTS or args[0].startswith("--constraint=")):
+            constraints += args
+        elif args:
+            installs.append(args)
+    for i, item in enumerate(env.plugins):
+        args = _split(item, f"{where}.plugins[{i}]")
+        if args:
+            installs.append(args)
+    if env.wheel:
+        installs.append([env.wheel])
+    return [shlex.join([*PIP, *constraints, *args]) for args in installs]
+
+
+def check_environment(env_name: str, env: Environment) -> None:
+    """Values that reach fields other than commands are validated instead of quoted."""
+    for k in env.env:
+        if not _ENV_NAME.match(k):
+            raise MatrixError(f"environments.{env_name}.env: {k!r} is not an environment variable name")
+    if env.image is not None and not _IMAGE.match(env.image):
+        raise MatrixError(f"environments.{env_name}.image: {env.image!r} is not a container image reference")
+
+
+# ------------------------------------------------------------------------------------ steps
+
+
+@dataclass
+class Options:
+    matrix_path: str = "models.yaml"  # as the steps see it, relative to the checkout
+    results_dir: str = "results"
+    reports_dir: str = "reports"
+    context: str | None = None  # annotation context; default: derived from the selection
+    selection_note: list[str] = field(default_factory=list)  # why these cells (comments in the YAML)
+
+
+def exact_k(cell: Cell, universe: Iterable[Cell]) -> str:
+    """A pytest -k expression that selects exactly ``cell`` among ``universe``: its id, minus any
+    other cell whose keywords contain the id as a substring (-k matches substrings)."""
+    me = cell.id.lower()
+    others = sorted({c.id for c in universe if c.id != cell.id and any(me in k.lower() for k in c.keywords)})
+    return " and ".join([cell.id, *(f"not {o}" for o in others)])
+
+
+def _retry() -> dict[str, Any]:
+    # Lost agents only. Never exit status 143 (SIGTERM): a cancel sends it too.
+    return {"automatic": [{"signal_reason": "agent_stop", "limit": 2}, {"exit_status": -1, "limit": 2}]}
+
+
+def _timeout_minutes(cell: Cell, image: bool) -> int:
+    setup = SETUP_MINUTES_IMAGE if image else SETUP_MINUTES_VENV
+    return math.ceil(cell.timeout_s / 60) + setup + MARGIN_MINUTES
+
+
+def _venv_setup(lines: list[str]) -> list[str]:
+    """Build a virtualenv and install into it, unless the agent says its environment is already
+    installed (HARNESS_PREINSTALLED=1: ``python3`` on PATH already has everything)."""
+    return [
+        'if [ -z "${HARNESS_PREINSTALLED:-}" ]; then',
+        f"  python3 -m venv {VENV}",
+        f"  . {VENV}/bin/activate",
+        *(f"  {line}" for line in lines),
+        "fi",
+    ]
+
+
+def cell_step(cell: Cell, matrix: Matrix, universe: Sequence[Cell], opts: Options) -> dict[str, Any]:
+    env = matrix.environments[cell.environment]
+    check_environment(cell.environment, env)
+    q = queue_for(cell)
+    image = env.image is not None
+    results = shlex.quote(opts.results_dir)
+    run = shlex.join([
+        "python3", "-m", "harness.cli", "run",
+        "--matrix", opts.matrix_path,
+        "--results", opts.results_dir,
+        "-k", exact_k(cell, universe),
+        "--tier", cell.tier,
+        "--engine", cell.engine,
+    ])
+    lines = ["set -o pipefail", f"mkdir -p {results}"]
+    if image:
+        # Inside the engine's image: its packages are the environment; add the environment's
+        # installs (no-ops when the image has them), the harness's light runtime, and run the
+        # harness from the checkout (no editable install writing into the mounted checkout).
+        lines += [
+            'if [ -z "${HARNESS_PREINSTALLED:-}" ]; then',
+            *(f"  {c}" for c in pip_commands(cell.environment, env)),
+            f"  {shlex.join([*PIP, *HARNESS_RUNTIME])}",
+            "fi",
+            'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
+        ]
+    else:
+        lines += _venv_setup([*pip_commands(cell.environment, env), shlex.join([*PIP, "--no-deps", "-e", "."])])
+    lines += [
+        "status=0",
+        f"{run} || status=$?",
+        # Files written as root inside a container must stay removable by the agent.
+        f"chmod -R a+rwX {results} 2>/dev/null || true" if image else "true",
+        'exit "$status"',
+    ]
+    step: dict[str, Any] = {
+        "label": f"{cell.model} · {cell.scheme} · {cell.engine}",
+        "key": step_key(cell.id),
+        "command": "\n".join(lines),
+        "agents": {"queue": q.name},
+        "env": {"HARNESS_CELL": cell.id, "PYTHONUNBUFFERED": "1", **dict(env.env)},
+        "timeout_in_minutes": _timeout_minutes(cell, image),
+        "retry": _retry(),
+        "artifact_paths": [f"{opts.results_dir}/{cell.id}.json", f"{opts.results_dir}/{cell.id}.log"],
+    }
+    if image:
+        plugin: dict[str, Any] = {
+            "image": env.image,
+            "entrypoint": "",  # the vLLM images start a server by default
+            "shell": ["/bin/bash", "-e", "-c"],
+            "propagate-environment": True,
+            "environment": list(PASS_THROUGH_ENV),
+            "mount-buildkite-agent": False,
+        }
+        if q.gpus:
+            plugin["gpus"] = "all"
+            plugin["shm-size"] = "16gb"
+        step["plugins"] = [{DOCKER_PLUGIN: plugin}]
+    if cell.known_failures:
+        # Exit 1 is the harness's "a cell needs attention"; a crash (other codes) still fails hard.
+        step["soft_fail"] = [{"exit_status": 1}]
+    return step
+
+
+def annotation_context(cells: Sequence[Cell], opts: Options) -> str:
+    """One annotation context per pipeline: a rerun of its final step replaces the annotation,
+    and two pipelines uploaded into one build keep theirs apart."""
+    if opts.context:
+        return opts.context
+    tiers = "+".join(sorted({c.tier for c in cells})) or "none"
+    digest = hashlib.sha1(" ".join(sorted(c.id for c in cells)).encode()).hexdigest()[:8]
+    return f"harness-{tiers}-{digest}"
+
+
+def final_step(cells: Sequence[Cell], opts: Options) -> dict[str, Any]:
+    results, reports = shlex.quote(opts.results_dir), shlex.quote(opts.reports_dir)
+    context = annotation_context(cells, opts)
+    report = shlex.join([
+        "python3", "-m", "harness.report", opts.results_dir,
+        "-o", opts.reports_dir, "--matrix", opts.matrix_path, "--strict",
+    ]) + ' --expect "$HARNESS_EXPECTED_CELLS"'
+    lines = [
+        "set +e",
+        *_venv_setup([
+            shlex.join([*PIP, "-c", "constraints.txt", *HARNESS_RUNTIME]),
+            shlex.join([*PIP, "--no-deps", "-e", "."]),
+        ]),
+        f"mkdir -p {results} {reports}",
+        f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/*')} . "
+        '|| echo "no result artifacts to download"',
+        "status=0",
+        f"{report} || status=$?",
+        f"if [ -f {reports}/annotation.md ]; then",
+        f'  buildkite-agent annotate --style "$(cat {reports}/annotation-style.txt)" '
+        f"--context {shlex.quote(context)} < {reports}/annotation.md",
+        "else",
+        f"  echo 'The harness report step failed before writing its summary; see the job log.' "
+        f"| buildkite-agent annotate --style error --context {shlex.quote(context)}",
+        "fi",
+        # Buildkite Test Engine: only when a suite token is set on the agent or pipeline.
+        f'if [ -n "${{BUILDKITE_ANALYTICS_TOKEN:-}}" ] && [ -f {reports}/junit.xml ]; then',
+        "  curl -sS --fail --max-time 60 -X POST"
+        ' -H "Authorization: Token token=\\"$BUILDKITE_ANALYTICS_TOKEN\\""'
+        f" -F data=@{reports}/junit.xml -F format=junit -F run_env[CI]=buildkite"
+        ' -F "run_env[key]=${BUILDKITE_BUILD_ID:-}" -F "run_env[number]=${BUILDKITE_BUILD_NUMBER:-}"'
+        ' -F "run_env[job_id]=${BUILDKITE_JOB_ID:-}" -F "run_env[branch]=${BUILDKITE_BRANCH:-}"'
+        ' -F "run_env[commit_sha]=${BUILDKITE_COMMIT:-}" -F "run_env[url]=${BUILDKITE_BUILD_URL:-}"'
+        " https://analytics-api.buildkite.com/v1/uploads || echo 'Test Engine upload failed'",
+        "fi",
+        'exit "$status"',
+    ]
+    return {
+        "label": ":bar_chart: harness report",
+        "key": "harness-report",
+        "command": "\n".join(lines),
+        "agents": {"queue": CPU_QUEUE.name},
+        "depends_on": [step_key(c.id) for c in cells],
+        "allow_dependency_failure": True,
+        "env": {"HARNESS_EXPECTED_CELLS": " ".join(c.id for c in cells), "PYTHONUNBUFFERED": "1"},
+        "timeout_in_minutes": 30,
+        "retry": _retry(),
+        "artifact_paths": [f"{opts.reports_dir}/*"],
+    }
+
+
+def generate(matrix: Matrix, cells: Sequence[Cell], opts: Options | None = None,
+             universe: Sequence[Cell] | None = None) -> dict[str, Any]:
+    """The pipeline for ``cells``. ``universe`` is every cell of the matrix (for exact -k
+    expressions); by default the matrix's full expansion."""
+    opts = opts or Options()
+    universe = list(universe) if universe is not None else matrix.cells()
+    cells = ordered(matrix, cells)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    tiers: dict[str, str] = {}
+    keys: dict[str, str] = {}
+    for cell in cells:
+        step = cell_step(cell, matrix, universe, opts)
+        if step["key"] in keys:
+            raise MatrixError(f"step key {step['key']!r} of {cell.id} collides with {keys[step['key']]}")
+        keys[step["key"]] = cell.id
+        groups.setdefault(cell.model, []).append(step)
+        tiers[cell.model] = cell.tier
+    steps: list[dict[str, Any]] = [
+        {"group": f"{model} ({tiers[model]})", "key": step_key(model, "model:"), "steps": members}
+        for model, members in groups.items()
+    ]
+    steps.append(final_step(cells, opts))
+    return {"steps": steps}
+
+
+def ordered(matrix: Matrix, cells: Iterable[Cell]) -> list[Cell]:
+    """Cells in the order of models.yaml: tier, then model, scheme and engine as written."""
+    models = list(matrix.models)
+
+    def key(c: Cell) -> tuple:
+        m = matrix.models.get(c.model)
+        schemes = list(m.schemes) if m is not None else []
+        return (TIERS.index(c.tier) if c.tier in TIERS else len(TIERS),
+                models.index(c.model) if c.model in models else len(models), c.model,
+                schemes.index(c.scheme) if c.scheme in schemes else len(schemes), c.scheme,
+                ENGINES.index(c.engine) if c.engine in ENGINES else len(ENGINES), c.id)
+
+    return sorted(cells, key=key)
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def to_yaml(pipeline: dict[str, Any], comments: Iterable[str] = ()) -> str:
+    head = "".join(f"# {_comment(c)}\n" for c in comments)
+    body = yaml.dump(pipeline, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=120)
+    return head + body
+
+
+def _comment(text: str) -> str:
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
+# ------------------------------------------------------------------------ change selection
+
+Selector = Callable[[Cell], bool]
+ALL: Selector = lambda c: True  # noqa: E731
+NONE: Selector = lambda c: False  # noqa: E731
+
+
+def _family(*families: str) -> Selector:
+    return lambda c: c.family in families
+
+
+def _engine(*engines: str) -> Selector:
+    return lambda c: c.engine in engines
+
+
+
+# Where each architecture lives in an engine's source tree.
+ARCH_SOURCES: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm": {
+        "LlamaForCausalLM": ("llama",),
+        "MllamaForConditionalGeneration": ("mllama",),
+        "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_vl", "qwen2"),
+        "WhisperForConditionalGeneration": ("whisper",),
+        "BartForConditionalGeneration": ("bart",),
+    },
+    "transformers": {
+        "LlamaForCausalLM": ("llama",),
+        "MllamaForConditionalGeneration": ("mllama",),
+        "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_vl"),
+        "WhisperForConditionalGeneration": ("whisper",),
+        "BartForConditionalGeneration": ("bart",),
+    },
+}
+
+
+def _arch_in(engine: str, name: str) -> Selector:
+    archs = {a for a, names in ARCH_SOURCES[engine].items() if name in names}
+    return lambda c: c.arch in archs
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str  # fnmatch glob on the repo-relative path ('*' also matches '/')
+    what: str  # shown in the selection note
+    select: Selector = NONE
+    per_path: Callable[[str], Selector] | None = None  # a selector that depends on the path itself
+
+    def selector(self, path: str) -> Selector:
+        return self.per_path(path) if self.per_path is not None else self.select
+
+
+# This project's files, first match wins. Unmatched files select every cell.
+PROJECT_RULES: tuple[Rule, ...] = (
+    *(Rule(p, "documentation and tests (no cell)", NONE) for p in
+      ("*.md", "docs/*", "tests/*", "suites/*", "reports/*", ".gitignore", "LICENSE*")),
+    Rule("harness/quant/bnb.py", "bnb schemes", _family("bnb")),
+    Rule("harness/quant/fp8.py", "fp8 schemes", _family("fp8")),
+    Rule("harness/quant/torchao.py", "torchao schemes", _family("torchao")),
+    *(r for e in ENGINES for r in (
+        Rule(f"harness/engines/{e}.py", f"{e} cells", _engine(e)),
+        Rule(f"harness/engines/{e}/*", f"{e} cells", _engine(e)),
+        Rule(f"harness/engines/{e}_*", f"{e} cells", _engine(e)),
+    )),
+    # vLLM's module-level conformance diffs against the reference loader.
+    Rule("harness/reference/*", "reference and vllm cells", _engine("reference", "vllm")),
+    Rule("harness/fixtures/*", "fixture cells", lambda c: c.source_kind == "fixture"),
+    # The pipeline and the report themselves: the cheap CPU tier exercises them end to end.
+    Rule("harness/buildkite.py", "cpu-tiny cells (pipeline)", lambda c: c.tier == "cpu-tiny"),
+    Rule("harness/report/*", "cpu-tiny cells (report)", lambda c: c.tier == "cpu-tiny"),
+    Rule(".buildkite/*", "cpu-tiny cells (pipeline)", lambda c: c.tier == "cpu-tiny"),
+    Rule("baselines/*", "that cell's baseline", per_path=lambda path: (
+        lambda c: Path(path).name == f"{c.id}.json" and Path(path).parent.name == c.tier)),
+)
+
+_VQ = "vllm/model_executor/layers/quantization"
+# Paths in an engine's own source tree (a vLLM or transformers checkout), first match wins.
+# Unmatched files select every cell of that engine.
+ENGINE_RULES: dict[str, tuple[Rule, ...]] = {
+    "vllm": (
+        *(Rule(p, "not loading code (no cell)", NONE) for p in
+          ("*.md", "docs/*", "tests/*", "examples/*", "benchmarks/*", ".github/*", ".buildkite/*")),
+        Rule("vllm/model_executor/models/utils.py", "all vllm cells", ALL),
+        Rule("vllm/model_executor/models/interfaces*.py", "all vllm cells", ALL),
+        Rule("vllm/model_executor/models/registry.py", "all vllm cells", ALL),
+        Rule("vllm/model_executor/models/vision.py", "all vllm cells", ALL),
+        Rule("vllm/model_executor/models/*.py", "cells of that architecture",
+             per_path=lambda path: _arch_in("vllm", Path(path).stem)),
+        Rule(f"{_VQ}/bitsandbytes.py", "bnb schemes", _family("bnb")),
+        Rule("vllm/model_executor/model_loader/bitsandbytes_loader.py", "bnb schemes", _family("bnb")),
+        Rule(f"{_VQ}/fp8.py", "fp8 schemes", _family("fp8")),
+        Rule(f"{_VQ}/kv_cache.py", "fp8 schemes", _family("fp8")),
+        Rule(f"{_VQ}/compressed_tensors/*", "fp8 schemes", _family("fp8")),
+        Rule(f"{_VQ}/utils/*fp8*", "fp8 schemes", _family("fp8")),
+        Rule(f"{_VQ}/utils/w8a8_utils.py", "fp8 schemes", _family("fp8")),
+        Rule(f"{_VQ}/torchao.py", "torchao schemes", _family("torchao")),
+        Rule(f"{_VQ}/__init__.py", "all vllm cells", ALL),
+        Rule(f"{_VQ}/base_config.py", "all vllm cells", ALL),
+        Rule(f"{_VQ}/utils/*", "all vllm cells", ALL),
+        Rule(f"{_VQ}/*", "other quantization methods (no cell)", NONE),
+        Rule("csrc/cpu/*", "vllm cells on CPU", lambda c: (c.hardware.gpus or 0) == 0),
+        Rule("csrc/*", "vllm cells on GPU", lambda c: (c.hardware.gpus or 0) > 0),
+    ),
+    "transformers": (
+        *(Rule(p, "not loading code (no cell)", NONE) for p in
+          ("*.md", "docs/*", "tests/*", "examples/*", "benchmark*", ".github/*", "utils/*")),
+        Rule("src/transformers/models/*", "cells of that architecture",
+             per_path=lambda path: _arch_in("transformers", Path(path).parts[3] if len(Path(path).parts) > 4 else "")),
+        Rule("src/transformers/quantizers/quantizer_bnb_4bit.py", "bnb schemes", _family("bnb")),
+        Rule("src/transformers/integrations/bitsandbytes.py", "bnb schemes", _family("bnb")),
+        Rule("src/transformers/quantizers/quantizer_torchao.py", "torchao schemes", _family("torchao")),
+        Rule("src/transformers/integrations/torchao.py", "torchao schemes", _family("torchao")),
+        Rule("src/transformers/quantizers/quantizer_compressed_tensors.py", "fp8 schemes", _family("fp8")),
+        Rule("src/transformers/quantizers/quantizer_finegrained_fp8.py", "fp8 schemes", _family("fp8")),
+        Rule("src/transformers/integrations/finegrained_fp8.py", "fp8 schemes", _family("fp8")),
+        Rule("src/transformers/quantizers/quantizer_*.py", "other quantization methods (no cell)", NONE),
+        Rule("src/transformers/integrations/*", "other integrations (no cell)", NONE),
+    ),
+}
+
+
+def _apply(rules: Sequence[Rule], path: str, default: tuple[str, Selector]) -> tuple[str, Selector]:
+    for rule in rules:
+        if fnmatch.fnmatchcase(path, rule.pattern):
+            return rule.what, rule.selector(path)
+    return default
+
+
+def _cell_fingerprint(cell: Cell, matrix: Matrix) -> Any:
+    return (cell.model_dump(mode="json"), matrix.environments[cell.environment].model_dump(mode="json"))
+
+
+def select_changed(matrix: Matrix, cells: Sequence[Cell], changed: Iterable[str], *,
+                   engine_changed: dict[str, Iterable[str]] | None = None,
+                   old_matrix: Matrix | None = None, matrix_rel: str = "models.yaml") -> tuple[list[Cell], list[str]]:
+    """The cells a change touches, and one note per changed file saying what it selected.
+
+    ``changed``: this project's changed paths (repo-relative). ``engine_changed``: per engine, the
+    changed paths of that engine's own source tree. A change to the matrix file selects the cells
+    whose resolved settings (or environment) differ from ``old_matrix``'s; every cell when the old
+    matrix is not known."""
+    chosen: set[str] = set()
+    notes: list[str] = []
+
+    def take(sel: Selector, pool: Iterable[Cell]) -> int:
+        hit = [c.id for c in pool if sel(c)]
+        chosen.update(hit)
+        return len(hit)
+
+    for path in changed:
+        path = path.strip()
+        if not path:
+            continue
+        if path == matrix_rel:
+            if old_matrix is None:
+                n = take(ALL, cells)
+                notes.append(f"{path}: the previous matrix is not known, so every cell ({n})")
+            else:
+                old = {c.id: _cell_fingerprint(c, old_matrix) for c in old_matrix.cells()}
+                n = take(lambda c: old.get(c.id) != _cell_fingerprint(c, matrix), cells)
+                notes.append(f"{path}: {n} new or changed cell(s)")
+            continue
+        what, sel = _apply(PROJECT_RULES, path, ("harness code", ALL))
+        notes.append(f"{path}: {what}: {take(sel, cells)} cell(s)")
+    for engine, paths in (engine_changed or {}).items():
+        if engine not in ENGINE_RULES:
+            raise MatrixError(f"--engine-changed-files: no source rules for engine {engine!r} (known: {', '.join(ENGINE_RULES)})")
+        pool = [c for c in cells if c.engine == engine]
+        for path in paths:
+            path = path.strip()
+            if not path:
+                continue
+            what, sel = _apply(ENGINE_RULES[engine], path, (f"{engine} source", ALL))
+            notes.append(f"{engine}:{path}: {what}: {take(sel, pool)} cell(s)")
+    return [c for c in cells if c.id in chosen], notes
+
+
+def git_changed_files(since: str, cwd: str | Path | None = None) -> list[str]:
+    """Paths changed between ``since`` and HEAD (the merge base, as a pull request sees it)."""
+    out = subprocess.run(["git", "diff", "--name-only", f"{since}...HEAD", "--"], cwd=cwd,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise MatrixError(f"--since {since}: git diff failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+    return [line for line in out.stdout.splitlines() if line.strip()]
+
+
+def git_show(ref: str, path: str, cwd: str | Path | None = None) -> str | None:
+    out = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=cwd, capture_output=True, text=True)
+    return out.stdout if out.returncode == 0 else None

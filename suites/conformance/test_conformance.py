@@ -1,0 +1,103 @@
+"""Conformance of the reference loader, for every fixture.
+
+(a) the load report's labels equal the producer's manifest and the tensors on disk;
+(b) decoded weights equal the producing library's own dequantization;
+(c) teacher-forced logprobs equal transformers' loading of the same checkpoint.
+
+Bounds, and why they are what they are:
+- Unfused decoding must be exact: the reference and the library decode the same bits to the same
+  float32 values (bitsandbytes rounds through the quant state's dtype, which the reference does too).
+- A fused FP8 group is requantized to its largest scale, which moves each weight by at most one
+  FP8 step (2^-3 relative in e4m3's normal range, 2^-9 * scale in the subnormal range).
+- Logprobs of the unfused reference against transformers: both run the same decoded weights in
+  float32, differing only in summation order (torchao applies the scale after the matmul,
+  compressed-tensors runs its fake quantization in its own order), so 1e-4 leaves two orders of
+  magnitude to float32 noise on these models (measured max: see the closing note) while any wrong
+  weight, scale or skipped layer moves logprobs by more than 1e-2 here.
+"""
+import pytest
+import torch
+
+from harness import fixtures, reference, scoring
+from harness.quant.source import TensorSource
+from oracles import library_weight, transformers_model
+
+pytestmark = pytest.mark.conformance
+
+NAMES = fixtures.names()
+LOGPROB_BOUND = 1e-4
+MAX_TOKENS = 8
+
+
+def _weight_label(src: TensorSource, module: str) -> str:
+    """The label a module's tensors on disk imply, read from dtypes and key names alone."""
+    weight = f"{module}.weight"
+    for quant_type in ("nf4", "fp4"):
+        if f"{weight}.quant_state.bitsandbytes__{quant_type}" in src.keys:
+            return f"bnb-{quant_type}"
+    if f"{module}._weight_qdata" in src.keys:
+        return "torchao-int8" if src.dtype(f"{module}._weight_qdata") == torch.int8 else "torchao-float8"
+    if weight in src.keys and src.dtype(weight) == torch.float8_e4m3fn:
+        return "fp8-channel" if src.get(f"{module}.weight_scale").numel() > 1 else "fp8-tensor"
+    return "unquantized"
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def fixture(request):
+    return request.param, fixtures.build(request.param)
+
+
+def test_labels_match_manifest_and_disk(fixture):
+    name, path = fixture
+    report = reference.load(path).report
+    assert report.modules == fixtures.manifest(path)["modules"]
+    src = TensorSource.open(path)
+    on_disk = {m: _weight_label(src, m) for m in report.modules
+               if f"{m}.weight" in src.keys or f"{m}._weight_qdata" in src.keys}
+    assert on_disk == {m: report.modules[m] for m in on_disk}
+    tied = set(report.modules) - set(on_disk)
+    assert all(report.modules[m] == "unquantized" for m in tied), "a module absent from disk must be a tied float one"
+
+
+def test_decoded_weights_equal_library_dequantization(fixture):
+    name, path = fixture
+    unfused = reference.load(path, fuse=False)
+    library = transformers_model(str(path))
+    for module, label in unfused.report.modules.items():
+        ours = unfused.model.get_submodule(module).weight
+        theirs = library_weight(library.get_submodule(module))
+        assert torch.equal(ours, theirs), f"{module} ({label}): max |Δ| {(ours - theirs).abs().max():.3g}"
+
+
+def test_fused_fp8_within_one_step(fixture):
+    name, path = fixture
+    fused = reference.load(path)
+    fp8_groups = [g for g in fused.report.groups
+                  if g.fused and fused.report.modules[g.shards[0]].startswith("fp8")]
+    if not fp8_groups:
+        pytest.skip("no fused FP8 group")
+    unfused = reference.load(path, fuse=False).model
+    src = TensorSource.open(path)
+    for group in fp8_groups:
+        max_scale = max(src.get(f"{s}.weight_scale").max() for s in group.shards)
+        for shard in group.shards:
+            a = fused.model.get_submodule(shard).weight
+            b = unfused.get_submodule(shard).weight
+            step = torch.clamp(b.abs() * 2**-3, min=float(max_scale) * 2**-9)
+            assert ((a - b).abs() <= step).all(), f"{shard}: requantization moved a weight by more than one FP8 step"
+
+
+def test_teacher_forced_logprobs_match_transformers(fixture):
+    name, path = fixture
+    theirs = transformers_model(str(path))
+    ours = reference.load(path, fuse=False).model
+    worst = 0.0
+    for prompt in scoring.fixture_prompts(path):
+        continuation = scoring.greedy(theirs, prompt, MAX_TOKENS, k=1).tokens
+        tokens = prompt.tokens + continuation
+        a = scoring.teacher_forced(ours, prompt, tokens, k=5)
+        b = scoring.teacher_forced(theirs, prompt, tokens, k=5)
+        delta = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
+        worst = max(worst, delta)
+    print(f"{name}: max |Δlogprob| reference vs transformers = {worst:.3g}")
+    assert worst <= LOGPROB_BOUND
