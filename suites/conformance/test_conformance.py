@@ -87,17 +87,41 @@ def test_fused_fp8_within_one_step(fixture):
             assert ((a - b).abs() <= step).all(), f"{shard}: requantization moved a weight by more than one FP8 step"
 
 
-def test_teacher_forced_logprobs_match_transformers(fixture):
+# Fixtures that transformers itself cannot run: (exception type, message pattern, why). The test
+# expects exactly that error; if transformers stops raising it, the test fails and this goes.
+TRANSFORMERS_KNOWN_FAILURES = {
+    "whisper-fp8-static-kv": (
+        AttributeError, "layer_class_to_replicate",
+        "compressed-tensors 0.17's QuantizedKVCache hook hands Whisper's cross-attention the whole "
+        "EncoderDecoderCache; transformers 5.19 then fails in Cache.update",
+    ),
+}
+
+
+def _requantizes(report) -> bool:
+    return any(g.fused and report.modules[g.shards[0]] == "fp8-tensor" for g in report.groups)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_teacher_forced_logprobs_match_transformers(fixture, fuse):
     name, path = fixture
+    loaded = reference.load(path, fuse=fuse)
+    if fuse and _requantizes(loaded.report):
+        pytest.skip("fused per-tensor FP8 is requantized to the max scale, as engines do and transformers "
+                    "does not; test_fused_fp8_within_one_step bounds it")
     theirs = transformers_model(str(path))
-    ours = reference.load(path, fuse=False).model
+    prompts = scoring.fixture_prompts(path)
+    if name in TRANSFORMERS_KNOWN_FAILURES:
+        error, pattern, why = TRANSFORMERS_KNOWN_FAILURES[name]
+        with pytest.raises(error, match=pattern):
+            scoring.greedy(theirs, prompts[0], 1, k=1)
+        pytest.xfail(f"known transformers failure: {why}")
     worst = 0.0
-    for prompt in scoring.fixture_prompts(path):
+    for prompt in prompts:
         continuation = scoring.greedy(theirs, prompt, MAX_TOKENS, k=1).tokens
         tokens = prompt.tokens + continuation
-        a = scoring.teacher_forced(ours, prompt, tokens, k=5)
-        b = scoring.teacher_forced(theirs, prompt, tokens, k=5)
-        delta = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
-        worst = max(worst, delta)
-    print(f"{name}: max |Δlogprob| reference vs transformers = {worst:.3g}")
+        ours = scoring.teacher_forced(loaded.model, prompt, tokens, k=5)
+        expected = scoring.teacher_forced(theirs, prompt, tokens, k=5)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ours.logprobs, expected.logprobs)))
+    print(f"{name} ({'fused' if fuse else 'unfused'}): max |Δlogprob| reference vs transformers = {worst:.3g}")
     assert worst <= LOGPROB_BOUND

@@ -1,0 +1,173 @@
+"""The report: ``harness report RESULTS... -o DIR`` (also ``python -m harness.report``).
+
+Reads result directories (``merge``), then writes into DIR:
+
+- ``report.html``: one self-contained page (inline CSS, JS and SVG; nothing from the network),
+  ``html.render``;
+- ``junit.xml``: one test case per cell, ``junit.render``;
+- ``annotation.md`` and ``annotation-style.txt``: the Buildkite annotation (a markdown matrix
+  summary) and its style by the worst verdict, ``annotation.render``.
+
+Exit status: 0; with ``--strict`` 1 when a cell is regressed, failed, error or missing, or a
+record file is unreadable; 2 for usage errors.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.records import VERDICTS, Record, atomic_write_text
+
+MISSING = "missing"  # not a verdict: an expected cell for which no record came back
+STATES: tuple[str, ...] = (*VERDICTS, MISSING)
+
+# Presentation of each verdict: background, text color, one-line meaning, annotation emoji.
+STYLE: dict[str, tuple[str, str, str, str]] = {
+    "pass": ("#2e7d32", "#ffffff", "matches the baseline within the bounds", "✅"),
+    "regressed": ("#d32f2f", "#ffffff", "differs from the baseline beyond the bounds (or loads slower)", "📉"),
+    "improved": ("#00897b", "#ffffff", "loads faster than 1/bound of the baseline (gated tiers)", "🚀"),
+    "failed": ("#7b1fa2", "#ffffff", "engines disagree beyond the bounds, or a module differs from the reference", "❌"),
+    "error": ("#212121", "#ffffff", "crashed, timed out, or was never judged", "💥"),
+    "unsupported": ("#b0bec5", "#263238", "a capability probe or a known failure says this engine cannot run it", "⚪"),
+    "waived": ("#8d6e63", "#ffffff", "fails, exactly as a known failure in models.yaml says", "🟤"),
+    "unexpected-pass": ("#fbc02d", "#3e2723", "passes although a known failure covers it: narrow models.yaml", "❗"),
+    "stale-baseline": ("#ef6c00", "#ffffff", "the baseline is from another engine version, platform or fixture", "⏳"),
+    "missing-baseline": ("#1976d2", "#ffffff", "no baseline stored: not a pass", "❔"),
+    MISSING: ("#ffffff", "#424242", "expected, but no result record came back (crash, lost agent, cancel)", "⛔"),
+}
+
+# Worst first. The annotation's style and the page's banner follow the worst state present.
+SEVERITY: tuple[str, ...] = (
+    "error", "failed", "regressed", MISSING, "stale-baseline", "unexpected-pass", "missing-baseline",
+    "waived", "unsupported", "improved", "pass",
+)
+BAD: frozenset[str] = frozenset({"error", "failed", "regressed", MISSING})
+_ANNOTATION_STYLE = {
+    **{v: "error" for v in BAD},
+    "stale-baseline": "warning", "unexpected-pass": "warning", "missing-baseline": "warning",
+    "waived": "info", "unsupported": "info",
+    "improved": "success", "pass": "success",
+}
+
+
+def state_of(record: Record | None) -> str:
+    """The state shown for a record: its verdict; ``error`` when it was never judged; ``missing``
+    for no record."""
+    if record is None:
+        return MISSING
+    return record.verdict if record.verdict in VERDICTS else "error"
+
+
+def worst(states: Iterable[str]) -> str | None:
+    present = set(states)
+    return next((s for s in SEVERITY if s in present), None)
+
+
+def annotation_style(states: Iterable[str], problems: int = 0) -> str:
+    """Buildkite annotation style for a set of states: error, warning, info or success."""
+    w = worst(states)
+    if problems:
+        return "error"
+    if w is None:
+        return "info"
+    return _ANNOTATION_STYLE[w]
+
+
+@dataclass
+class Written:
+    html: Path
+    junit: Path
+    annotation: Path
+    style: str
+    counts: dict[str, int]
+    missing: list[str]
+    problems: int
+    notes: list[str]
+
+    @property
+    def bad(self) -> bool:
+        return bool(self.problems) or any(self.counts.get(s, 0) for s in BAD)
+
+
+def counts_of(states: Iterable[str]) -> dict[str, int]:
+    counts = {s: 0 for s in STATES}
+    for s in states:
+        counts[s] = counts.get(s, 0) + 1
+    return counts
+
+
+def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expected: Iterable[str] = (),
+                  matrix=None, title: str | None = None) -> Written:
+    """Read ``results`` and write report.html, junit.xml, annotation.md, annotation-style.txt."""
+    from harness.report import annotation, html, junit
+    from harness.report.merge import cross_check, load_results
+
+    merged = load_results(results, expected)
+    if matrix is not None:
+        cross_check(merged, matrix)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    states = [state_of(e.record) for e in merged.current.values()] + [MISSING] * len(merged.missing)
+    counts = counts_of(states)
+    style = annotation_style(states, len(merged.problems))
+    page = html.render(merged, matrix=matrix, title=title)
+    paths = (out / "report.html", out / "junit.xml", out / "annotation.md")
+    atomic_write_text(paths[0], page)
+    atomic_write_text(paths[1], junit.render(merged, matrix=matrix))
+    atomic_write_text(paths[2], annotation.render(merged, matrix=matrix, report_path=f"{out.name}/report.html"))
+    atomic_write_text(out / "annotation-style.txt", style + "\n")
+    return Written(*paths, style=style, counts=counts, missing=merged.missing, problems=len(merged.problems),
+                   notes=merged.notes)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", metavar="RESULTS",
+                   help="result directories (several: several runs; each cell shows its latest record and a trend)")
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="where report.html, junit.xml, annotation.md and annotation-style.txt go")
+    p.add_argument("--expect", action="append", metavar="IDS",
+                   help="cell ids expected to have a record (space- or comma-separated; repeatable); the "
+                        "ones without a record are reported missing")
+    p.add_argument("--matrix", metavar="FILE",
+                   help="models.yaml, for the grid's order, bounds and known failures of the cross-engine "
+                        "comparison (default: ./models.yaml when present)")
+    p.add_argument("--title", help="page title")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when a cell is regressed, failed, error or missing, or a record is unreadable")
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.matrix import MatrixError, load
+    from harness.report.merge import parse_expected
+
+    matrix = None
+    path = args.matrix or ("models.yaml" if Path("models.yaml").is_file() else None)
+    if path:
+        try:
+            matrix = load(path)
+        except MatrixError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    written = write_reports(args.results, args.output, expected=parse_expected(args.expect), matrix=matrix,
+                            title=args.title)
+    shown = [(s, n) for s, n in written.counts.items() if n]
+    width = max([len(s) for s, _ in shown] + [7])
+    print("\n".join(f"{s:<{width}}  {n}" for s, n in shown) or "no cells")
+    for note in written.notes:
+        print(f"note: {note}")
+    if written.missing:
+        print(f"missing: {len(written.missing)} expected cell(s) have no record: {' '.join(written.missing)}")
+    if written.problems:
+        print(f"problems: {written.problems} unreadable record file(s); see the report", file=sys.stderr)
+    print(f"report: {written.html}")
+    return 1 if args.strict and written.bad else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="harness report", description="Write the HTML report, JUnit XML and the "
+                                "Buildkite annotation from result directories.")
+    add_arguments(p)
+    return run(p.parse_args(argv))
