@@ -582,3 +582,110 @@ def git_changed_files(since: str, cwd: str | Path | None = None) -> list[str]:
 def git_show(ref: str, path: str, cwd: str | Path | None = None) -> str | None:
     out = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=cwd, capture_output=True, text=True)
     return out.stdout if out.returncode == 0 else None
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--matrix", metavar="FILE", help="models.yaml (default: the repository's)")
+    p.add_argument("--tier", action="append", metavar="TIER", help="only these tiers (repeatable, or comma-separated)")
+    p.add_argument("--engine", action="append", metavar="ENGINE", help="only these engines (repeatable, or comma-separated)")
+    p.add_argument("-k", dest="k_expr", metavar="EXPR", help="only cells matching this pytest -k expression")
+    g = p.add_argument_group("change-based selection (without these options: every selected cell)")
+    g.add_argument("--changed-files", metavar="FILE", help="this project's changed paths, one per line ('-': stdin)")
+    g.add_argument("--since", metavar="REF", help="this project's changed paths from `git diff REF...HEAD`; a changed "
+                   "models.yaml selects the cells that differ from REF's")
+    g.add_argument("--engine-changed-files", action="append", metavar="ENGINE=FILE",
+                   help="changed paths in an engine's own source tree (e.g. vllm=changed.txt from a vLLM pull request)")
+    g.add_argument("--all", action="store_true", help="run every selected cell whatever changed (the override)")
+    p.add_argument("--results-dir", default="results", metavar="DIR", help="where the steps write records (default: results)")
+    p.add_argument("--reports-dir", default="reports", metavar="DIR", help="where the final step writes the report (default: reports)")
+    p.add_argument("--context", help="the annotation context (default: harness-<tiers>-<hash of the cell list>)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the YAML here instead of stdout")
+
+
+def _matrix_arg(path: str | None) -> tuple[Path, str]:
+    """The matrix file, and its path as the steps see it (relative to the checkout root)."""
+    from harness.matrix import DEFAULT_PATH
+
+    if path is None:
+        return DEFAULT_PATH, "models.yaml"
+    p = Path(path)
+    if not p.is_absolute():
+        return p, p.as_posix()
+    try:
+        return p, p.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return p, p.as_posix()
+
+
+def _read_lines(path: str) -> list[str]:
+    import sys
+
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def run(args) -> int:
+    import sys
+
+    from harness import matrix as mx
+
+    try:
+        mpath, mrel = _matrix_arg(args.matrix)
+        m = mx.load(mpath)
+        universe = m.cells()
+        cells = mx.select(mx.expand(m, tier=args.tier, engines=args.engine), args.k_expr)
+        notes = [f"harness pipeline: {len(cells)} of {len(universe)} cells of {mrel} selected by --tier/--engine/-k"]
+        if not args.all and (args.changed_files or args.since or args.engine_changed_files):
+            changed: list[str] = []
+            old = None
+            if args.changed_files:
+                changed += _read_lines(args.changed_files)
+            if args.since:
+                changed += git_changed_files(args.since)
+                text = git_show(args.since, mrel)
+                if text is not None:
+                    try:
+                        old = mx.loads(text, filename=f"{args.since}:{mrel}")
+                    except MatrixError:
+                        old = None
+            engine_changed: dict[str, list[str]] = {}
+            for item in args.engine_changed_files or ():
+                engine, sep, file = item.partition("=")
+                if not sep or not file:
+                    raise MatrixError(f"--engine-changed-files {item!r}: expected ENGINE=FILE")
+                engine_changed.setdefault(engine, []).extend(_read_lines(file))
+            cells, why = select_changed(m, cells, changed, engine_changed=engine_changed, old_matrix=old, matrix_rel=mrel)
+            notes += why + [f"change-based selection: {len(cells)} cell(s) to run"]
+        elif args.all:
+            notes.append("--all: every selected cell runs, whatever changed")
+        opts = Options(matrix_path=mrel, results_dir=args.results_dir, reports_dir=args.reports_dir, context=args.context)
+        text = to_yaml(generate(m, cells, opts, universe=universe), comments=notes)
+    except (MatrixError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(note, file=sys.stderr)
+    for w in mx.warnings(cells):
+        print(w, file=sys.stderr)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="harness pipeline", description="Write the Buildkite pipeline (YAML) for the matrix.")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

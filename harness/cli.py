@@ -19,8 +19,11 @@ def _fixtures(args) -> int:
     names = fixtures.names()
     if args.build:
         wanted = names if args.build == ["all"] else args.build
+        print("fixture\ttop-1 margin min/p10/median\tdirectory")
         for name in wanted:
-            print(f"{name}\t{fixtures.build(name)}")
+            path = fixtures.build(name)
+            m = fixtures.manifest(path)["margins"]
+            print(f"{name}\t{m['min']:.3f}/{m['p10']:.3f}/{m['median']:.3f}\t{path}")
     else:
         for name in names:
             print(f"{name}\t{fixtures.spec(name).description}")
@@ -39,6 +42,17 @@ def parser() -> argparse.ArgumentParser:
     fx = sub.add_parser("fixtures", help="list the tiny synthetic fixtures, or build them")
     fx.add_argument("--build", nargs="+", metavar="NAME", help="build these fixtures ('all' for every one)")
     fx.set_defaults(func=_fixtures)
+
+    # report and pipeline: their arguments and logic live in harness.report and harness.buildkite
+    from harness import buildkite, report
+
+    rp = sub.add_parser("report", help="write the HTML report, JUnit XML and Buildkite annotation from result directories")
+    report.add_arguments(rp)
+    rp.set_defaults(func=report.run)
+
+    pl = sub.add_parser("pipeline", help="write the Buildkite pipeline (YAML) for the matrix to stdout")
+    buildkite.add_arguments(pl)
+    pl.set_defaults(func=buildkite.run)
     return p
 
 

@@ -54,7 +54,7 @@ if hasattr(torch, "float8_e8m0fnu"):
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def _torchao_safe_globals() -> list:
+def torchao_safe_globals() -> list:
     """The classes a legacy torchao .bin may name: torchao's own safetensors allow-list.
 
     Imported only when a .bin is read. Without torchao, the list is empty and a torchao pickle
@@ -201,7 +201,7 @@ class TensorSource:
         kwargs = {"weights_only": True, "map_location": "cpu"}
         if zipfile.is_zipfile(path):
             kwargs["mmap"] = True  # the legacy (non-zip) format cannot be mmapped
-        allowed = _torchao_safe_globals()
+        allowed = torchao_safe_globals()
         try:
             with torch.serialization.safe_globals(allowed):
                 state = torch.load(str(path), **kwargs)

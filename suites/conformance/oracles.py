@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from harness.quant.source import torchao_safe_globals
+
 
 @cache
 def transformers_model(path: str):
@@ -18,7 +20,10 @@ def transformers_model(path: str):
         # The compressed kernels need a GPU; decompressed, compressed-tensors still fake-quantizes
         # activations and the KV cache exactly as the scheme says.
         kwargs["quantization_config"] = transformers.CompressedTensorsConfig(run_compressed=False)
-    model = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", **kwargs)
+    # transformers reads a legacy .bin with weights_only=True; torchao's classes must be allowed,
+    # exactly as the reference allows them (harness.quant.source).
+    with torch.serialization.safe_globals(torchao_safe_globals()):
+        model = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", **kwargs)
     for module in model.modules():
         # On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights for a kernel that rounds the
         # activations to bfloat16 although compute_dtype is float32 (|Δ| ~2e-2 per layer output,

@@ -1,0 +1,374 @@
+"""The engine interface: one class per engine, one driver that turns an engine and a job into a record.
+
+Modelled on vLLM's tests/conftest.py, where ``HfRunner`` and ``VllmRunner`` offer the same methods
+(``generate_greedy_logprobs``, prompt logprobs) and are compared through one result shape. Here
+every engine implements the same five steps and the driver :func:`execute` makes one
+:class:`harness.records.Record` of them, whatever the engine:
+
+1. ``probe(checkpoint)``: the capability probe, made BEFORE anything is loaded. It returns the
+   reason the engine cannot run this cell on this machine (a GPU the cell needs, a kernel this
+   CPU lacks, a format this engine version cannot read), or None. A reason makes the record
+   ``status: unsupported``; that is the only way an engine produces ``unsupported``.
+2. ``load(checkpoint) -> LoadInfo``: load the checkpoint and time it, with the engine's own phases
+   (reference: its load report's timings; transformers: ``from_pretrained``; vLLM: the weight
+   loading time it logs, without restarting the engine for repeats).
+3. ``greedy(prompts, max_tokens, top_k) -> [Greedy]``: free-running greedy decoding, generated tokens
+   and the top-k at every step (HfRunner/VllmRunner ``generate_greedy_logprobs``). EOS does not stop
+   decoding: every engine generates exactly ``max_tokens`` tokens (vLLM: ``ignore_eos=True``).
+4. ``teacher_forced(prompts, sequences, top_k) -> [Scored]``: score given token sequences, the
+   logprob of every token after the first and the top-k of the same distribution (one forward
+   pass in-process; vLLM: ``prompt_logprobs`` with ``max_tokens=1``).
+5. ``module_diff(checkpoint) -> ModuleDiff | None``: module-level conformance, optional (vLLM reads
+   its modules through ``LLM.apply_model`` and diffs them against the reference; in-process
+   engines return None).
+
+``close()`` frees the engine. Engines declare ``fuses_shards``: whether they execute q/k/v (and
+gate/up) as one fused projection, the way an inference engine does. That matters only for FP8 with
+per-tensor scales, where fusing requantizes the shards to the group's largest scale; the runner
+compares an engine that does not fuse (transformers) with the reference executed unfused, and an
+engine that fuses (vLLM) with the reference as it fuses (DESIGN.md: "model the engine you compare
+against").
+
+Engines run in a child process (harness.engines.worker), one cell per process, under the cell's
+timeout; :func:`execute` is what that child calls. Nothing here imports torch at module level.
+"""
+from __future__ import annotations
+
+import abc
+import json
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from harness import records as R
+
+if TYPE_CHECKING:
+    from harness.matrix import Cell
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot even be constructed here (not installed, not implemented yet)."""
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint directory, resolved from the cell's source."""
+
+    path: Path
+    fixture: str | None = None  # the fixture name, for fixture sources
+    identity: str | None = None  # the fixture identity (from its manifest)
+    manifest: dict | None = None  # the fixture's manifest.json
+
+    @property
+    def config(self) -> dict:
+        try:
+            return json.loads((self.path / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    @property
+    def quantization_config(self) -> dict | None:
+        return self.config.get("quantization_config")
+
+
+@dataclass
+class EnginePrompt:
+    """One prompt in an engine-neutral form.
+
+    ``tokens`` are the prompt's token ids (decoder ids for encoder-decoder models). ``hf_inputs``
+    are the extra model-call kwargs of a transformers-style forward (Whisper: ``input_features``),
+    built exactly as the fixture's margins were. ``audio`` is the raw waveform and its sampling
+    rate, ``image`` a path or ``synthetic:<name>``, ``text`` the prompt text, for engines that
+    take raw inputs (vLLM's multi-modal prompts)."""
+
+    id: str
+    kind: str  # text | audio | image
+    tokens: list[int]
+    hf_inputs: dict[str, Any] = field(default_factory=dict)
+    text: str | None = None
+    audio: tuple[Any, int] | None = None
+    image: str | None = None
+
+    @property
+    def ref(self) -> R.PromptRef:
+        return R.PromptRef(id=self.id, kind=self.kind)
+
+
+class Engine(abc.ABC):
+    """One engine. Subclasses set ``name`` and ``fuses_shards`` and implement the abstract methods."""
+
+    name: ClassVar[str]
+    fuses_shards: ClassVar[bool] = True
+
+    def __init__(self, cell: Cell, options: dict | None = None):
+        self.cell = cell
+        self.options = dict(options or {})
+
+    # ---- identity ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def version(self) -> str:
+        """The installed engine version (what results and baselines are keyed by)."""
+
+    def torch_version(self) -> str | None:
+        try:
+            import torch
+
+            return torch.__version__
+        except Exception:
+            return None
+
+    def platform(self) -> str:
+        return R.cpu_platform()
+
+    def info(self) -> R.EngineInfo:
+        return R.EngineInfo(name=self.name, version=self.version(), environment=self.cell.environment,
+                            torch=self.torch_version(), platform=self.platform())
+
+    # ---- the five steps ------------------------------------------------------------------
+    def probe(self, checkpoint: Checkpoint) -> str | None:
+        """Why this engine cannot run the cell here, decided before loading; None when it can.
+        The default checks the cell's hardware needs against this machine."""
+        return hardware_problem(self.cell)
+
+    @abc.abstractmethod
+    def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
+        ...
+
+    @abc.abstractmethod
+    def greedy(self, prompts: Sequence[EnginePrompt], max_tokens: int, top_k: int) -> list[R.Greedy]:
+        ...
+
+    @abc.abstractmethod
+    def teacher_forced(self, prompts: Sequence[EnginePrompt], sequences: Sequence[list[int]], top_k: int) -> list[R.Scored]:
+        ...
+
+    def module_diff(self, checkpoint: Checkpoint) -> R.ModuleDiff | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------- registry
+
+ENGINE_CLASSES: dict[str, str] = {
+    "reference": "harness.engines.reference:ReferenceEngine",
+    "transformers": "harness.engines.transformers:TransformersEngine",
+    # "vllm": "harness.engines.vllm:VllmEngine",  -- the vLLM engine issue
+}
+
+
+def engine_class(name: str) -> type[Engine]:
+    target = ENGINE_CLASSES.get(name)
+    if target is None:
+        raise EngineUnavailable(f"the {name} engine is not implemented in this harness version")
+    module, _, attr = target.partition(":")
+    import importlib
+
+    return getattr(importlib.import_module(module), attr)
+
+
+# Whether each engine executes fused projections (kept here so the runner need not import engines).
+FUSES_SHARDS: dict[str, bool] = {"reference": True, "transformers": False, "vllm": True}
+
+
+def fuses_shards(name: str) -> bool:
+    return FUSES_SHARDS.get(name, True)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def hardware_problem(cell: Cell) -> str | None:
+    """The cell's hardware needs against this machine: GPUs, GPU memory, compute capability."""
+    hw = cell.hardware
+    if not hw.gpus:
+        return None
+    try:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        count = 0
+    if count < hw.gpus:
+        return f"needs {hw.gpus} GPU(s); this machine has {count}"
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    if hw.gpu_memory_gb and props.total_memory / 2**30 < hw.gpu_memory_gb:
+        return f"needs {hw.gpu_memory_gb:g} GiB of GPU memory; {props.name} has {props.total_memory / 2**30:.1f} GiB"
+    if hw.compute_capability:
+        need = tuple(int(x) for x in hw.compute_capability.split("."))
+        have = (props.major, props.minor)
+        if have < need:
+            return f"needs compute capability {hw.compute_capability}; {props.name} is {have[0]}.{have[1]}"
+    return None
+
+
+def resolve_checkpoint(cell: Cell, path: str | None = None) -> Checkpoint:
+    """The checkpoint of a cell: a fixture (built or cached), a local directory (``path``, already
+    resolved against models.yaml by the runner) or a pinned hub snapshot."""
+    if cell.source_kind == "fixture":
+        from harness import fixtures
+
+        p = fixtures.build(cell.fixture_name)
+        manifest = fixtures.manifest(p)
+        return Checkpoint(p, fixture=cell.fixture_name, identity=manifest.get("identity"), manifest=manifest)
+    if cell.source_kind == "path":
+        return Checkpoint(Path(path or cell.path))
+    from huggingface_hub import snapshot_download
+
+    revision = None if cell.hub.revision == "unpinned" else cell.hub.revision
+    return Checkpoint(Path(snapshot_download(cell.hub.id, revision=revision)))
+
+
+def prompts_for(cell: Cell, checkpoint: Checkpoint) -> list[EnginePrompt]:
+    """The prompts of a cell. Fixtures bring their own (manifest ``prompts``; Whisper's audio is
+    rebuilt from the manifest): ids ``p0``, ``p1``, ...; models.yaml prompt sets are tokenized with
+    the checkpoint's tokenizer (text only, for now)."""
+    if cell.prompt_set == "fixture":
+        from harness import fixtures
+        from harness.fixtures import models as fixture_models
+
+        m = checkpoint.manifest
+        inputs = fixtures.prompt_inputs(m)
+        audio = fixture_models.synth_audio(m["audio"]) if m.get("audio") else None
+        out = []
+        for i, tokens in enumerate(m["prompts"]):
+            extra = {k: v for k, v in inputs[i].items() if k not in ("input_ids", "decoder_input_ids")}
+            out.append(EnginePrompt(
+                id=f"p{i}",
+                kind="audio" if audio is not None else "text",
+                tokens=list(tokens),
+                hf_inputs=extra,
+                audio=(audio[i], int(m["audio"]["sampling_rate"])) if audio is not None else None,
+            ))
+        return out
+    out = []
+    for p in cell.prompts:
+        if p.kind != "text":
+            raise NotImplementedError(f"prompt {p.id}: {p.kind} prompts from prompt sets are not implemented "
+                                      f"for the {cell.engine} engine yet (only fixture prompts and text)")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(checkpoint.path)
+        out.append(EnginePrompt(id=p.id, kind="text", tokens=list(tok(p.text)["input_ids"]), text=p.text))
+    return out
+
+
+def _lists(x) -> list:
+    return [list(t) for t in x]
+
+
+def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *,
+            sequences: dict[str, list[int]] | None = None,
+            on_sequences: Callable[[dict[str, list[int]]], None] | None = None,
+            witness: Callable[[Engine, Checkpoint, list[EnginePrompt], dict[str, list[int]]], None] | None = None,
+            log: Callable[[str], None] = lambda s: None) -> R.Record:
+    """Run one cell on one engine and return its (unjudged) record. Never raises for the engine's
+    own failures: an exception becomes ``status: error`` with its traceback in ``log_tail``.
+
+    ``sequences`` maps prompt id -> the token sequence to score (prompt + continuation). A prompt
+    missing from it, or all prompts when it is None, is scored on prompt + this engine's own greedy
+    tokens; ``on_sequences`` then receives the sequences that were scored (the runner caches the
+    reference's as the scored sequences of the cell). ``witness`` runs after the record's results,
+    with the same prompts and sequences (the reference's unfused variant)."""
+    cell = engine.cell
+    started = R.utc_now()
+    t0 = time.perf_counter()
+    fixture_identity = None
+    info = R.EngineInfo(name=cell.engine, environment=cell.environment, platform=R.cpu_platform())
+    try:
+        info = engine.info()
+        log(f"engine: {info.name} {info.version} on {info.platform} (torch {info.torch})")
+        ckpt = checkpoint() if callable(checkpoint) else checkpoint
+        fixture_identity = ckpt.identity
+        log(f"checkpoint: {ckpt.path}")
+        reason = engine.probe(ckpt)
+        if reason:
+            log(f"probe: unsupported: {reason}")
+            return R.Record.for_cell(cell, engine_info=info, status="unsupported", unsupported_reason=reason,
+                                     fixture_identity=fixture_identity, started_at=started,
+                                     duration_s=time.perf_counter() - t0)
+        load = engine.load(ckpt)
+        log(f"load: {load.seconds:.4f} s " + ", ".join(f"{k}={v:.4f}" for k, v in load.phases.items()))
+        prompts = prompts_for(cell, ckpt)
+        greedy = engine.greedy(prompts, cell.max_tokens, cell.top_k)
+        wanted = dict(sequences or {})
+        scored_seqs = []
+        own = {}
+        for p, g in zip(prompts, greedy):
+            s = wanted.get(p.id)
+            if s is None or list(s[: len(p.tokens)]) != p.tokens:
+                s = p.tokens + list(g.tokens)
+                own[p.id] = s
+            scored_seqs.append(list(s))
+        if own:
+            log(f"scored sequences: prompt + own greedy for {', '.join(own)}")
+        scored = engine.teacher_forced(prompts, scored_seqs, cell.top_k)
+        diff = engine.module_diff(ckpt)
+        results = [
+            R.SequenceResult(prompt=p.ref, prompt_tokens=p.tokens,
+                             scored=R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=_lists(s.topk)),
+                             greedy=R.Greedy(tokens=g.tokens, topk=_lists(g.topk)))
+            for p, s, g in zip(prompts, scored, greedy)
+        ]
+        record = R.Record.for_cell(cell, engine_info=info, status="ok", fixture_identity=fixture_identity,
+                                   sequences=results, load=load, module_diff=diff, started_at=started,
+                                   duration_s=time.perf_counter() - t0)
+        if on_sequences is not None:
+            on_sequences({p.id: s for p, s in zip(prompts, scored_seqs)})
+        if witness is not None:
+            try:
+                witness(engine, ckpt, prompts, {p.id: s for p, s in zip(prompts, scored_seqs)})
+            except Exception:  # the cell's own record stands; the runner falls back to it
+                log("witness failed:\n" + traceback.format_exc())
+        return record
+    except Exception as e:  # the engine's failure is the result
+        tb = traceback.format_exc()
+        log(tb)
+        return R.Record.for_cell(cell, engine_info=info, status="error", fixture_identity=fixture_identity,
+                                 error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__, log_tail=tb),
+                                 started_at=started, duration_s=time.perf_counter() - t0)
+    finally:
+        try:
+            engine.close()
+        except Exception:
+            pass
+
+
+class InProcessEngine(Engine):
+    """An engine whose model is a torch module called like transformers' (reference, transformers):
+    greedy decoding and teacher-forced scoring go through harness.scoring, so a difference between
+    two such engines is a difference in loading, never in how they were driven."""
+
+    model: Any = None
+
+    def _prompt(self, p: EnginePrompt):
+        from harness import scoring
+
+        return scoring.Prompt(p.id, p.kind, list(p.tokens), dict(p.hf_inputs))
+
+    def greedy(self, prompts, max_tokens, top_k):
+        from harness import scoring
+
+        out = []
+        for p in prompts:
+            g = scoring.greedy(self.model, self._prompt(p), max_tokens, top_k)
+            out.append(R.Greedy(tokens=g.tokens, topk=_lists(g.topk)))
+        return out
+
+    def teacher_forced(self, prompts, sequences, top_k):
+        from harness import scoring
+
+        out = []
+        for p, seq in zip(prompts, sequences):
+            s = scoring.teacher_forced(self.model, self._prompt(p), list(seq), top_k)
+            out.append(R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=_lists(s.topk)))
+        return out
+
+    def close(self):
+        self.model = None

@@ -1,0 +1,91 @@
+"""The transformers engine: ``<Architecture>.from_pretrained(dir, device_map="cpu", dtype=float32)``,
+exactly what a user of transformers gets, run in-process in the child.
+
+Load time: the wall time of ``from_pretrained`` (its only phase). How it is driven:
+
+- Forward passes use ``use_cache=False``. harness.scoring re-runs the whole sequence at every
+  greedy step, so a cache buys nothing; without one no cache code path can make two engines
+  differ. (With a cache, compressed-tensors 0.17's quantized KV cache breaks Whisper:
+  ``'EncoderDecoderCache' object has no attribute 'layer_class_to_replicate'``.)
+- bitsandbytes 0.50 on a CPU with AVX512-BF16 repacks 4-bit weights on the first forward and
+  multiplies in bfloat16, whatever ``bnb_4bit_compute_dtype`` says (|Δlogprob| ~0.1 on the tiny
+  fixtures, and only on such CPUs). The engine turns that path off (``support_avx512bf16_for_cpu =
+  False`` on every Linear4bit), so the matmul runs in the checkpoint's compute dtype (float32) and
+  results do not depend on the CPU's ISA.
+- transformers executes every projection unfused (``fuses_shards = False``): the runner compares it
+  with the reference executed unfused.
+
+Capability probe: the architecture must exist in this transformers; torchao int4 has no CPU
+kernel in torchao 0.18, so an int4 checkpoint without a GPU is unsupported; plus the cell's
+hardware needs.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from harness import records as R
+from harness.engines.base import Checkpoint, InProcessEngine
+
+
+class _NoCache:
+    """Calls the model with use_cache=False (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kwargs):
+        return self.model(**kwargs, use_cache=False)
+
+
+def bnb_float_compute(model) -> int:
+    """Turn off bitsandbytes' AVX512-BF16 CPU path on every Linear4bit; returns how many."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+class TransformersEngine(InProcessEngine):
+    name = "transformers"
+    fuses_shards = False
+
+    def version(self) -> str:
+        import transformers
+
+        return transformers.__version__
+
+    def _arch(self, checkpoint: Checkpoint) -> str:
+        return (checkpoint.config.get("architectures") or [self.cell.arch])[0]
+
+    def probe(self, checkpoint: Checkpoint) -> str | None:
+        reason = super().probe(checkpoint)
+        if reason:
+            return reason
+        import transformers
+
+        arch = self._arch(checkpoint)
+        if not hasattr(transformers, arch):
+            return f"transformers {transformers.__version__} has no {arch}"
+        qc = checkpoint.quantization_config or {}
+        if qc.get("quant_method") == "torchao" and "Int4" in json.dumps(qc):
+            import torch
+
+            if not torch.cuda.is_available():
+                return "torchao int4 weight-only has no CPU kernel (torchao 0.18 fails on CPU for every packing format)"
+        return None
+
+    def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
+        import torch
+        import transformers
+
+        cls = getattr(transformers, self._arch(checkpoint))
+        t0 = time.perf_counter()
+        model = cls.from_pretrained(checkpoint.path, device_map="cpu", dtype=torch.float32)
+        seconds = time.perf_counter() - t0
+        model.eval()
+        bnb_float_compute(model)
+        self.model = _NoCache(model)
+        return R.LoadInfo(seconds=seconds, phases={"from_pretrained": seconds})

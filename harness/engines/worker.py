@@ -1,0 +1,190 @@
+"""The engine child process: ``python -m harness.engines.worker JOB.json``.
+
+The runner (harness.runner) writes a job file, starts this module in a new process group with its
+stdout and stderr going to the cell's log, and waits for it under the cell's ``timeout_s``. The
+child writes, each atomically:
+
+- ``info``: the engine's identity (name, version, platform), as soon as it is known, so a record
+  made by the parent for a crash or a timeout still names the engine version;
+- ``record``: the unjudged result record (harness.records), whatever happened inside the engine;
+- ``sequences_out`` (optional): the token sequences it scored, prompt id -> tokens;
+- ``witness`` (optional, reference only): the record of the reference executed unfused.
+
+Job fields: ``mode`` ("cell", or "continuation": the reference engine's greedy continuation only,
+written to ``sequences_out``), ``cell`` (a harness.matrix.Cell), ``path`` (a local checkpoint),
+``sequences`` (prompt id -> tokens to score, or null), ``threads`` (torch threads; default 1, which
+also makes results independent of the core count), and the output paths above.
+
+Test-only hooks (never set them outside tests): ``HARNESS_TEST_HOOK`` holds hooks separated by
+``;``, each ``ACTION[=ARG][@CELL_GLOB]`` (fnmatch on the cell id; no glob: every cell):
+
+- ``sleep=SECONDS``: sleep before loading (a hang; the parent's timeout must end it);
+- ``crash``: abort the child (SIGABRT) before loading;
+- ``raise=MESSAGE``: raise RuntimeError(MESSAGE) before loading;
+- ``break=MODULE:FUNCTION``: wrap a decode function (e.g. ``harness.quant.bnb:decode``) so that the
+  weight it returns is halved, as a wrong absmax would make it: a deliberately broken decode of
+  one format.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from harness import records as R
+
+HOOK_ENV = "HARNESS_TEST_HOOK"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_hooks(text: str | None, cell_id: str) -> list[tuple[str, str | None]]:
+    """The hooks of HARNESS_TEST_HOOK that apply to ``cell_id``: [(action, arg)]."""
+    out = []
+    for item in (text or "").split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        spec, _, glob = item.partition("@")
+        action, _, arg = spec.partition("=")
+        if glob and not fnmatch.fnmatchcase(cell_id, glob):
+            continue
+        out.append((action.strip(), arg.strip() or None))
+    return out
+
+
+def _halve(result):
+    import torch
+
+    if isinstance(result, torch.Tensor):
+        return result * 0.5
+    weight = getattr(result, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        result.weight = weight * 0.5
+    return result
+
+
+def apply_hooks(cell_id: str) -> None:
+    for action, arg in parse_hooks(os.environ.get(HOOK_ENV), cell_id):
+        log(f"test hook: {action}{'=' + arg if arg else ''}")
+        if action == "sleep":
+            time.sleep(float(arg or 3600))
+        elif action == "crash":
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGABRT)
+        elif action == "raise":
+            raise RuntimeError(arg or "test hook")
+        elif action == "break":
+            module_name, _, func_name = (arg or "").partition(":")
+            module = importlib.import_module(module_name)
+            original = getattr(module, func_name)
+
+            def broken(*a, __original=original, **kw):
+                return _halve(__original(*a, **kw))
+
+            setattr(module, func_name, broken)
+        else:
+            raise ValueError(f"{HOOK_ENV}: unknown test hook {action!r}")
+
+
+class _HookedEngine:
+    """Applies the test hooks after the capability probe, just before loading."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def load(self, checkpoint):
+        apply_hooks(self._engine.cell.id)
+        return self._engine.load(checkpoint)
+
+
+def _write_json(path: str, data) -> None:
+    R.atomic_write_text(Path(path), json.dumps(data) + "\n")
+
+
+def run_job(job: dict) -> int:
+    from harness.engines import base
+    from harness.matrix import Cell
+
+    threads = int(job.get("threads") or 1)
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+    except Exception:
+        pass
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:
+        pass
+
+    cell = Cell.model_validate(job["cell"])
+    mode = job.get("mode", "cell")
+    if mode == "continuation":
+        cell = cell.model_copy(update={"engine": "reference", "id": f"{cell.model}.{cell.scheme}.reference"})
+    log(f"worker: {mode} {cell.id} (pid {os.getpid()}, {threads} torch thread(s))")
+
+    try:
+        engine = base.engine_class(cell.engine)(cell)
+        info = engine.info()
+    except Exception as e:
+        import traceback
+
+        tb = traceback.format_exc()
+        log(tb)
+        record = R.Record.for_cell(cell, engine_info=R.EngineInfo(name=cell.engine, environment=cell.environment,
+                                                                  platform=R.cpu_platform()),
+                                   status="error", error=R.ErrorInfo(type=type(e).__name__, message=str(e), log_tail=tb))
+        R.save(job["record"], record)
+        return 0
+    if job.get("info"):
+        _write_json(job["info"], info.model_dump())
+
+    def checkpoint():
+        return base.resolve_checkpoint(cell, job.get("path"))
+
+    def on_sequences(seqs):
+        if job.get("sequences_out"):
+            _write_json(job["sequences_out"], seqs)
+
+    witness = None
+    if job.get("witness") and cell.engine == "reference":
+        def witness(_engine, ckpt, prompts, seqs):
+            w = base.execute(_HookedEngine(base.engine_class("reference")(cell, {"fuse": False})), ckpt,
+                             sequences=seqs, log=log)
+            R.save(job["witness"], w)
+            log(f"witness: reference executed unfused: {w.status}")
+
+    record = base.execute(_HookedEngine(engine), checkpoint, sequences=job.get("sequences"),
+                          on_sequences=on_sequences, witness=witness, log=log)
+    if mode == "cell":
+        R.save(job["record"], record)
+    elif record.status != "ok":
+        R.save(job["record"], record)
+    log(f"worker: done, status {record.status}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m harness.engines.worker JOB.json", file=sys.stderr)
+        return 2
+    job = json.loads(Path(args[0]).read_text())
+    return run_job(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
