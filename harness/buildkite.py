@@ -190,9 +190,37 @@ def _retry() -> dict[str, Any]:
     return {"automatic": [{"signal_reason": "agent_stop", "limit": 2}, {"exit_status": -1, "limit": 2}]}
 
 
-def _timeout_minutes(cell: Cell, image: bool) -> int:
+def units(cells: Sequence[Cell]) -> list[tuple[Cell, ...]]:
+    """Cells grouped into steps: the engines of one model x scheme that share an environment run
+    in one step, so that ``harness run`` compares them with each other in-process (the runner's
+    cross-engine checks, with the reference executed unfused for an engine that does not fuse).
+    Engines in different environments meet when the results are merged (harness.report.merge)."""
+    out: dict[tuple[str, str, str], list[Cell]] = {}
+    for c in cells:
+        out.setdefault((c.model, c.scheme, c.environment), []).append(c)
+    return [tuple(v) for v in out.values()]
+
+
+def unit_key(unit: Sequence[Cell]) -> str:
+    """``cell:<model>.<scheme>.<engine>[,<engine>...]``: the step key, from the unit's cell ids."""
+    first = unit[0]
+    return step_key(f"{first.model}.{first.scheme}." + ",".join(c.engine for c in unit))
+
+
+def exact_k_many(unit: Sequence[Cell], universe: Iterable[Cell]) -> str:
+    universe = list(universe)
+    parts = [exact_k(c, universe) for c in unit]
+    return " or ".join(f"({p})" if " " in p and len(parts) > 1 else p for p in parts)
+
+
+def _timeout_minutes(unit: Sequence[Cell], image: bool) -> int:
+    """The cells of a step run one after another, each under its own timeout_s; a group without
+    the reference engine may first run a reference child for the scored continuation."""
+    seconds = sum(c.timeout_s for c in unit)
+    if not any(c.engine == "reference" for c in unit):
+        seconds += max(c.timeout_s for c in unit)
     setup = SETUP_MINUTES_IMAGE if image else SETUP_MINUTES_VENV
-    return math.ceil(cell.timeout_s / 60) + setup + MARGIN_MINUTES
+    return math.ceil(seconds / 60) + setup + MARGIN_MINUTES
 
 
 def _venv_setup(lines: list[str]) -> list[str]:
@@ -207,19 +235,20 @@ def _venv_setup(lines: list[str]) -> list[str]:
     ]
 
 
-def cell_step(cell: Cell, matrix: Matrix, universe: Sequence[Cell], opts: Options) -> dict[str, Any]:
+def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], opts: Options) -> dict[str, Any]:
+    cell = unit[0]
     env = matrix.environments[cell.environment]
     check_environment(cell.environment, env)
-    q = queue_for(cell)
+    q = max((queue_for(c) for c in unit), key=lambda q: (q.gpus, q.gpu_memory_gb, _cc(q.compute_capability)))
     image = env.image is not None
     results = shlex.quote(opts.results_dir)
     run = shlex.join([
         "python3", "-m", "harness.cli", "run",
         "--matrix", opts.matrix_path,
         "--results", opts.results_dir,
-        "-k", exact_k(cell, universe),
+        "-k", exact_k_many(unit, universe),
         "--tier", cell.tier,
-        "--engine", cell.engine,
+        "--engine", ",".join(c.engine for c in unit),
     ])
     lines = ["set -o pipefail", f"mkdir -p {results}"]
     if image:
@@ -239,18 +268,21 @@ def cell_step(cell: Cell, matrix: Matrix, universe: Sequence[Cell], opts: Option
         "status=0",
         f"{run} || status=$?",
         # Files written as root inside a container must stay removable by the agent.
-        f"chmod -R a+rwX {results} 2>/dev/null || true" if image else "true",
+        *([f"chmod -R a+rwX {results} 2>/dev/null || true"] if image else []),
         'exit "$status"',
     ]
+    artifacts = []
+    for c in unit:
+        artifacts += [f"{opts.results_dir}/{c.id}.json", f"{opts.results_dir}/logs/{c.id}.log"]
     step: dict[str, Any] = {
-        "label": f"{cell.model} · {cell.scheme} · {cell.engine}",
-        "key": step_key(cell.id),
+        "label": f"{cell.model} · {cell.scheme} · {', '.join(c.engine for c in unit)}",
+        "key": unit_key(unit),
         "command": "\n".join(lines),
         "agents": {"queue": q.name},
-        "env": {"HARNESS_CELL": cell.id, "PYTHONUNBUFFERED": "1", **dict(env.env)},
-        "timeout_in_minutes": _timeout_minutes(cell, image),
+        "env": {"HARNESS_CELLS": " ".join(c.id for c in unit), "PYTHONUNBUFFERED": "1", **dict(env.env)},
+        "timeout_in_minutes": _timeout_minutes(unit, image),
         "retry": _retry(),
-        "artifact_paths": [f"{opts.results_dir}/{cell.id}.json", f"{opts.results_dir}/{cell.id}.log"],
+        "artifact_paths": artifacts,
     }
     if image:
         plugin: dict[str, Any] = {
@@ -265,8 +297,9 @@ def cell_step(cell: Cell, matrix: Matrix, universe: Sequence[Cell], opts: Option
             plugin["gpus"] = "all"
             plugin["shm-size"] = "16gb"
         step["plugins"] = [{DOCKER_PLUGIN: plugin}]
-    if cell.known_failures:
+    if any(c.known_failures for c in unit):
         # Exit 1 is the harness's "a cell needs attention"; a crash (other codes) still fails hard.
+        # The report step still fails the build for a verdict the known failure does not cover.
         step["soft_fail"] = [{"exit_status": 1}]
     return step
 
@@ -281,7 +314,7 @@ def annotation_context(cells: Sequence[Cell], opts: Options) -> str:
     return f"harness-{tiers}-{digest}"
 
 
-def final_step(cells: Sequence[Cell], opts: Options) -> dict[str, Any]:
+def final_step(cells: Sequence[Cell], depends_on: Sequence[str], opts: Options) -> dict[str, Any]:
     results, reports = shlex.quote(opts.results_dir), shlex.quote(opts.reports_dir)
     context = annotation_context(cells, opts)
     report = shlex.join([
@@ -295,8 +328,10 @@ def final_step(cells: Sequence[Cell], opts: Options) -> dict[str, Any]:
             shlex.join([*PIP, "--no-deps", "-e", "."]),
         ]),
         f"mkdir -p {results} {reports}",
-        f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/*')} . "
-        '|| echo "no result artifacts to download"',
+        f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/*.json')} . "
+        '|| echo "no result records to download"',
+        f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/logs/*.log')} . "
+        '|| echo "no engine logs to download"',
         "status=0",
         f"{report} || status=$?",
         f"if [ -f {reports}/annotation.md ]; then",
@@ -323,7 +358,7 @@ def final_step(cells: Sequence[Cell], opts: Options) -> dict[str, Any]:
         "key": "harness-report",
         "command": "\n".join(lines),
         "agents": {"queue": CPU_QUEUE.name},
-        "depends_on": [step_key(c.id) for c in cells],
+        "depends_on": list(depends_on),
         "allow_dependency_failure": True,
         "env": {"HARNESS_EXPECTED_CELLS": " ".join(c.id for c in cells), "PYTHONUNBUFFERED": "1"},
         "timeout_in_minutes": 30,
@@ -342,18 +377,20 @@ def generate(matrix: Matrix, cells: Sequence[Cell], opts: Options | None = None,
     groups: dict[str, list[dict[str, Any]]] = {}
     tiers: dict[str, str] = {}
     keys: dict[str, str] = {}
-    for cell in cells:
-        step = cell_step(cell, matrix, universe, opts)
+    step_keys: list[str] = []
+    for unit in units(cells):
+        step = unit_step(unit, matrix, universe, opts)
         if step["key"] in keys:
-            raise MatrixError(f"step key {step['key']!r} of {cell.id} collides with {keys[step['key']]}")
-        keys[step["key"]] = cell.id
-        groups.setdefault(cell.model, []).append(step)
-        tiers[cell.model] = cell.tier
+            raise MatrixError(f"step key {step['key']!r} of {unit[0].id} collides with {keys[step['key']]}")
+        keys[step["key"]] = unit[0].id
+        step_keys.append(step["key"])
+        groups.setdefault(unit[0].model, []).append(step)
+        tiers[unit[0].model] = unit[0].tier
     steps: list[dict[str, Any]] = [
         {"group": f"{model} ({tiers[model]})", "key": step_key(model, "model:"), "steps": members}
         for model, members in groups.items()
     ]
-    steps.append(final_step(cells, opts))
+    steps.append(final_step(cells, step_keys, opts))
     return {"steps": steps}
 
 

@@ -1,6 +1,8 @@
 """The `harness` command."""
 import argparse
 import sys
+import time
+from pathlib import Path
 
 from harness.errors import CheckpointError
 
@@ -30,8 +32,83 @@ def _fixtures(args) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """A usage or configuration problem: printed as one line ``error: ...``, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error is ONE line on stderr (``error: ...``) and exit 2."""
+
+    def error(self, message):
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _selected_cells(args):
+    from harness import matrix
+
+    m = matrix.load(args.matrix)
+    tier = None if args.tier == "all" else args.tier
+    cells = matrix.select(m.cells(tier=tier, engines=args.engine), args.k)
+    return m, cells
+
+
+def _cells(args) -> int:
+    _, cells = _selected_cells(args)
+    try:
+        for c in cells:
+            print(c.id)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `harness cells | head`
+        sys.stdout = None
+    return 0
+
+
+def _run(args) -> int:
+    from harness import matrix, runner
+
+    m, cells = _selected_cells(args)
+    if not cells:
+        what = f" -k {args.k!r}" if args.k else ""
+        raise UsageError(f"no cells selected (tier {args.tier}{', engine ' + args.engine if args.engine else ''}{what}); "
+                         "`harness cells --tier all` lists them")
+    if args.jobs < 1:
+        raise UsageError("--jobs must be >= 1")
+    for w in matrix.warnings(cells):
+        print(w, file=sys.stderr)
+    results = args.results or runner.default_results_dir()
+    r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
+                      matrix_path=args.matrix, echo=lambda s: print(s, flush=True))
+    r.prepare(fresh=True)
+    mode = " (updating baselines)" if args.update_baselines else ""
+    print(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
+          f"jobs {args.jobs}{mode}; results in {results}", flush=True)
+    t0 = time.perf_counter()
+
+    def progress(i, n, res):
+        print(runner.progress_line(i, n, res), flush=True)
+        for msg in res.messages:
+            print("    " + msg.replace("\n", "\n    "), flush=True)
+
+    results_list = r.run(jobs=args.jobs, progress=progress)
+    table, code = runner.summary_text(results_list)
+    wall = time.perf_counter() - t0
+    changes = [res.outcome.change for res in results_list if res.outcome.change is not None]
+    refused = [res for res in results_list if res.outcome.refused]
+    lines = ["", table]
+    if args.update_baselines:
+        kinds = {k: sum(1 for c in changes if c.kind == k) for k in ("new", "updated", "unchanged")}
+        lines.append(f"baselines: {kinds['new']} new, {kinds['updated']} updated, {kinds['unchanged']} unchanged, "
+                     f"{len(refused)} refused, in {Path(args.baselines)}")
+    lines.append(f"wall time {wall:.1f} s; records in {results}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    (Path(results) / "summary.txt").write_text(text.lstrip("\n") + "\n")
+    return code
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="harness", description=__doc__)
+    p = _Parser(prog="harness", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     load = sub.add_parser("load", help="load a checkpoint with the reference loader and print its load report")
@@ -42,6 +119,31 @@ def parser() -> argparse.ArgumentParser:
     fx = sub.add_parser("fixtures", help="list the tiny synthetic fixtures, or build them")
     fx.add_argument("--build", nargs="+", metavar="NAME", help="build these fixtures ('all' for every one)")
     fx.set_defaults(func=_fixtures)
+
+    # cells and run: the matrix on the engines (harness.runner)
+    def selection(sp):
+        from harness.matrix import DEFAULT_PATH
+
+        sp.add_argument("-k", metavar="EXPR", help="select cells with a pytest -k expression over their ids")
+        sp.add_argument("--tier", default="cpu-tiny", choices=["cpu-tiny", "gpu-tiny", "gpu-full", "all"],
+                        help="the tier to select (default: cpu-tiny)")
+        sp.add_argument("--engine", metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
+        sp.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (default: models.yaml)")
+
+    cells = sub.add_parser("cells", help="list the selected cell ids, one per line")
+    selection(cells)
+    cells.set_defaults(func=_cells)
+
+    run = sub.add_parser("run", help="run the selected cells, judge them and write result records")
+    selection(run)
+    run.add_argument("--results", metavar="DIR", help="results directory (default: results/<UTC timestamp>)")
+    run.add_argument("--update-baselines", action="store_true",
+                     help="write the baselines of cells that may become one (never failed/error/unsupported/waived)")
+    run.add_argument("--baselines", metavar="DIR", default=None,
+                     help="baselines root (default: baselines/ of this checkout)")
+    run.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                     help="run N (model, scheme) groups at once, each engine in its own child process (default: 1)")
+    run.set_defaults(func=_run)
 
     # report and pipeline: their arguments and logic live in harness.report and harness.buildkite
     from harness import buildkite, report
@@ -57,10 +159,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from harness.matrix import MatrixError
+
     args = parser().parse_args(argv)
+    if getattr(args, "baselines", "unset") is None:
+        from harness.baselines import DEFAULT_ROOT
+
+        args.baselines = str(DEFAULT_ROOT)
     try:
         return args.func(args)
-    except CheckpointError as e:
+    except (CheckpointError, MatrixError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -182,8 +182,9 @@ def write(results: Path, kinds: dict[str, str], *, started: datetime | None = No
     for i, (cid, kind) in enumerate(kinds.items()):
         rec = build(cid, kind, started=started + timedelta(seconds=i), load_s=0.05 * load_scale)
         save(results / f"{cid}.json", rec)
-        if logs:
-            (results / f"{cid}.log").write_text(f"engine log of {cid}\nloading...\nERROR {EVIL}\n")
+        if logs:  # where harness run writes the engine child's log
+            (results / "logs").mkdir(exist_ok=True)
+            (results / "logs" / f"{cid}.log").write_text(f"engine log of {cid}\nloading...\nERROR {EVIL}\n")
     return list(kinds)
 
 

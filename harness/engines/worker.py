@@ -162,8 +162,8 @@ def run_job(job: dict) -> int:
     witness = None
     if job.get("witness") and cell.engine == "reference":
         def witness(_engine, ckpt, prompts, seqs):
-            w = base.execute(_HookedEngine(base.engine_class("reference")(cell, {"fuse": False})), ckpt,
-                             sequences=seqs, log=log)
+            # Not hooked again: hooks that patch functions are already in place in this process.
+            w = base.execute(base.engine_class("reference")(cell, {"fuse": False}), ckpt, sequences=seqs, log=log)
             R.save(job["witness"], w)
             log(f"witness: reference executed unfused: {w.status}")
 

@@ -18,7 +18,7 @@ from torch import nn
 from harness.errors import CheckpointError
 from harness.quant import Decoded, fp8, formats, skip
 from harness.quant.source import TensorSource
-from harness.reference import architectures, attention
+from harness.reference import architectures, attention, cross_attention
 from harness.reference.linear import FusedLinear, InputQuant, ReferenceLinear
 from harness.reference.report import Disagreement, FusedGroup, LoadReport
 
@@ -68,6 +68,7 @@ def load(path, device: str = "cpu", fuse: bool = True) -> Loaded:
             report.modules[name] = decoded[name][0].label
 
     replacements: dict[str, nn.Module] = {}
+    fused_kv: dict[str, FusedLinear] = {}  # cross-attention FQN -> its fused kv projection
     with phase("fuse"):
         for parent, rule in architectures.fusion_groups(model):
             shards = [f"{parent}.{s}" if parent else s for s in rule.shards]
@@ -78,12 +79,17 @@ def load(path, device: str = "cpu", fuse: bool = True) -> Loaded:
                 model.get_submodule(parent).register_module(rule.kind.replace("-", "_") + "_proj", fused)
                 for index, shard in enumerate(shards):
                     replacements[shard] = fused.shard(index)
+                if rule.kind == "cross-kv":
+                    fused_kv[parent] = fused
 
     with phase("assign"):
         for name, (dec, bias) in decoded.items():
             module = replacements.get(name) or ReferenceLinear(
                 dec.weight, bias, dec.label, _input_quant(dec, activation))
             _set_submodule(model, name, module)
+        for name in architectures.attention_modules(model):
+            if architectures.is_cross_attention(name):
+                cross_attention.install(model, name, fused_kv.get(name))
         _assign_remaining(src, model, arch)
         _attach_kv_scales(src, model, arch, quant_config, report)
 

@@ -201,7 +201,8 @@ def _trend(entries: Sequence[Entry]) -> str:
              '<polyline class="trend" points="' + " ".join(f"{x:.1f},{y:.1f}" for x, y in coords) + '"/>']
     for (e, v), (x, y) in zip(pts, coords):
         st = state_of(e.record)
-        label = e.source if len(e.source) <= 14 else "…" + e.source[-13:]
+        name = e.source.rstrip("/").rsplit("/", 1)[-1] or e.source
+        label = name if len(name) <= 14 else "…" + name[-13:]
         parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4.5" class="pt v-{esc(st)}"><title>{esc(e.source)}: '
                      f"{_num(v)} s, {esc(st)}, {esc(e.record.started_at)}</title></circle>"
                      f'<text x="{x:.1f}" y="{top + ph + 13}" class="ax" text-anchor="middle">{esc(label)}</text>'
@@ -409,6 +410,7 @@ button.f .n{font-weight:700;margin-left:5px}
 button.f.zero{opacity:.38}
 button.f.on{outline:3px solid #0969da;outline-offset:1px}
 button.f.all{background:#fff;border-color:#8c959f}
+button.f.v-missing{border:2px dashed #616161}
 button.tool{background:#fff;border:1px solid #8c959f;border-radius:6px;padding:3px 9px;font:inherit;font-size:13px;cursor:pointer}
 .attention{background:#fff;border:1px solid #dde1e6;border-radius:8px;padding:8px 14px;margin:10px 0 14px}
 .attention h2{font-size:15px;margin:2px 0 6px}

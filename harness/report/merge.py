@@ -1,19 +1,21 @@
 """Reading result directories: one record per cell, merged across directories.
 
-A result directory holds ``<cell id>.json`` (a result record) and ``<cell id>.log`` (the engine's
-log), as ``harness run --results DIR`` and the Buildkite cell steps write them; subdirectories are
-searched too (a Buildkite artifact download keeps the artifact's path).
+A result directory holds ``<cell id>.json`` (a result record) and ``logs/<cell id>.log`` (the
+engine's log), as ``harness run --results DIR`` writes them and the Buildkite report step
+downloads them; only its top-level ``*.json`` files are records.
 
 Several directories are several result sets (runs): for each cell the latest record (by
 ``started_at``) is the one the report shows, and every record of the cell makes its trend.
 ``expected`` cells without any record are *missing* (their step never produced one: a crash, a
 lost agent, a cancelled job). Unreadable files are *problems*, listed, never silently dropped.
 
-With the matrix at hand, ``cross_check`` adds the cross-engine comparison that a per-engine
-Buildkite step cannot make: records of one model x scheme from different engines in the same
-result set are compared within the cell's bounds, and a disagreement makes the verdict
-``failed`` (``waived`` when a known failure matches every failing check), as DESIGN.md's
-verdict order has it.
+With the matrix at hand, ``cross_check`` adds the cross-engine comparisons that no single
+``harness run`` made: engines of one model x scheme that ran in different runs into the same
+result set (on Buildkite: engines in different environments, hence different steps) are compared
+within the cell's bounds, with harness.runner's rules (an engine with a known failure is no
+witness; engines that differ in fusing shards are compared only in a run that holds both). A
+disagreement makes the verdict ``failed`` (``waived`` when a known failure matches every failing
+check), as DESIGN.md's verdict order has it.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness import compare
+from harness.engines.base import fuses_shards
 from harness.records import Record, RecordError
 
 if TYPE_CHECKING:
@@ -77,10 +80,19 @@ def parse_expected(values: Iterable[str] | None) -> list[str]:
 
 
 def _record_files(root: Path) -> list[Path]:
+    """The records of a result directory: its top-level ``*.json`` files (``harness run`` keeps
+    its unjudged and intermediate files in subdirectories: raw/, witness/, sequences/)."""
     if root.is_file():
         return [root]
-    return sorted(p for p in root.rglob("*.json")
+    return sorted(p for p in root.glob("*.json")
                   if not p.name.startswith(".") and not p.name.endswith(".obtained.json") and p.is_file())
+
+
+def _log_for(root: Path, cell: str) -> Path | None:
+    for p in (root / "logs" / f"{cell}.log", root / f"{cell}.log"):
+        if p.is_file():
+            return p
+    return None
 
 
 def load_results(dirs: Sequence[str | Path], expected: Iterable[str] = ()) -> Merged:
@@ -105,9 +117,8 @@ def load_results(dirs: Sequence[str | Path], expected: Iterable[str] = ()) -> Me
             except RecordError as e:
                 problems.append(Problem(path, str(e)))
                 continue
-            log = path.with_suffix(".log")
             history.setdefault(record.cell, []).append(
-                Entry(record, path, str(d), log if log.is_file() else None))
+                Entry(record, path, str(d), _log_for(path.parent, record.cell)))
     current: dict[str, Entry] = {}
     for cell, entries in history.items():
         entries.sort(key=lambda e: (e.started, sets.index(e.source)))
@@ -138,7 +149,13 @@ def cross_check(merged: Merged, matrix: Matrix) -> None:
                 cell = cells.get(rec.cell)
                 if cell is None or rec.status != "ok":
                     continue
-                others = [o.record for o in group if o is not entry]
+                # as harness.runner compares: an engine with a known failure is no witness, and
+                # engines that differ in fusing shards need the reference executed unfused, which
+                # only a run holding both makes (then the checks are in the records already)
+                others = [o.record for o in group if o is not entry
+                          and fuses_shards(o.record.engine) == fuses_shards(rec.engine)
+                          and not (o.record.cell in cells and compare.applicable(
+                              cells[o.record.cell].known_failures, o.record.engine, o.record.engine_info.version))]
                 have = {c.name for c in rec.checks}
                 new = [c for c in compare.cross_engine(rec, others, cell.bounds) if c.name not in have]
                 if not new:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from harness import fixtures, reference, scoring
+from harness.quant import fp8
 from harness.quant.source import TensorSource
 from oracles import library_weight, transformers_model
 
@@ -85,6 +86,7 @@ def test_fused_fp8_within_one_step(fixture):
             b = unfused.get_submodule(shard).weight
             step = torch.clamp(b.abs() * 2**-3, min=float(max_scale) * 2**-9)
             assert ((a - b).abs() <= step).all(), f"{shard}: requantization moved a weight by more than one FP8 step"
+    assert fp8_requantization_problems(fused, src) == []
 
 
 # Fixtures that transformers itself cannot run: (exception type, message pattern, why). The test
@@ -96,6 +98,32 @@ TRANSFORMERS_KNOWN_FAILURES = {
         "EncoderDecoderCache; transformers 5.19 then fails in Cache.update",
     ),
 }
+
+
+def max_logprob_delta(ours, theirs, prompts) -> float:
+    """Max |Δlogprob| over every position of prompt + `theirs`' greedy continuation."""
+    worst = 0.0
+    for prompt in prompts:
+        tokens = prompt.tokens + scoring.greedy(theirs, prompt, MAX_TOKENS, k=1).tokens
+        a = scoring.teacher_forced(ours, prompt, tokens, k=1).logprobs
+        b = scoring.teacher_forced(theirs, prompt, tokens, k=1).logprobs
+        worst = max(worst, max(abs(x - y) for x, y in zip(a, b)))
+    return worst
+
+
+def fp8_requantization_problems(fused, src: TensorSource) -> list[str]:
+    """Fused per-tensor FP8 shards must all sit on the grid of the group's max scale: one scale
+    serves the fused weight. Returns the shards that do not."""
+    problems = []
+    for group in fused.report.groups:
+        if not (group.fused and fused.report.modules[group.shards[0]] == "fp8-tensor"):
+            continue
+        max_scale = max(src.get(f"{s}.weight_scale").max() for s in group.shards)
+        for shard in group.shards:
+            w = fused.model.get_submodule(shard).weight
+            if not torch.equal(fp8.quantize(w, max_scale).float() * max_scale, w):
+                problems.append(shard)
+    return problems
 
 
 def _requantizes(report) -> bool:
@@ -116,12 +144,6 @@ def test_teacher_forced_logprobs_match_transformers(fixture, fuse):
         with pytest.raises(error, match=pattern):
             scoring.greedy(theirs, prompts[0], 1, k=1)
         pytest.xfail(f"known transformers failure: {why}")
-    worst = 0.0
-    for prompt in prompts:
-        continuation = scoring.greedy(theirs, prompt, MAX_TOKENS, k=1).tokens
-        tokens = prompt.tokens + continuation
-        ours = scoring.teacher_forced(loaded.model, prompt, tokens, k=5)
-        expected = scoring.teacher_forced(theirs, prompt, tokens, k=5)
-        worst = max(worst, max(abs(a - b) for a, b in zip(ours.logprobs, expected.logprobs)))
+    worst = max_logprob_delta(loaded.model, theirs, prompts)
     print(f"{name} ({'fused' if fuse else 'unfused'}): max |Δlogprob| reference vs transformers = {worst:.3g}")
     assert worst <= LOGPROB_BOUND

@@ -1,0 +1,246 @@
+"""Cells as pytest parameters: ``pytest suites -k "whisper and torchao"``.
+
+Wired in from suites/conftest.py. Every test that takes the ``harness_cell`` argument is
+parametrized with the matrix's cells of the selected tier and engines; the test id is the cell id,
+``<model>.<scheme>.<engine>``, so ``-k`` selects cells exactly as ``harness cells -k`` does (pytest
+also matches the markers below, and the test's own file and function names).
+
+Options: ``--tier`` (default cpu-tiny; ``all``), ``--engine NAME[,NAME]``,
+``--update-baselines``, ``--results DIR`` (default results/pytest-<UTC timestamp>, shared by xdist
+workers), ``--baselines DIR`` (default baselines/), ``--matrix FILE`` (default models.yaml).
+
+Markers (registered in pyproject.toml): the tier (``cpu_tiny``, ``gpu_tiny``, ``gpu_full``), the
+hardware class (``cpu`` or ``gpu``), and for GPU cells ``hardware(gpus=, gpu_memory_gb=,
+compute_capability=)`` with the cell's needs: ``pytest suites -m "not gpu"``.
+
+Verdict -> test outcome:
+
+- ``pass``, ``improved``: passed.
+- ``regressed``, ``failed``, ``error``: FAILED, with the reason, the failing checks and, for an
+  error, the end of the engine child's log.
+- ``unsupported`` from the capability probe: SKIPPED with the reason (the engine did not run the
+  cell here; it is not a pass, and a session in which nothing passed fails, see conftest.py).
+- ``unsupported`` through a known failure, and ``waived``: XFAIL with the known failure's reason
+  (the engine ran and failed in the documented way).
+- ``unexpected-pass``: FAILED, so a fixed known failure gets noticed and its entry removed
+  (pytest's strict xfail).
+- ``missing-baseline``, ``stale-baseline``: FAILED, unless ``--update-baselines`` wrote the baseline
+  (then the cell is judged against it and passes): CI can never pass without baselines.
+
+Several tests of one (model, scheme) share their engines' records through the results directory
+(file locks), so each engine runs once per session, and under ``-n 2`` the engines of a group run
+on two workers at once. At the end, the terminal summary shows the verdict table and every
+baseline that was written or refused.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness import records as R
+from harness.matrix import MatrixError
+
+__all__ = [
+    "harness_runner",
+    "pytest_addoption",
+    "pytest_collection_finish",
+    "pytest_configure",
+    "pytest_generate_tests",
+    "pytest_runtest_logreport",
+    "pytest_terminal_summary",
+]
+
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("harness", "the quantized-loading matrix (harness)")
+    g.addoption("--tier", default="cpu-tiny", choices=["cpu-tiny", "gpu-tiny", "gpu-full", "all"],
+                help="matrix tier to run (default: cpu-tiny)")
+    g.addoption("--engine", default=None, metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
+    g.addoption("--update-baselines", action="store_true", default=False,
+                help="write the baselines of cells that may become one (never failed/error/unsupported/waived)")
+    g.addoption("--results", default=None, metavar="DIR", help="results directory (default: results/pytest-<timestamp>)")
+    g.addoption("--baselines", default=None, metavar="DIR", help="baselines root (default: baselines/)")
+    g.addoption("--matrix", default=None, metavar="FILE", help="matrix file (default: models.yaml)")
+
+
+class _State:
+    def __init__(self, config):
+        from harness import baselines
+        from harness.matrix import DEFAULT_PATH
+
+        opt = config.option
+        self.config = config
+        self.matrix_path = Path(opt.matrix or DEFAULT_PATH)
+        self.baselines = Path(opt.baselines) if opt.baselines else baselines.DEFAULT_ROOT
+        self.update = bool(opt.update_baselines)
+        self.tier = None if opt.tier == "all" else opt.tier
+        self.engines = opt.engine
+        self.results: Path | None = None
+        self._matrix = None
+        self.runner = None
+        self.reports: list[dict] = []  # controller: one per finished cell test
+
+    @property
+    def matrix(self):
+        if self._matrix is None:
+            from harness import matrix
+
+            try:
+                self._matrix = matrix.load(self.matrix_path)
+            except MatrixError as e:
+                raise pytest.UsageError(str(e)) from None
+        return self._matrix
+
+    def cells(self):
+        try:
+            return self.matrix.cells(tier=self.tier, engines=self.engines)
+        except MatrixError as e:
+            raise pytest.UsageError(str(e)) from None
+
+
+class _XdistHooks:
+    """Registered only when pytest-xdist is active: hands the results directory to the workers."""
+
+    def __init__(self, state: _State):
+        self.state = state
+
+    @pytest.hookimpl
+    def pytest_configure_node(self, node):
+        node.workerinput["harness_results"] = str(self.state.results)
+
+
+def pytest_configure(config):
+    state = _State(config)
+    config.stash[_STASH] = state
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        state.results = Path(workerinput["harness_results"])
+        return
+    if config.option.results:
+        state.results = Path(config.option.results)
+        for sub in ("raw", "witness", "sequences"):  # an earlier session's results must not be reused
+            shutil.rmtree(state.results / sub, ignore_errors=True)
+    else:
+        from harness.runner import default_results_dir
+
+        state.results = default_results_dir(prefix="pytest-")
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistHooks(state), "harness-xdist")
+
+
+_STASH = pytest.StashKey[_State]()
+_REPORTS: list[dict] = []  # controller: the harness property of every finished cell test
+
+
+def _marks(cell):
+    marks = [getattr(pytest.mark, m) for m in cell.markers]
+    hw = cell.hardware
+    if hw.gpus:
+        marks.append(pytest.mark.hardware(gpus=hw.gpus, gpu_memory_gb=hw.gpu_memory_gb,
+                                          compute_capability=hw.compute_capability))
+    return marks
+
+
+def pytest_generate_tests(metafunc):
+    if "harness_cell" not in metafunc.fixturenames:
+        return
+    state = metafunc.config.stash[_STASH]
+    cells = state.cells()
+    metafunc.parametrize("harness_cell", [pytest.param(c, id=c.id, marks=_marks(c)) for c in cells])
+
+
+def pytest_collection_finish(session):
+    state = session.config.stash.get(_STASH, None)
+    if state is None:
+        return
+    cells = [item.callspec.params["harness_cell"] for item in session.items
+             if hasattr(item, "callspec") and "harness_cell" in item.callspec.params]
+    if not cells:
+        return
+    from harness.runner import Runner
+
+    state.runner = Runner(state.matrix, cells, results=state.results, baselines_root=state.baselines,
+                          update_baselines=state.update, matrix_path=state.matrix_path)
+    state.runner.prepare(fresh=False)
+
+
+@pytest.fixture
+def harness_runner(request):
+    state = request.config.stash[_STASH]
+    if state.runner is None:
+        pytest.fail("harness: no runner (the harness_cell parametrization did not run)", pytrace=False)
+    return state.runner
+
+
+# ------------------------------------------------------------------------------------ outcome
+
+
+def check(result, record_property=None, record_path=None) -> None:
+    """Turn a judged cell into the test's outcome (see the module docstring)."""
+    from harness.runner import one_line
+
+    rec: R.Record = result.record
+    verdict = rec.verdict or "error"
+    reason = one_line(rec.verdict_reason, 400)
+    if record_property is not None:
+        record_property("harness", {"cell": rec.cell, "verdict": verdict, "reason": reason,
+                                    "messages": list(result.messages)})
+    if verdict in ("pass", "improved"):
+        return
+    if verdict == "unsupported":
+        if rec.known_failure is not None:
+            pytest.xfail(f"unsupported (known failure): {reason}")
+        pytest.skip(f"unsupported: {reason}")
+    if verdict == "waived":
+        pytest.xfail(f"waived: {reason}")
+    lines = [f"{rec.cell}: {verdict}: {reason}"]
+    for c in rec.checks:
+        if not c.ok:
+            lines.append(f"  check {c.name}: {c.detail}")
+    if verdict in ("missing-baseline", "stale-baseline"):
+        lines.append(f"  to accept this result: pytest suites --update-baselines -k '{rec.cell}'  "
+                     f"(or: harness run --update-baselines -k '{rec.cell}')")
+    for m in result.messages:
+        lines.append("  " + m.replace("\n", "\n  "))
+    if rec.error is not None and rec.error.log_tail:
+        lines.append("  engine log (tail):")
+        lines += ["    " + ln for ln in rec.error.log_tail.splitlines()[-40:]]
+    if record_path is not None:
+        lines.append(f"  record: {record_path}")
+    pytest.fail("\n".join(lines), pytrace=False)
+
+
+# ------------------------------------------------------------------------------ terminal summary
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "call":
+        return
+    for name, value in getattr(report, "user_properties", ()):
+        if name == "harness" and isinstance(value, dict):
+            _REPORTS.append(value)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if getattr(config, "workerinput", None) is not None or not _REPORTS:
+        return
+    from harness import compare
+
+    state = config.stash.get(_STASH, None)
+    tr = terminalreporter
+    tr.section("harness matrix")
+    s = compare.summarize([r["verdict"] for r in _REPORTS])
+    for line in s.table().splitlines():
+        tr.write_line(line)
+    messages = [(r["cell"], m) for r in _REPORTS for m in r.get("messages", ())]
+    shown = [(c, m) for c, m in messages if not m.startswith("obtained result")]
+    if shown:
+        tr.write_line("")
+        tr.write_line("baselines:")
+        for cell, m in shown:
+            tr.write_line("  " + m.replace("\n", "\n  "))
+    if state is not None and state.results is not None:
+        tr.write_line(f"records in {state.results}")

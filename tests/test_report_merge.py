@@ -1,0 +1,105 @@
+"""Reading and merging result directories: latest record per cell, history, missing expected
+cells, unreadable files, and the cross-engine comparison made at merge."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import report_scenario as rs
+
+from harness import matrix as mx
+from harness.records import Record, save
+from harness.report.merge import cross_check, load_results, parse_expected
+
+ROOT = Path(__file__).resolve().parent.parent
+T1 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T2 = datetime(2026, 1, 2, tzinfo=timezone.utc)
+
+
+def test_latest_record_wins_and_history_is_kept(tmp_path):
+    rs.write(tmp_path / "old", {"llama.unquantized.reference": "regressed"}, started=T1)
+    rs.write(tmp_path / "new", {"llama.unquantized.reference": "pass", "llama.bnb-nf4.reference": "pass"}, started=T2)
+    # given newest first: order of the arguments does not decide, started_at does
+    m = load_results([tmp_path / "new", tmp_path / "old"], expected=["llama.unquantized.reference"])
+    assert m.current["llama.unquantized.reference"].record.verdict == "pass"
+    assert m.current["llama.unquantized.reference"].source == str(tmp_path / "new")
+    assert [e.record.verdict for e in m.history["llama.unquantized.reference"]] == ["regressed", "pass"]
+    assert m.current["llama.unquantized.reference"].log.relative_to(tmp_path / "new").as_posix() == "logs/llama.unquantized.reference.log"
+    assert m.missing == [] and m.problems == []
+
+
+def test_missing_cells_and_unreadable_files_are_reported(tmp_path):
+    d = tmp_path / "results"
+    rs.write(d, {"llama.unquantized.reference": "pass"}, started=T1)
+    (d / "broken.json").write_text("{not json")
+    data = json.loads((d / "llama.unquantized.reference.json").read_text())
+    (d / "future.json").write_text(json.dumps({**data, "schema_version": 2}))
+    (d / "summary.json").write_text(json.dumps({"counts": {}}))  # not a record: ignored
+    (d / "raw").mkdir()  # harness run's unjudged records: not the results
+    save(d / "raw" / "llama.bnb-nf4.reference.json", rs.build("llama.bnb-nf4.reference", "pass", started=T1))
+    m = load_results([d, tmp_path / "nope"], expected=parse_expected(["llama.unquantized.reference llama.bnb-nf4.reference",
+                                                                       "whisper.unquantized.reference,llama.unquantized.reference"]))
+    assert m.expected == ["llama.unquantized.reference", "llama.bnb-nf4.reference", "whisper.unquantized.reference"]
+    assert m.missing == ["llama.bnb-nf4.reference", "whisper.unquantized.reference"]
+    msgs = sorted(p.message for p in m.problems)
+    assert len(msgs) == 3
+    assert any("not a readable JSON file" in x for x in msgs)
+    assert any("schema_version 2 is not supported" in x for x in msgs)
+    assert any("no such result directory" in x for x in msgs)
+
+
+def _as_vllm(record, environment="vllm-cpu-0.32"):
+    """The same results, as the vLLM engine's record of the same model x scheme."""
+    data = record.model_dump()
+    data.update(cell=f"{record.model}.{record.scheme}.vllm", engine="vllm",
+                engine_info={**data["engine_info"], "name": "vllm", "version": "0.32.0", "environment": environment})
+    return Record.model_validate(data)
+
+
+def _vllm_cpu_matrix():
+    text = (ROOT / "models.yaml").read_text().replace(
+        "    engines: {reference: core, transformers: core}\n    schemes:\n      unquantized:\n      bnb-nf4:\n      bnb-nf4-dq:",
+        "    engines: {reference: core, transformers: core, vllm: vllm-cpu-0.32}\n    schemes:\n      unquantized:\n"
+        "      bnb-nf4:\n      bnb-nf4-dq:", 1)
+    m = mx.loads(text)
+    assert "llama.bnb-nf4-skip-ambiguous.vllm" in {c.id for c in m.cells()}
+    return m
+
+
+def test_engines_from_different_steps_are_compared_at_merge(tmp_path):
+    """On Buildkite, engines in different environments run in different steps: they meet at merge."""
+    d = tmp_path / "results"
+    rs.write(d, {rs.REGRESSED: "regressed", rs.REGRESSED.replace("reference", "transformers"): "pass"}, started=T1)
+    ok = rs.build(rs.REGRESSED.replace("reference", "transformers"), "pass", started=T1)
+    save(d / "llama.bnb-nf4-skip-ambiguous.vllm.json", _as_vllm(ok))
+    m = load_results([d])
+    cross_check(m, _vllm_cpu_matrix())
+    ref = m.current[rs.REGRESSED].record
+    vllm = m.current["llama.bnb-nf4-skip-ambiguous.vllm"].record
+    tf = m.current[rs.REGRESSED.replace("reference", "transformers")].record
+    # reference and vLLM both fuse shards: compared, and they disagree beyond the bounds
+    assert ref.verdict == vllm.verdict == "failed"
+    assert "cross-engine" in ref.verdict_reason
+    assert any(c.name == "teacher-forced:vllm" and not c.ok for c in ref.checks)
+    assert any(c.name == "teacher-forced:reference" and not c.ok for c in vllm.checks)
+    # transformers does not fuse: only a run holding it and the reference compares them (with the
+    # reference executed unfused), so the merge leaves it alone
+    assert tf.verdict == "pass" and not any(c.name.endswith(":reference") for c in tf.checks)
+    assert len(m.notes) == 2
+
+
+def test_agreeing_engines_keep_their_verdicts_and_gain_the_checks(tmp_path):
+    d = tmp_path / "results"
+    rs.write(d, {"llama.bnb-nf4.reference": "pass"}, started=T1)
+    save(d / "llama.bnb-nf4.vllm.json", _as_vllm(rs.build("llama.bnb-nf4.reference", "pass", started=T1)))
+    m = load_results([d])
+    cross_check(m, _vllm_cpu_matrix())
+    for cid in ("llama.bnb-nf4.reference", "llama.bnb-nf4.vllm"):
+        r = m.current[cid].record
+        assert r.verdict == "pass"
+        assert any(c.name in ("teacher-forced:vllm", "teacher-forced:reference") and c.ok for c in r.checks)
+    assert m.notes == []
+    before = [len(m.current[c].record.checks) for c in m.current]
+    cross_check(m, _vllm_cpu_matrix())  # a second merge adds nothing twice
+    assert [len(m.current[c].record.checks) for c in m.current] == before

@@ -1,0 +1,201 @@
+"""The report's outputs: the self-contained HTML page, JUnit XML, the Buildkite annotation, and
+`harness report`."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import report_scenario as rs
+
+from harness import cli
+from harness.records import VERDICTS
+from harness.report import MISSING, STATES, STYLE, annotation_style, write_reports
+from harness.report.annotation import md
+
+ROOT = Path(__file__).resolve().parent.parent
+T1 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T2 = datetime(2026, 1, 2, tzinfo=timezone.utc)
+EXPECTED = [*rs.ALL_KINDS, rs.MISSING_CELL]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Two result sets (for the trend) covering all ten verdicts, plus one missing cell."""
+    d = tmp_path_factory.mktemp("report")
+    rs.write(d / "run1", rs.ALL_KINDS, started=T1, load_scale=1.4)
+    rs.write(d / "run2", rs.ALL_KINDS, started=T2)
+    w = write_reports([d / "run1", d / "run2"], d / "out", expected=EXPECTED, matrix=rs.MATRIX)
+    return d, w
+
+
+class _Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.scripts: list[str] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        self._in_script = tag == "script"
+        if tag == "script":
+            self.scripts.append("")
+
+    def handle_endtag(self, tag):
+        if tag == "script":
+            self._in_script = False
+
+    def handle_data(self, data):
+        if self._in_script:
+            self.scripts[-1] += data
+
+
+def test_all_states_have_distinct_colors():
+    assert set(STYLE) == set(STATES) == {*VERDICTS, MISSING}
+    assert len({bg for bg, *_ in STYLE.values()}) == len(STYLE)
+
+
+def test_html_is_one_self_contained_file(written):
+    d, w = written
+    assert sorted(p.name for p in (d / "out").iterdir()) == ["annotation-style.txt", "annotation.md", "junit.xml", "report.html"]
+    page = w.html.read_text()
+    p = _Tags()
+    p.feed(page)
+    # nothing is fetched: no external stylesheet, script, image, font or frame
+    for tag, attrs in p.tags:
+        assert tag not in ("link", "img", "iframe", "object", "embed"), tag
+        assert "src" not in attrs, (tag, attrs)
+        if tag == "a":
+            assert attrs["href"].startswith("https://"), attrs  # only the known failure's link, to click
+    assert "@import" not in page and "url(" not in page
+    assert "default-src 'none'" in page  # and a CSP that would block it anyway
+
+
+def test_text_from_records_and_logs_is_escaped(written):
+    d, w = written
+    page = w.html.read_text()
+    p = _Tags()
+    p.feed(page)
+    assert len(p.scripts) == 1 and "__pwned" not in p.scripts[0]  # the page's own script only
+    assert rs.EVIL not in page
+    escaped = rs.EVIL.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("'", "&#x27;")
+    # the error message, the engine log tail, the log file and the module diff all show it as text
+    assert page.count(escaped) >= 4
+
+
+def test_grid_counts_filter_and_details(written):
+    d, w = written
+    page = w.html.read_text()
+    assert w.counts == {**{s: 1 for s in STATES}}
+    for s in STATES:
+        assert f'data-verdict="{s}"' in page
+        assert re.search(rf'class="f v-{s}" data-verdict="{s}"[^>]*>{s}<span class="n">1</span>', page), s
+    for tier in ("cpu-tiny", "gpu-tiny", "gpu-full"):
+        assert f'data-tier="{tier}"' in page
+    assert page.count('<td class="cell"') == 10  # model x scheme cells holding the 11 engine chips
+    # the regressed cell's details: |Δlogprob| chart, first greedy divergence with both top-k
+    assert "Teacher-forced |Δlogprob| against baseline ✗ beyond the bound" in page
+    assert "First greedy divergence against baseline" in page
+    assert page.count('<table class="topk">') >= 1
+    assert '<svg class="chart"' in page
+    # vLLM's module diff, the known failure and its link
+    assert "Module diff against the reference" in page and "cross_attn.kv_proj" in page
+    assert 'href="https://github.com/vllm-project/vllm/issues"' in page
+    # load time against the baseline and the trend across the two result sets
+    assert "trend across result sets" in page and "run1" in page and "run2" in page
+    # the log tail for errors, and the missing cell explained
+    assert "last 3 lines of <code>whisper.fp8-static-kv.transformers.log</code>" in page
+    assert "No result record came back for this expected cell" in page
+
+
+def test_junit_has_one_testcase_per_cell(written):
+    d, w = written
+    root = ET.parse(w.junit).getroot()
+    cases = root.findall(".//testcase")
+    assert sorted(c.get("name") for c in cases) == sorted(EXPECTED)
+    kind = {c.get("name"): next((ch.tag for ch in c if ch.tag in ("failure", "error", "skipped")), "passed") for c in cases}
+    by_verdict = {rs.ALL_KINDS.get(n, MISSING): k for n, k in kind.items()}
+    assert by_verdict == {
+        "pass": "passed", "improved": "passed", "unexpected-pass": "passed",
+        "regressed": "failure", "failed": "failure", "error": "error", MISSING: "error",
+        "unsupported": "skipped", "waived": "skipped", "stale-baseline": "skipped", "missing-baseline": "skipped",
+    }
+    assert root.get("tests") == str(len(EXPECTED)) and root.get("failures") == "2" and root.get("errors") == "2"
+    assert {s.get("name") for s in root.findall("testsuite")} == {"harness cpu-tiny", "harness gpu-tiny", "harness gpu-full"}
+    err = next(c for c in cases if c.get("name") == "whisper.fp8-static-kv.transformers").find("error")
+    assert rs.EVIL in err.text  # XML-escaped by the writer, intact for the reader
+
+
+def test_annotation_summary_and_style(written):
+    d, w = written
+    text = w.annotation.read_text()
+    assert (d / "out" / "annotation-style.txt").read_text() == "error\n"
+    assert text.startswith("#### Quantized loading matrix: 9 of 11 cells need attention")
+    for s in STATES:
+        assert f"{STYLE[s][3]} {s} **1**" in text
+    assert "| scheme \\\\ model | llama | whisper |" in text
+    assert "| fp8-static-kv |   | ⚪ref 💥tf |" in text  # whisper column: unsupported reference, error transformers
+    assert "<script>" not in text and "&lt;script&gt;" in text
+    assert 'href="artifact://out/report.html"' in text
+    assert len(text.encode()) < 1024 * 1024
+
+
+def test_annotation_style_follows_the_worst_state():
+    assert annotation_style(["pass", "improved"]) == "success"
+    assert annotation_style(["pass", "unsupported", "waived"]) == "info"
+    assert annotation_style(["pass", "missing-baseline"]) == "warning"
+    assert annotation_style(["pass", "stale-baseline", "waived"]) == "warning"
+    assert annotation_style(["pass", "unexpected-pass"]) == "warning"
+    for bad in ("regressed", "failed", "error", MISSING):
+        assert annotation_style(["pass", "waived", bad]) == "error"
+    assert annotation_style([]) == "info"
+    assert annotation_style(["pass"], problems=1) == "error"
+
+
+def test_markdown_escaping():
+    assert md("a|b\n<script>`x`[l](javascript:y)") == r"a\|b &lt;script&gt;\`x\`\[l\]\(javascript:y\)"
+    assert md("x" * 400).endswith("…") and len(md("x" * 400)) == 301
+
+
+def test_one_regressed_and_one_vllm_known_failure(tmp_path):
+    """The scenario of the issue's closing note, over the whole matrix."""
+    kinds = rs.full_matrix_kinds({rs.REGRESSED_GPU: "regressed", rs.KNOWN_FAILURE: "waived"})
+    rs.write(tmp_path / "results", kinds, logs=False)
+    w = write_reports([tmp_path / "results"], tmp_path / "reports", expected=list(kinds), matrix=rs.MATRIX)
+    assert {k: v for k, v in w.counts.items() if v} == {"pass": 64, "regressed": 1, "waived": 1}
+    assert w.style == "error" and w.bad
+    text = w.annotation.read_text()
+    assert text.startswith("#### Quantized loading matrix: 2 of 66 cells need attention")
+    assert f"- 📉 `{rs.REGRESSED_GPU}` **regressed**: teacher-forced:baseline: exceeds bound" in text
+    assert f"- 🟤 `{rs.KNOWN_FAILURE}` **waived**: known failure: vLLM 0.10.2 skips" in text
+    assert "<details><summary><b>cpu-tiny</b>: 54 cells, all pass</summary>" in text
+    # waived alone would be info
+    kinds[rs.REGRESSED_GPU] = "pass"
+    rs.write(tmp_path / "r2", kinds, logs=False)
+    assert write_reports([tmp_path / "r2"], tmp_path / "rep2", matrix=rs.MATRIX).style == "info"
+
+
+def test_harness_report_cli(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rs.write(tmp_path / "results", {"llama.unquantized.reference": "pass"}, started=T1)
+    out = tmp_path / "reports"
+    assert cli.main(["report", str(tmp_path / "results"), "-o", str(out)]) == 0
+    assert "pass     1" in capsys.readouterr()[0]
+    # --strict: a missing expected cell fails the step that renders the report
+    assert cli.main(["report", str(tmp_path / "results"), "-o", str(out), "--strict",
+                     "--expect", "llama.unquantized.reference llama.bnb-nf4.reference"]) == 1
+    o = capsys.readouterr()[0]
+    assert "missing: 1 expected cell(s) have no record: llama.bnb-nf4.reference" in o
+    assert cli.main(["report", str(tmp_path / "results"), "-o", str(out), "--strict"]) == 0
+    assert cli.main(["report", str(tmp_path / "results"), "-o", str(out), "--matrix", str(tmp_path / "nope.yaml")]) == 2
+    # python -m harness.report is the same command (the Buildkite report step uses it)
+    r = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "results"), "-o", str(out), "--strict"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (out / "report.html").is_file()
