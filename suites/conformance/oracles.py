@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from harness.engines.transformers import bnb_float_compute
 from harness.quant.source import torchao_safe_globals
 
 
@@ -24,13 +25,8 @@ def transformers_model(path: str):
     # exactly as the reference allows them (harness.quant.source).
     with torch.serialization.safe_globals(torchao_safe_globals()):
         model = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", **kwargs)
-    for module in model.modules():
-        # On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights for a kernel that rounds the
-        # activations to bfloat16 although compute_dtype is float32 (|Δ| ~2e-2 per layer output,
-        # ~0.1 in logprobs here). Its generic path dequantizes and multiplies in float32, as on
-        # every other CPU, which keeps the oracle about loading and the same on all machines.
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+    # The bf16 CPU kernel of bitsandbytes would make the oracle about bnb's kernel, not loading.
+    bnb_float_compute(model)
     return model.eval()
 
 
