@@ -35,7 +35,7 @@ import re
 import shlex
 import subprocess
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +174,6 @@ class Options:
     results_dir: str = "results"
     reports_dir: str = "reports"
     context: str | None = None  # annotation context; default: derived from the selection
-    selection_note: list[str] = field(default_factory=list)  # why these cells (comments in the YAML)
 
 
 def exact_k(cell: Cell, universe: Iterable[Cell]) -> str:
@@ -242,13 +241,12 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
     q = max((queue_for(c) for c in unit), key=lambda q: (q.gpus, q.gpu_memory_gb, _cc(q.compute_capability)))
     image = env.image is not None
     results = shlex.quote(opts.results_dir)
-    run = shlex.join([
-        "python3", "-m", "harness.cli", "run",
-        "--matrix", opts.matrix_path,
-        "--results", opts.results_dir,
-        "-k", exact_k_many(unit, universe),
-        "--tier", cell.tier,
-        "--engine", ",".join(c.engine for c in unit),
+    # the results directory, absolute (the engine children run in another working directory)
+    results_abs = results if opts.results_dir.startswith("/") else f'"$PWD"/{results}'
+    run = " ".join([
+        shlex.join(["python3", "-m", "harness.cli", "run", "--matrix", opts.matrix_path]),
+        "--results", results_abs,
+        shlex.join(["-k", exact_k_many(unit, universe), "--tier", cell.tier, "--engine", ",".join(c.engine for c in unit)]),
     ])
     lines = ["set -o pipefail", f"mkdir -p {results}"]
     if image:
@@ -345,7 +343,7 @@ def final_step(cells: Sequence[Cell], depends_on: Sequence[str], opts: Options) 
         f'if [ -n "${{BUILDKITE_ANALYTICS_TOKEN:-}}" ] && [ -f {reports}/junit.xml ]; then',
         "  curl -sS --fail --max-time 60 -X POST"
         ' -H "Authorization: Token token=\\"$BUILDKITE_ANALYTICS_TOKEN\\""'
-        f" -F data=@{reports}/junit.xml -F format=junit -F run_env[CI]=buildkite"
+        f" -F data=@{reports}/junit.xml -F format=junit -F 'run_env[CI]=buildkite'"
         ' -F "run_env[key]=${BUILDKITE_BUILD_ID:-}" -F "run_env[number]=${BUILDKITE_BUILD_NUMBER:-}"'
         ' -F "run_env[job_id]=${BUILDKITE_JOB_ID:-}" -F "run_env[branch]=${BUILDKITE_BRANCH:-}"'
         ' -F "run_env[commit_sha]=${BUILDKITE_COMMIT:-}" -F "run_env[url]=${BUILDKITE_BUILD_URL:-}"'

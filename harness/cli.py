@@ -10,7 +10,7 @@ from harness.errors import CheckpointError
 def _load(args) -> int:
     from harness import reference
 
-    loaded = reference.load(args.path)
+    loaded = reference.load(args.path, quantization=args.quantize)
     print(loaded.report.to_json() if args.json else loaded.report.summary())
     return 0
 
@@ -114,6 +114,9 @@ def parser() -> argparse.ArgumentParser:
     load = sub.add_parser("load", help="load a checkpoint with the reference loader and print its load report")
     load.add_argument("path", help="checkpoint directory")
     load.add_argument("--json", action="store_true", help="print the report as JSON")
+    load.add_argument("--quantize", metavar="CONFIG",
+                      help="quantize an unquantized checkpoint at load time: a quantization config as a JSON file, "
+                           "a JSON string, or online-bnb-nf4 / online-torchao-int8wo / online-fp8")
     load.set_defaults(func=_load)
 
     fx = sub.add_parser("fixtures", help="list the tiny synthetic fixtures, or build them")

@@ -74,6 +74,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOG_TAIL_CHARS = 4000
 KILL_GRACE_S = 3.0
 THREADS_ENV = "HARNESS_TORCH_THREADS"
+ISOLATION_ENV = "HARNESS_ISOLATION"  # "fork" (default): children forked from a preloaded fork server; "spawn"
+SPAWN_ENGINES = frozenset({"vllm"})  # engines that always get a fresh interpreter
 
 
 def default_results_dir(base: str | Path = "results", prefix: str = "") -> Path:
@@ -114,6 +116,76 @@ def _signal_name(code: int) -> str:
         return signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
+
+
+_FORK_LOCK = threading.Lock()
+_FORK_CONTEXT = None
+
+
+def _fork_context():
+    """multiprocessing's "forkserver", preloaded with torch, transformers and the harness
+    (harness.engines._forkserver_preload): started once per process that runs cells (harness run,
+    each pytest-xdist worker), it forks one child per cell in milliseconds instead of paying the
+    imports (several seconds) every time. A forked child is as isolated as a spawned one: its own
+    address space and process group, its own log; nothing it does reaches the next cell."""
+    global _FORK_CONTEXT
+    with _FORK_LOCK:
+        if _FORK_CONTEXT is None:
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["harness.engines._forkserver_preload"])
+            _FORK_CONTEXT = ctx
+        return _FORK_CONTEXT
+
+
+class _Child:
+    """An engine child: forked from the fork server, or spawned as ``python -m harness.engines.worker``.
+    Either way it leads its own process group, which kill() ends whole."""
+
+    def __init__(self, proc, fork: bool):
+        self.proc = proc
+        self.fork = fork
+
+    @classmethod
+    def start(cls, job_path: Path, log: Path, env: dict[str, str], fork: bool) -> _Child:
+        if fork:
+            from harness.engines import worker
+
+            proc = _fork_context().Process(target=worker.forked_main, args=(str(job_path), str(log), env),
+                                           name=f"harness-{job_path.stem}")
+            proc.start()
+            return cls(proc, True)
+        with open(log, "w") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "harness.engines.worker", str(job_path)],
+                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                    env=env, cwd=str(REPO_ROOT), start_new_session=True)
+        return cls(proc, False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait(self, timeout: float | None) -> int | None:
+        """The exit status (negative: killed by that signal), or None when ``timeout`` passed."""
+        if self.fork:
+            self.proc.join(timeout)
+            return self.proc.exitcode
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """SIGTERM to the child's process group, SIGKILL after a grace period."""
+        for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                if self.fork and self.proc.exitcode is None:
+                    self.proc.kill()  # not yet its own group leader
+            if self.wait(grace) is not None:
+                return
 
 
 @dataclass
@@ -315,19 +387,16 @@ class Runner:
         started = R.utc_now()
         t0 = time.perf_counter()
         error: tuple[str, str] | None = None
-        with open(log, "w") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "harness.engines.worker", str(job_path)],
-                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                    env=self._child_env(cell), cwd=str(REPO_ROOT), start_new_session=True)
-            try:
-                code = proc.wait(timeout=cell.timeout_s)
-            except subprocess.TimeoutExpired:
-                self._kill(proc)
-                error = ("Timeout", f"the {cell.engine} engine child did not finish within the cell's timeout_s "
-                                    f"({cell.timeout_s:g} s) and was killed")
-            except BaseException:
-                self._kill(proc)
-                raise
+        child = _Child.start(job_path, log, self._child_env(cell), fork=self.uses_fork_server(cell))
+        try:
+            code = child.wait(cell.timeout_s)
+        except BaseException:
+            child.kill()
+            raise
+        if code is None:
+            child.kill()
+            error = ("Timeout", f"the {cell.engine} engine child did not finish within the cell's timeout_s "
+                                f"({cell.timeout_s:g} s) and was killed")
         wall = time.perf_counter() - t0
         if error is None and code != 0:
             what = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with status {code}"
@@ -355,19 +424,15 @@ class Runner:
                                  error=R.ErrorInfo(type=error[0], message=error[1], log_tail=tail(log)),
                                  started_at=started, duration_s=wall)
 
-    @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        """End the child and everything it started (its own process group)."""
-        for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+    def uses_fork_server(self, cell: Cell) -> bool:
+        """Fork the child from the preloaded fork server (see _Child), unless HARNESS_ISOLATION=spawn,
+        the engine needs a fresh interpreter (vLLM), or the cell's environment sets variables that
+        libraries read at import time."""
+        mode = os.environ.get(ISOLATION_ENV, "fork")
+        if mode not in ("fork", "spawn"):
+            raise ValueError(f"{ISOLATION_ENV}={mode!r}: expected 'fork' or 'spawn'")
+        return (mode == "fork" and sys.platform == "linux" and cell.engine not in SPAWN_ENGINES
+                and not self.matrix.environments[cell.environment].env)
 
     # ---- judging -------------------------------------------------------------------------
     def witness(self, cell: Cell, record: R.Record) -> R.Record:

@@ -3,7 +3,6 @@ change-based selection."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -319,7 +318,7 @@ def test_a_malicious_name_cannot_inject_shell(tmp_path):
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     run = next(c for c in calls if c[:4] == ["python3", "-m", "harness.cli", "run"])
     assert run[run.index("-k") + 1] == bk.exact_k_many([cell], [cell]) == cell.id
-    assert run[run.index("--results") + 1] == opts.results_dir
+    assert run[run.index("--results") + 1] == f"{tmp_path}/{opts.results_dir}"
     assert run[run.index("--matrix") + 1] == opts.matrix_path
     pips = [c for c in calls if c[1:4] == ["-m", "pip", "install"]]
     # each item is split into pip arguments as a shell would, and every argument reaches pip literally
@@ -458,3 +457,21 @@ def test_harness_cli_pipeline_subcommand(capsys):
     assert cli.main(["pipeline", "--tier", "gpu-tiny", "-k", "whisper"]) == 0
     p = yaml.safe_load(capsys.readouterr()[0])
     assert list(by_cell(p)) == ["whisper-gpu.fp8-static-kv.vllm", "whisper-gpu.fp8-dynamic.vllm"]
+
+
+def test_report_and_pipeline_need_only_the_light_runtime():
+    """The bootstrap and report steps install only bk.HARNESS_RUNTIME (pydantic, pyyaml,
+    packaging, filelock, pytest), never torch: what they import must come from those."""
+    code = ("import sys, harness.report, harness.report.html, harness.report.junit, harness.report.annotation, "
+            "harness.report.merge, harness.buildkite\n"
+            "from harness.matrix import load, select\n"
+            "select(load().cells(), 'llama')\n"
+            "print(' '.join(sorted({n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+    allowed = {"harness", "pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection",
+               "yaml", "packaging", "filelock", "pytest", "pluggy", "iniconfig", "py", "pygments", "cython_runtime"}
+    assert {m for m in out if not m.startswith("_")} <= allowed
+    constraints = (ROOT / "constraints.txt").read_text().lower()
+    for req in bk.HARNESS_RUNTIME:
+        name = re.split(r"[<>=]", req)[0].lower()
+        assert f"\n{name}==" in "\n" + constraints, name

@@ -188,3 +188,20 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def forked_main(job_path: str, log_path: str, env: dict[str, str]) -> None:
+    """Entry point of a child forked from the runner's fork server (multiprocessing "forkserver",
+    preloaded with torch and transformers by harness.engines._forkserver_preload): a new process
+    group, stdout and stderr to the cell's log, the job's environment, then the job."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    code = main([job_path])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

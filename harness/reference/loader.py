@@ -19,6 +19,7 @@ from harness.errors import CheckpointError
 from harness.quant import Decoded, fp8, formats, skip
 from harness.quant.source import TensorSource
 from harness.reference import architectures, attention, cross_attention
+from harness.reference import online  # online quantization: load(..., quantization=)
 from harness.reference.linear import FusedLinear, InputQuant, ReferenceLinear
 from harness.reference.report import Disagreement, FusedGroup, LoadReport
 
@@ -42,13 +43,19 @@ class _Phases:
             self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
 
 
-def load(path, device: str = "cpu", fuse: bool = True) -> Loaded:
+def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loaded:
     """Load a checkpoint directory. `fuse=False` keeps every projection separate, which is how
-    transformers executes it; the default fuses as an engine does (DESIGN.md)."""
+    transformers executes it; the default fuses as an engine does (DESIGN.md). `quantization`, a
+    quantization config (dict, JSON file or preset name; harness.reference.online), quantizes an
+    unquantized checkpoint at load time."""
     path = Path(path)
     config_dict = _read_config(path)
     quant_config = config_dict.get("quantization_config")
     method = formats.quant_method(config_dict)
+    online_q = None
+    if quantization is not None:  # online quantization: the config stands in for the checkpoint's
+        online_q = online.OnlineQuantizer.from_config(quantization, formats.quantization_config(config_dict))
+        quant_config, method = online_q.config, online_q.method
     report = LoadReport(str(path), (config_dict.get("architectures") or ["?"])[0], method)
     phase = _Phases(report.timings)
     started = time.perf_counter()
@@ -60,12 +67,15 @@ def load(path, device: str = "cpu", fuse: bool = True) -> Loaded:
         src = TensorSource.open(path)
 
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    activation = _activation_scheme(quant_config)
+    activation = _activation_scheme(quant_config) if online_q is None else online_q.activation
     decoded: dict[str, tuple[Decoded, torch.Tensor | None]] = {}
     with phase("decode"):
         for name, module in linears.items():
             decoded[name] = _decode_linear(src, model, name, module, arch)
             report.modules[name] = decoded[name][0].label
+    if online_q is not None:
+        with phase("quantize"):
+            online_q.apply(model, decoded, arch=arch, fuse=fuse, report=report)
 
     replacements: dict[str, nn.Module] = {}
     fused_kv: dict[str, FusedLinear] = {}  # cross-attention FQN -> its fused kv projection
@@ -93,7 +103,8 @@ def load(path, device: str = "cpu", fuse: bool = True) -> Loaded:
         _assign_remaining(src, model, arch)
         _attach_kv_scales(src, model, arch, quant_config, report)
 
-    report.disagreements.extend(_disagreements(quant_config, report.modules, arch))
+    if online_q is None:  # online: the quantizer's own decisions; it recorded their disagreements
+        report.disagreements.extend(_disagreements(quant_config, report.modules, arch))
     model.eval().to(device)
     report.timings["total"] = time.perf_counter() - started
     return Loaded(model, report)

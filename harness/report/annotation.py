@@ -31,6 +31,10 @@ def md(text: object, limit: int = MAX_REASON) -> str:
     return _MD_SPECIAL.sub(r"\\\1", html.escape(s, quote=False))
 
 
+def _n(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _emoji(state: str) -> str:
     return STYLE[state][3]
 
@@ -77,8 +81,8 @@ def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.ht
         models = [m for m in models_order if any(s[2] == m for s in ts)] + sorted({s[2] for s in ts} - set(models_order))
         schemes = [x for x in scheme_order if any(s[3] == x for s in ts)] + sorted({s[3] for s in ts} - set(scheme_order))
         tier_bad = sum(1 for s in ts if s[5] not in ("pass", "improved"))
-        lines += ["", f"<details{' open' if tier_bad else ''}><summary><b>{html.escape(tier)}</b>: {len(ts)} cells"
-                  f"{f', {tier_bad} need attention' if tier_bad else ', all pass'}</summary>", ""]
+        lines += ["", f"<details{' open' if tier_bad else ''}><summary><b>{html.escape(tier)}</b>: {_n(len(ts), 'cell')}"
+                  f"{f', {tier_bad} need' + ('s' if tier_bad == 1 else '') + ' attention' if tier_bad else ', all pass'}</summary>", ""]
         lines.append("| scheme \\\\ model | " + " | ".join(md(m, 60) for m in models) + " |")
         lines.append("|---" * (len(models) + 1) + "|")
         for sc in schemes:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import html as _html
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -44,6 +44,10 @@ def _num(x: Any, digits: int = 3) -> str:
             return "∞" if x > 0 else "-∞"
         return f"{x:.{digits}g}"
     return esc(x)
+
+
+def _n(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _chip(state: str, text: str = "", title: str = "", extra: str = "") -> str:
@@ -615,8 +619,8 @@ def render(merged: Merged, *, matrix=None, title: str | None = None, now: dateti
                 details.append(f'<tr class="detail" id="{did}" hidden><td colspan="{len(tmodels) + 1}">'
                                f'<div class="sub-h">{esc(m)} · {esc(sc)} ({esc(tier)})</div>{panels}</td></tr>')
             rows.append(f'<tr class="gridrow"><th scope="row">{esc(sc)}</th>{"".join(tds)}</tr>' + "".join(details))
-        sections.append(f'<section class="tier" data-tier="{esc(tier)}"><h2>{esc(tier)} <small>{len(tslots)} cells, '
-                        f'{len(tmodels)} models × {len(tschemes)} schemes</small></h2>'
+        sections.append(f'<section class="tier" data-tier="{esc(tier)}"><h2>{esc(tier)} <small>{_n(len(tslots), "cell")}, '
+                        f'{_n(len(tmodels), "model")} × {_n(len(tschemes), "scheme")}</small></h2>'
                         f'<div class="scroll"><table class="grid"><thead><tr><th>scheme \\ model</th>{head}</tr></thead>'
                         f'<tbody>{"".join(rows)}</tbody></table></div></section>')
 

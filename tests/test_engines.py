@@ -1,0 +1,125 @@
+"""The engine interface, in-process: the reference and transformers engines produce the same record
+shape from the same methods, score given sequences, probe before loading, and turn failures into
+records. (The child process, timeouts and hooks: tests/test_runner.py.)"""
+import pytest
+
+from harness import matrix as M
+from harness import records as R
+from harness.engines import base
+from harness.engines.reference import ReferenceEngine
+from harness.engines.transformers import TransformersEngine
+from harness.engines.worker import parse_hooks
+
+
+@pytest.fixture(scope="module")
+def cells():
+    m = M.load()
+    return {c.id: c for c in m.cells(tier="cpu-tiny")}
+
+
+def _cell(cells, cell_id, **update):
+    c = cells[cell_id]
+    return c.model_copy(update={"max_tokens": 4, "top_k": 3, **update})
+
+
+def _max_delta(a: R.Record, b: R.Record) -> float:
+    worst = 0.0
+    for sa, sb in zip(a.sequences, b.sequences):
+        assert sa.scored.tokens == sb.scored.tokens
+        worst = max([worst, *(abs(x - y) for x, y in zip(sa.scored.logprobs, sb.scored.logprobs))])
+    return worst
+
+
+def test_one_interface_and_registry():
+    for cls in (ReferenceEngine, TransformersEngine):
+        assert issubclass(cls, base.Engine)
+        for method in ("version", "probe", "load", "greedy", "teacher_forced", "module_diff", "close"):
+            assert callable(getattr(cls, method))
+    assert base.engine_class("reference") is ReferenceEngine
+    assert base.engine_class("transformers") is TransformersEngine
+    assert ReferenceEngine.fuses_shards and not TransformersEngine.fuses_shards
+    assert base.fuses_shards("transformers") is False and base.fuses_shards("vllm") is True
+    with pytest.raises(base.EngineUnavailable, match="vllm engine is not implemented"):
+        base.engine_class("vllm")
+
+
+def test_both_engines_one_record_shape_same_sequences(cells):
+    """whisper-bnb-nf4: audio prompts, cross-attention, 4-bit weights. Both engines score the same
+    sequences and agree to float32 rounding (bitsandbytes' bf16 CPU path is off in the engine)."""
+    ref_cell = _cell(cells, "whisper.bnb-nf4.reference")
+    ref = base.execute(ReferenceEngine(ref_cell), lambda: base.resolve_checkpoint(ref_cell))
+    assert ref.status == "ok", ref.error
+    assert ref.engine_info.version == "0.1.0" == ref_cell.engine_version  # the pinned harness version
+    assert ref.engine_info.platform == R.cpu_platform()
+    assert {"read", "decode", "fuse", "assign"} <= set(ref.load.phases) and ref.load.seconds > 0
+    assert ref.fixture.name == "whisper-bnb-nf4" and len(ref.fixture.identity) == 64
+    assert [s.prompt.id for s in ref.sequences] == ["p0", "p1", "p2"]
+    for s in ref.sequences:
+        assert s.prompt.kind == "audio"
+        # no baseline: prompt + its own greedy continuation, every position scored with top-k
+        assert s.scored.tokens == s.prompt_tokens + s.greedy.tokens and len(s.greedy.tokens) == 4
+        assert len(s.scored.logprobs) == len(s.scored.tokens) - 1 and all(len(k) == 3 for k in s.scored.topk)
+    seqs = {s.prompt.id: s.scored.tokens for s in ref.sequences}
+
+    tf_cell = _cell(cells, "whisper.bnb-nf4.transformers")
+    tf = base.execute(TransformersEngine(tf_cell), lambda: base.resolve_checkpoint(tf_cell), sequences=seqs)
+    assert tf.status == "ok", tf.error
+    assert tf.engine_info.name == "transformers" and tf.engine_info.version == tf_cell.engine_version
+    assert list(tf.load.phases) == ["from_pretrained"] and tf.load.seconds == tf.load.phases["from_pretrained"]
+    assert _max_delta(ref, tf) < 1e-4
+    assert set(R.Record.model_fields) == set(tf.model_dump())
+
+
+def test_scored_sequences_given_or_own_greedy(cells):
+    cell = _cell(cells, "llama.unquantized.reference")
+    ckpt = base.resolve_checkpoint(cell)
+    prompts = base.prompts_for(cell, ckpt)
+    given = {"p0": prompts[0].tokens + [7, 8, 9], "p1": [1, 2, 3]}  # p1 does not begin with its prompt
+    rec = base.execute(ReferenceEngine(cell), ckpt, sequences=given)
+    by_id = {s.prompt.id: s for s in rec.sequences}
+    assert by_id["p0"].scored.tokens == given["p0"]
+    for pid in ("p1", "p2"):
+        assert by_id[pid].scored.tokens == by_id[pid].prompt_tokens + by_id[pid].greedy.tokens
+
+
+def test_reference_unfused_is_what_transformers_executes(cells):
+    """FP8 per-tensor shards fused into one projection are requantized to the largest scale (as
+    engines do); transformers runs them unfused. The runner's witness: the reference unfused."""
+    ref_cell = _cell(cells, "llama.fp8-static-kv.reference")
+    ckpt = base.resolve_checkpoint(ref_cell)
+    fused = base.execute(ReferenceEngine(ref_cell), ckpt)
+    seqs = {s.prompt.id: s.scored.tokens for s in fused.sequences}
+    unfused = base.execute(ReferenceEngine(ref_cell, {"fuse": False}), ckpt, sequences=seqs)
+    tf_cell = _cell(cells, "llama.fp8-static-kv.transformers")
+    tf = base.execute(TransformersEngine(tf_cell), ckpt, sequences=seqs)
+    assert _max_delta(unfused, tf) < 1e-4
+    assert _max_delta(fused, tf) > 1e-2  # far beyond the fp8 bound: requantization changes the numbers
+
+
+def test_probe_makes_unsupported_before_loading(cells):
+    gpu_cell = _cell(cells, "llama.unquantized.transformers", hardware=M.Hardware(gpus=1))
+
+    class NoLoad(TransformersEngine):
+        def load(self, checkpoint):
+            raise AssertionError("loaded despite the probe")
+
+    rec = base.execute(NoLoad(gpu_cell), lambda: base.resolve_checkpoint(gpu_cell))
+    assert rec.status == "unsupported"
+    assert rec.unsupported_reason == "needs 1 GPU(s); this machine has 0"
+
+
+def test_engine_failure_is_an_error_record(cells, tmp_path):
+    cell = _cell(cells, "llama.unquantized.reference")
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    rec = base.execute(ReferenceEngine(cell), base.Checkpoint(tmp_path))
+    assert rec.status == "error"
+    assert rec.error.type in ("CheckpointError", "OSError", "ValueError", "KeyError", "EnvironmentError")
+    assert "Traceback" in rec.error.log_tail
+    assert rec.engine_info.version == "0.1.0"
+
+
+def test_test_hooks_parse_and_target_cells():
+    text = "sleep=600@whisper.unquantized.transformers; break=harness.quant.bnb:decode@*.reference;crash"
+    assert parse_hooks(text, "whisper.unquantized.transformers") == [("sleep", "600"), ("crash", None)]
+    assert parse_hooks(text, "llama.bnb-nf4.reference") == [("break", "harness.quant.bnb:decode"), ("crash", None)]
+    assert parse_hooks(None, "x") == [] and parse_hooks("", "x") == []

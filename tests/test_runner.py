@@ -1,0 +1,239 @@
+"""`harness run` end to end on a small matrix (tiny Whisper, two schemes, both engines), with the
+engines in child processes: baselines are written only on request, a baseline altered by hand
+makes its cell regressed (exit 1), a deliberately broken decode of one format fails its cells and
+--update-baselines refuses them, a hang becomes an error after the timeout (with the log tail)
+while the rest of the matrix goes on, and a cell run on its own scores the same sequence.
+
+The children are slow to start (torch + transformers), so the runs here use `-j 2` and few cells.
+"""
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import cli
+from harness import records as R
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MATRIX = """
+version: 1
+environments:
+  core:
+    engines: {reference: "0.1.0", transformers: "5.19.0"}
+defaults:
+  max_tokens: 4
+  top_k: 3
+  timeout_s: TIMEOUT
+  bounds:
+    unquantized: {logprob: 1.0e-4, topk: 1.0e-4, load_time: 1.5}
+    bnb:         {logprob: 2.0e-3, topk: 2.0e-3, load_time: 1.5}
+models:
+  whisper:
+    arch: WhisperForConditionalGeneration
+    fixture: whisper
+    prompts: fixture
+    tier: cpu-tiny
+    engines: {reference: core, transformers: core}
+    schemes:
+      unquantized:
+      bnb-nf4:
+"""
+CELLS = ["whisper.bnb-nf4.reference", "whisper.bnb-nf4.transformers",
+         "whisper.unquantized.reference", "whisper.unquantized.transformers"]
+
+
+def write_matrix(path: Path, timeout: int = 300) -> Path:
+    path.write_text(MATRIX.replace("TIMEOUT", str(timeout)))
+    return path
+
+
+def harness(capsys, *args) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def records(results: Path) -> dict[str, R.Record]:
+    return {p.stem: R.load(p) for p in results.glob("*.json")}
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    """Baselines of the four cells, written by an explicit --update-baselines run."""
+    tmp = tmp_path_factory.mktemp("generated")
+    matrix = write_matrix(tmp / "models.yaml")
+    baselines = tmp / "baselines"
+    code = cli.main(["run", "--matrix", str(matrix), "--baselines", str(baselines), "--results", str(tmp / "r0"),
+                     "--update-baselines", "-j", "2"])
+    return {"code": code, "matrix": matrix, "baselines": baselines, "results": tmp / "r0"}
+
+
+def copy_baselines(generated, tmp_path) -> Path:
+    dst = tmp_path / "baselines"
+    shutil.copytree(generated["baselines"], dst)
+    return dst
+
+
+def test_update_baselines_writes_every_cell_then_the_matrix_passes(generated, tmp_path, capsys):
+    assert generated["code"] == 0
+    files = sorted(p.name for p in (generated["baselines"] / "cpu-tiny").glob("*.json"))
+    assert files == [f"{c}.json" for c in sorted(CELLS)]
+    updated = records(generated["results"])
+    assert {c: r.verdict for c, r in updated.items()} == {c: "pass" for c in CELLS}
+    assert "baseline new by --update-baselines (was missing-baseline" in updated[CELLS[0]].verdict_reason
+    # all engines of a (model, scheme) scored the same tokens: the reference's greedy continuation
+    for scheme in ("bnb-nf4", "unquantized"):
+        ref, tf = updated[f"whisper.{scheme}.reference"], updated[f"whisper.{scheme}.transformers"]
+        assert [s.scored.tokens for s in ref.sequences] == [s.scored.tokens for s in tf.sequences]
+        assert all(s.scored.tokens == s.prompt_tokens + s.greedy.tokens for s in ref.sequences)
+        assert {c.name for c in tf.checks} >= {"teacher-forced:reference", "greedy:reference", "teacher-forced:baseline"}
+
+    baselines = copy_baselines(generated, tmp_path)
+    before = {p.name: p.read_bytes() for p in (baselines / "cpu-tiny").iterdir()}
+    code, out, _ = harness(capsys, "run", "--matrix", generated["matrix"], "--baselines", baselines,
+                           "--results", tmp_path / "r", "-j", "2")
+    assert code == 0, out
+    assert "pass              4" in out and f"records in {tmp_path / 'r'}" in out
+    for cell in CELLS:  # one progress line per cell, in the order they finish
+        assert re.search(rf"^\[\d/4\] pass +{re.escape(cell)}  \(load \d", out, re.M), out
+    assert {c: r.verdict for c, r in records(tmp_path / "r").items()} == {c: "pass" for c in CELLS}
+    assert {p.name: p.read_bytes() for p in (baselines / "cpu-tiny").iterdir()} == before  # never written
+    assert (tmp_path / "r" / "summary.txt").read_text().startswith("verdict")
+    assert (tmp_path / "r" / "logs" / "whisper.bnb-nf4.transformers.log").exists()
+
+
+def test_baseline_altered_by_hand_is_regressed_and_exit_1(generated, tmp_path, capsys):
+    baselines = copy_baselines(generated, tmp_path)
+    path = baselines / "cpu-tiny" / "whisper.bnb-nf4.reference.json"
+    data = json.loads(path.read_text())
+    row = data["sequences"][1]["scored"][5]
+    row["logprob"] -= 0.05  # a hand edit well beyond the bnb bound (2e-3)
+    path.write_text(json.dumps(data, indent=1))
+    code, out, _ = harness(capsys, "run", "--matrix", generated["matrix"], "--baselines", baselines,
+                           "--results", tmp_path / "r", "-k", "bnb")
+    assert code == 1, out
+    got = records(tmp_path / "r")
+    assert got["whisper.bnb-nf4.reference"].verdict == "regressed"
+    assert "teacher-forced:baseline: exceeds bound" in got["whisper.bnb-nf4.reference"].verdict_reason
+    assert "prompt p1 position 5" in got["whisper.bnb-nf4.reference"].verdict_reason
+    assert got["whisper.bnb-nf4.transformers"].verdict == "pass"
+    assert "regressed         1" in out and "pass              1" in out
+    assert (baselines / "cpu-tiny" / "whisper.bnb-nf4.reference.obtained.json").exists()
+
+
+def test_broken_decode_fails_its_cells_and_update_refuses_them(generated, tmp_path, capsys, monkeypatch):
+    """The test hook halves every bnb weight the reference decodes (a wrong absmax): the bnb cells
+    disagree across engines (failed; the reference also regressed against its baseline, but
+    failed comes first), the unquantized cells are untouched, and --update-baselines refuses."""
+    baselines = copy_baselines(generated, tmp_path)
+    before = {p.name: p.read_bytes() for p in (baselines / "cpu-tiny").iterdir()}
+    monkeypatch.setenv("HARNESS_TEST_HOOK", "break=harness.quant.bnb:decode@*.reference")
+    code, out, _ = harness(capsys, "run", "--matrix", generated["matrix"], "--baselines", baselines,
+                           "--results", tmp_path / "r", "--update-baselines", "-j", "2")
+    assert code == 1, out
+    got = records(tmp_path / "r")
+    assert {c: r.verdict for c, r in got.items()} == {
+        "whisper.bnb-nf4.reference": "failed", "whisper.bnb-nf4.transformers": "failed",
+        "whisper.unquantized.reference": "pass", "whisper.unquantized.transformers": "pass"}
+    assert "teacher-forced:transformers: exceeds bound" in got["whisper.bnb-nf4.reference"].verdict_reason
+    assert "teacher-forced:reference: exceeds bound" in got["whisper.bnb-nf4.transformers"].verdict_reason
+    for cell in ("whisper.bnb-nf4.reference", "whisper.bnb-nf4.transformers"):
+        assert f"baseline refused: {cell}: refusing to update the baseline: verdict is failed" in out
+    assert "baselines: 0 new, 0 updated, 2 unchanged, 2 refused" in out
+    after = {p.name: p.read_bytes() for p in (baselines / "cpu-tiny").iterdir() if not p.name.endswith(".obtained.json")}
+    assert after == before
+
+
+def test_hang_and_crash_become_errors_and_the_matrix_goes_on(generated, tmp_path, capsys, monkeypatch):
+    baselines = copy_baselines(generated, tmp_path)
+    matrix = write_matrix(tmp_path / "models.yaml", timeout=45)
+    monkeypatch.setenv("HARNESS_TEST_HOOK", "sleep=600@whisper.unquantized.transformers;crash@whisper.bnb-nf4.reference")
+    code, out, _ = harness(capsys, "run", "--matrix", matrix, "--baselines", baselines, "--results", tmp_path / "r",
+                           "-j", "2")
+    assert code == 1, out
+    got = records(tmp_path / "r")
+    hung = got["whisper.unquantized.transformers"]
+    assert hung.verdict == "error" and hung.error.type == "Timeout"
+    assert "did not finish within the cell's timeout_s (45 s)" in hung.error.message
+    assert "test hook: sleep=600" in hung.error.log_tail
+    assert hung.engine_info.version == "5.19.0"  # from the child's info file, written before loading
+    assert 45 <= hung.duration_s < 120
+    crashed = got["whisper.bnb-nf4.reference"]
+    assert crashed.verdict == "error" and crashed.error.type == "EngineCrashed"
+    assert "killed by SIGABRT" in crashed.error.message and "test hook: crash" in crashed.error.log_tail
+    # the rest of the matrix went on; a cell whose partner errored is judged against its baseline
+    assert got["whisper.unquantized.reference"].verdict == "pass"
+    assert got["whisper.bnb-nf4.transformers"].verdict == "pass"
+    assert "error             2" in out
+
+
+def test_a_cell_run_alone_scores_the_same_sequence(generated, tmp_path, capsys):
+    """No baseline and only the transformers engine selected: the continuation comes from a
+    reference child on the fixture, the same tokens the full run scored."""
+    code, out, _ = harness(capsys, "run", "--matrix", generated["matrix"], "--baselines", tmp_path / "none",
+                           "--results", tmp_path / "r", "-k", "bnb", "--engine", "transformers")
+    assert code == 0, out  # missing-baseline is not a failure of the run ...
+    alone = records(tmp_path / "r")["whisper.bnb-nf4.transformers"]
+    assert alone.verdict == "missing-baseline"  # ... but it is not a pass either
+    full = records(generated["results"])["whisper.bnb-nf4.transformers"]
+    assert [s.scored.tokens for s in alone.sequences] == [s.scored.tokens for s in full.sequences]
+    assert (tmp_path / "r" / "sequences" / "whisper.bnb-nf4.json").exists()
+    assert "computing the scored sequences of whisper.bnb-nf4 with the reference engine" in out
+
+
+def test_pytest_runs_cells_under_xdist(generated, tmp_path):
+    baselines = copy_baselines(generated, tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "suites/matrix", "-p", "no:cacheprovider", "-n", "2", "-q",
+         "--matrix", str(generated["matrix"]), "--baselines", str(baselines), "--results", str(tmp_path / "r"),
+         "-k", "unquantized"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 passed" in proc.stdout and "pass              2" in proc.stdout
+    got = records(tmp_path / "r")
+    assert sorted(got) == ["whisper.unquantized.reference", "whisper.unquantized.transformers"]
+
+
+# ------------------------------------------------------------------------- usage errors, cells
+
+
+def test_cells_lists_ids(capsys):
+    code, out, _ = harness(capsys, "cells", "-k", "whisper and torchao and reference")
+    assert code == 0
+    assert out.split() == ["whisper.torchao-float8wo.reference", "whisper.torchao-int8wo-skip-encoder.reference",
+                           "whisper.torchao-int8wo.reference"]
+    code, out, _ = harness(capsys, "cells", "--engine", "transformers", "-k", "whisper.unquantized")
+    assert out.split() == ["whisper.unquantized.transformers"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "-k", "whisper and ("], "error: -k 'whisper and (': wrong expression"),
+    (["run", "-k", "no-such-cell"], "error: no cells selected"),
+    (["run", "--engine", "vlm"], "error: --engine: unknown engine 'vlm'"),
+    (["cells", "--matrix", "/nonexistent/models.yaml"], "error: /nonexistent/models.yaml: cannot read"),
+    (["run", "--jobs", "0"], "error: --jobs must be >= 1"),
+])
+def test_usage_and_config_errors_exit_2_with_one_line(capsys, args, message):
+    code, out, err = harness(capsys, *args)
+    assert code == 2
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_argparse_errors_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: harness run: unrecognized arguments: --bogus") and err.count("\n") == 1
+
+
+def test_bad_matrix_is_exit_2(tmp_path, capsys):
+    bad = tmp_path / "models.yaml"
+    bad.write_text(MATRIX.replace("TIMEOUT", "-1"))
+    code, _, err = harness(capsys, "run", "--matrix", bad)
+    assert code == 2 and err.startswith("error: ") and "defaults.timeout_s: must be > 0" in err
