@@ -123,3 +123,30 @@ def test_test_hooks_parse_and_target_cells():
     assert parse_hooks(text, "whisper.unquantized.transformers") == [("sleep", "600"), ("crash", None)]
     assert parse_hooks(text, "llama.bnb-nf4.reference") == [("break", "harness.quant.bnb:decode"), ("crash", None)]
     assert parse_hooks(None, "x") == [] and parse_hooks("", "x") == []
+
+
+def test_online_schemes_quantize_at_load_time(cells):
+    """An online scheme loads the unquantized fixture with the preset named like the scheme:
+    the reference quantizes it itself, transformers through the library; online FP8 has no CPU
+    path in transformers, which its capability probe says before loading."""
+    def online(engine, scheme):
+        return _cell(cells, f"whisper.unquantized.{engine}", scheme=scheme, fixture_scheme="unquantized",
+                     id=f"whisper.{scheme}.{engine}")
+
+    assert base.online_quantization(online("reference", "online-bnb-nf4"))["bnb_4bit_quant_type"] == "nf4"
+    assert base.online_quantization(cells["whisper.bnb-nf4.reference"]) is None
+    ref_cell = online("reference", "online-bnb-nf4")
+    ref = base.execute(ReferenceEngine(ref_cell), lambda: base.resolve_checkpoint(ref_cell))
+    assert ref.status == "ok" and ref.fixture.name == "whisper-unquantized"
+    tf_cell = online("transformers", "online-bnb-nf4")
+    tf = base.execute(TransformersEngine(tf_cell), lambda: base.resolve_checkpoint(tf_cell),
+                      sequences={s.prompt.id: s.scored.tokens for s in ref.sequences})
+    assert tf.status == "ok" and _max_delta(ref, tf) < 1e-4
+    unquantized = base.execute(ReferenceEngine(cells["whisper.unquantized.reference"]),
+                               lambda: base.resolve_checkpoint(cells["whisper.unquantized.reference"]),
+                               sequences={s.prompt.id: s.scored.tokens for s in ref.sequences})
+    assert _max_delta(ref, unquantized) > 1e-3  # it really was quantized
+
+    fp8 = online("transformers", "online-fp8")
+    rec = base.execute(TransformersEngine(fp8), lambda: base.resolve_checkpoint(fp8))
+    assert rec.status == "unsupported" and "no online FP8 quantization that runs on a CPU" in rec.unsupported_reason

@@ -44,10 +44,7 @@ def _linear_names(model: str) -> set[str]:
     import torch
 
     cfg = M.make_config(model)
-    if model == "llama":
-        from transformers import LlamaForCausalLM as cls
-    else:
-        from transformers import WhisperForConditionalGeneration as cls
+    cls = M.model_class(model)
     with torch.device("meta"):
         m = cls(cfg)
     return {n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)}
@@ -77,22 +74,26 @@ def disk_labels(path: Path, spec, modules) -> dict[str, str]:
     meta = h.get("__metadata__", {})
     out = {}
     for m in modules:
-        if f"{m}.weight.quant_state.bitsandbytes__nf4" in h:
+        d = M.checkpoint_name(spec.model, m)  # tensors are written in the checkpoint spelling
+        if f"{d}.weight.quant_state.bitsandbytes__nf4" in h:
             out[m] = "bnb-nf4"
-        elif f"{m}.weight.quant_state.bitsandbytes__fp4" in h:
+        elif f"{d}.weight.quant_state.bitsandbytes__fp4" in h:
             out[m] = "bnb-fp4"
-        elif f"{m}._weight_qdata" in h:
+        elif f"{d}._weight_qdata" in h:
+            # transformers 5.19 writes torchao's __metadata__ keys in the in-memory spelling
             t = json.loads(meta[f"{m}.weight"])["_type"]
             out[m] = {"Int8Tensor": "torchao-int8", "Float8Tensor": "torchao-float8"}[t]
-        elif f"{m}.weight" in h and h[f"{m}.weight"]["dtype"] == "F8_E4M3":
-            shape = h[f"{m}.weight_scale"]["shape"]
+        elif f"{d}.weight" in h and h[f"{d}.weight"]["dtype"] == "F8_E4M3":
+            shape = h[f"{d}.weight_scale"]["shape"]
             out[m] = "fp8-tensor" if shape in ([1], []) else "fp8-channel"
-        elif f"{m}.weight" in h:
-            assert h[f"{m}.weight"]["dtype"] == "F32", (m, h[f"{m}.weight"])
+        elif f"{d}.weight" in h:
+            assert h[f"{d}.weight"]["dtype"] == "F32", (m, h[f"{d}.weight"])
             out[m] = "unquantized"
         else:
-            # only Whisper's proj_out, tied to model.decoder.embed_tokens, is absent
-            assert m == "proj_out" and "model.decoder.embed_tokens.weight" in h, m
+            # only the tied output projections are absent: Whisper's proj_out (model.decoder.embed_tokens),
+            # Bart's lm_head (model.shared)
+            tied = {"whisper": ("proj_out", "model.decoder.embed_tokens.weight"), "bart": ("lm_head", "model.shared.weight")}
+            assert spec.model in tied and m == tied[spec.model][0] and tied[spec.model][1] in h, m
             out[m] = "unquantized"
     return out
 
@@ -161,6 +162,12 @@ def test_fixture_manifest_and_layout(built, name):
     if s.model == "whisper":
         assert (path / "preprocessor_config.json").is_file()
         assert man["audio"]["kind"] == "sines" and man["decoder_prompts"] == man["prompts"]
+    if s.model in M.VLMS:
+        assert (path / "preprocessor_config.json").is_file()
+        assert man["images"]["kind"] == "pcg64-blocks" and len(man["images"]["items"]) == len(man["prompts"])
+        assert man["checkpoint_prefixes"] == M.CHECKPOINT_PREFIXES[s.model]
+    if s.model == "bart":
+        assert man["decoder_prompts"] == man["prompts"] and len(man["encoder_prompts"]) == len(man["prompts"])
 
     # every linear of the architecture is labelled, with a known label, and the disk agrees
     modules = man["modules"]
@@ -170,7 +177,7 @@ def test_fixture_manifest_and_layout(built, name):
     if s.label != "unquantized":
         assert s.label in modules.values()
     if not s.variant or s.variant == "bin":  # default skip policy: only the output projection stays
-        out = "lm_head" if s.model == "llama" else "proj_out"
+        out = "proj_out" if s.model == "whisper" else "lm_head"
         expect = {m: ("unquantized" if m == out else s.label) for m in modules}
         assert modules == expect
 
@@ -201,6 +208,8 @@ def test_fixture_manifest_and_layout(built, name):
         return
     h, _ = read_safetensors_header(path / "model.safetensors")
     quantized = [m for m, lab in modules.items() if lab != "unquantized"]
+    # from here on, keys are tensor names on disk: the checkpoint spelling of each in-memory name
+    h = {**h, **{k: v for k, v in _in_memory_view(s.model, h).items()}}
     if s.scheme.startswith("bnb"):
         for m in quantized:
             assert h[f"{m}.weight"]["dtype"] == "U8" and h[f"{m}.weight"]["shape"][1] == 1
@@ -215,9 +224,11 @@ def test_fixture_manifest_and_layout(built, name):
         static = s.scheme == "fp8-static-kv"
         for m in quantized:
             n_out = h[f"{m}.weight"]["shape"][0]
-            assert h[f"{m}.weight_scale"]["shape"] == ([1] if static else [n_out, 1])
+            assert h[f"{m}.weight_scale"]["shape"] == ([1] if modules[m] == "fp8-tensor" else [n_out, 1])
             assert (f"{m}.input_scale" in h) == static
         attn = sorted({m.rsplit(".", 1)[0] for m in modules if m.endswith(".k_proj")})
+        if s.model == "mllama":  # k/v scales on the text model's attention only (see producers.produce_ct)
+            attn = [a for a in attn if a.startswith("model.language_model.")]
         for a in attn:
             for k in ("k_scale", "v_scale"):
                 assert (f"{a}.{k}" in h) == static, (a, k)
@@ -238,6 +249,20 @@ def test_fixture_manifest_and_layout(built, name):
         for k, v in h["__metadata__"].items():
             if k.endswith(".bias"):
                 assert json.loads(v)["_type"] == "Tensor", k
+
+
+def _in_memory_view(model: str, header: dict) -> dict:
+    """The header's tensor entries keyed by their in-memory names (tensors whose checkpoint spelling
+    differs are renamed; metadata and unaffected keys are left out)."""
+    if model not in M.CHECKPOINT_PREFIXES:
+        return {}
+    out = {}
+    for k, v in header.items():
+        for mem, disk in M.CHECKPOINT_PREFIXES[model]:
+            if k.startswith(disk) and mem != disk:
+                out[mem + k[len(disk):]] = v
+                break
+    return out
 
 
 # ---------------------------------------------------------------- skip fixtures

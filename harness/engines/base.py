@@ -208,6 +208,25 @@ def hardware_problem(cell: Cell) -> str | None:
     return None
 
 
+def online_quantization(cell: Cell) -> dict | None:
+    """The quantization config an online scheme applies at load time, or None for a pre-quantized
+    (or unquantized) checkpoint: the cell's own ``quantization`` when the matrix gives one, else the
+    preset named like the scheme (harness.reference.online.PRESETS: ``online-bnb-nf4``,
+    ``online-torchao-int8wo``, ``online-fp8``), in the format its library serializes to."""
+    spec = getattr(cell, "quantization", None)
+    if spec is None and cell.scheme.startswith("online-"):
+        from harness.reference.online import PRESETS
+
+        spec = PRESETS.get(cell.scheme)
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        from harness.reference.online import read_config
+
+        return read_config(spec)
+    return json.loads(json.dumps(spec))
+
+
 def resolve_checkpoint(cell: Cell, path: str | None = None) -> Checkpoint:
     """The checkpoint of a cell: a fixture (built or cached), a local directory (``path``, already
     resolved against models.yaml by the runner) or a pinned hub snapshot."""

