@@ -81,6 +81,7 @@ class _State:
         self.results: Path | None = None
         self._matrix = None
         self.runner = None
+        self.prepared = False
         self.reports: list[dict] = []  # controller: one per finished cell test
 
     @property
@@ -164,7 +165,6 @@ def pytest_collection_finish(session):
 
     state.runner = Runner(state.matrix, cells, results=state.results, baselines_root=state.baselines,
                           update_baselines=state.update, matrix_path=state.matrix_path)
-    state.runner.prepare(fresh=False)
 
 
 @pytest.fixture
@@ -172,6 +172,9 @@ def harness_runner(request):
     state = request.config.stash[_STASH]
     if state.runner is None:
         pytest.fail("harness: no runner (the harness_cell parametrization did not run)", pytrace=False)
+    if not state.prepared:  # created on first use: --collect-only leaves no results directory
+        state.runner.prepare(fresh=False)
+        state.prepared = True
     return state.runner
 
 

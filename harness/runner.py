@@ -216,6 +216,9 @@ class Runner:
         self.echo = echo or (lambda s: None)
         self._echo_lock = threading.Lock()
         self._seq_lock = threading.Lock()
+        self._children: set[_Child] = set()
+        self._stopping = False
+        self._children_lock = threading.Lock()
         self._seq_cache: dict[str, tuple[dict[str, list[int]] | None, str]] = {}
         self.groups: dict[str, list[Cell]] = {}
         for c in self.cells:
@@ -387,12 +390,19 @@ class Runner:
         started = R.utc_now()
         t0 = time.perf_counter()
         error: tuple[str, str] | None = None
-        child = _Child.start(job_path, log, self._child_env(cell), fork=self.uses_fork_server(cell))
+        with self._children_lock:
+            if self._stopping:
+                raise KeyboardInterrupt("the run was interrupted")
+            child = _Child.start(job_path, log, self._child_env(cell), fork=self.uses_fork_server(cell))
+            self._children.add(child)
         try:
             code = child.wait(cell.timeout_s)
         except BaseException:
             child.kill()
             raise
+        finally:
+            with self._children_lock:
+                self._children.discard(child)
         if code is None:
             child.kill()
             error = ("Timeout", f"the {cell.engine} engine child did not finish within the cell's timeout_s "
@@ -433,6 +443,14 @@ class Runner:
             raise ValueError(f"{ISOLATION_ENV}={mode!r}: expected 'fork' or 'spawn'")
         return (mode == "fork" and sys.platform == "linux" and cell.engine not in SPAWN_ENGINES
                 and not self.matrix.environments[cell.environment].env)
+
+    def kill_children(self) -> None:
+        """End every running engine child and start no more (an interrupted run)."""
+        with self._children_lock:
+            self._stopping = True
+            children = list(self._children)
+        for child in children:
+            child.kill()
 
     # ---- judging -------------------------------------------------------------------------
     def witness(self, cell: Cell, record: R.Record) -> R.Record:
@@ -551,9 +569,15 @@ class Runner:
             for k in keys:
                 work(k)
         else:
-            with ThreadPoolExecutor(max_workers=jobs) as ex:
+            ex = ThreadPoolExecutor(max_workers=jobs)
+            try:
                 for f in [ex.submit(work, k) for k in keys]:
                     f.result()
+            except BaseException:  # Ctrl-C: the children lead their own process groups, end them
+                ex.shutdown(wait=False, cancel_futures=True)
+                self.kill_children()
+                raise
+            ex.shutdown()
         order = {c.id: i for i, c in enumerate(self.cells)}
         return sorted(done, key=lambda r: order[r.cell.id])
 

@@ -406,7 +406,6 @@ def test_mixed_cross_three_settings(built):
 def test_kv_scales_calibrated(built, name):
     """k_scale/v_scale on every text attention (Mllama: self- and cross-attention; Bart: encoder,
     decoder and cross-attention), calibrated (not the initial value), none on vision attention."""
-    import torch
     from safetensors import safe_open
 
     s = F.spec(name)
@@ -426,7 +425,6 @@ def test_kv_scales_calibrated(built, name):
     assert all(0 < x < 1 and x != pytest.approx(1.0) for v in scales.values() for x in v), scales
     assert len({x for v in scales.values() for x in v}) > len(kv)  # calibrated per module
     assert not any(k.endswith(("k_scale", "v_scale")) and ("vision" in k or "visual" in k) for k in keys)
-    del torch
 
 
 def test_bart_lm_head_tied(built):

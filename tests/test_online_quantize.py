@@ -116,6 +116,14 @@ def test_chunking_does_not_change_the_result(fn, monkeypatch):
     assert torch.equal(fn(w).weight, whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weights_quantize_as_float32(dtype):
+    w = _weight(33, 70, 9).to(dtype)
+    for fn in (lambda x: Q.bnb_4bit(x, "nf4", 64), Q.torchao_int8, lambda x: Q.torchao_int8(x, "per-tensor"),
+               lambda x: Q.fp8_weight(x, "tensor"), lambda x: Q.fp8_weight(x, "channel")):
+        assert torch.equal(fn(w).weight, fn(w.float()).weight)
+
+
 def _allocations(fn) -> list[int]:
     """Bytes of every CPU allocation an op made while `fn` ran (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -131,12 +139,13 @@ def _allocations(fn) -> list[int]:
     (lambda w: Q.fp8_weight(w, "tensor"), [1, 4]),
     (lambda w: Q.fp8_weight(w, "channel"), [1, 4]),
 ], ids=["bnb", "int8", "fp8-tensor", "fp8-channel"])
-def test_no_full_size_temporaries(fn, kept, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_full_size_temporaries(fn, kept, dtype, monkeypatch):
     """Quantizing a 1024 x 1024 weight allocates full size only for what the model keeps: the float32
     effective weight (4 bytes a value) and, for FP8, the float8 codes (1 byte). Every temporary is
     bounded by CHUNK values (at most 8 bytes each), here far below one byte per weight value."""
     monkeypatch.setattr(Q, "CHUNK", 1 << 15)
-    w = _weight(1024, 1024, 0)
+    w = _weight(1024, 1024, 0).to(dtype)  # bfloat16: widened chunk by chunk, never as a whole
     n = w.numel()
     allocations = _allocations(lambda: fn(w))
     assert allocations, "the profiler recorded no allocation"

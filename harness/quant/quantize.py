@@ -16,10 +16,12 @@ function bit for bit against the library.
   `fake_quantize` (`clamp(x / scale, -448, 448)` cast to float8_e4m3fn, times scale); per tensor
   that is also vLLM's online `scaled_fp8_quant(weight, scale=None)` (scale = amax / 448).
 
-Memory: every function reads the weight once and writes the effective weight (and, for FP8, the
-float8 codes) into the only full-size tensors it allocates. The temporaries of the arithmetic are
-bounded by `CHUNK` elements, whatever the size of the weight, so quantizing online never holds a
-second full-size copy (DESIGN.md, fast loading).
+Memory: every function reads the weight (an mmap view, as the loader hands it over) and writes the
+effective weight (and, for FP8, the float8 codes) into the only full-size tensors it allocates. The
+temporaries of the arithmetic are bounded by `CHUNK` elements whatever the size of the weight, and a
+float16 / bfloat16 weight is widened to float32 chunk by chunk, so quantizing online never holds a
+second full-size copy (DESIGN.md, fast loading). Widening is exact: the result is that of
+quantizing the float32 weight, which is what transformers quantizes after loading in float32.
 """
 from __future__ import annotations
 
@@ -27,13 +29,19 @@ import torch
 
 from harness.quant import Decoded, Fp8Parts, bnb, fp8
 
-CHUNK = 1 << 18  # elements per slice of arithmetic temporaries (1 MiB of float32)
+CHUNK = 1 << 20  # elements per slice of arithmetic temporaries (4 MiB of float32)
 
 
 def _flat(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
     return weight.contiguous().reshape(-1)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """float32 values of a (chunk of a) float16/bfloat16/float32 weight: exact, so a half-precision
+    checkpoint is quantized as transformers does after loading it in float32, chunk by chunk."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def _row_chunks(rows: int, cols: int):
@@ -69,8 +77,6 @@ def bnb_4bit(weight: torch.Tensor, quant_type: str = "nf4", blocksize: int = 64)
     if blocksize not in bnb.BLOCKSIZES:
         raise ValueError(f"blocksize {blocksize!r} is not one of {bnb.BLOCKSIZES}")
     flat = _flat(weight)
-    if flat.dtype != torch.float32:
-        flat = flat.float()
     n = flat.numel()
     code, bounds, order = _bnb_bounds(quant_type)
     out = torch.empty(n, dtype=torch.float32)
@@ -79,12 +85,12 @@ def bnb_4bit(weight: torch.Tensor, quant_type: str = "nf4", blocksize: int = 64)
     step = max(blocksize, (CHUNK // blocksize) * blocksize)
     for start in range(0, full, step):
         stop = min(full, start + step)
-        blocks = flat[start:stop].view(-1, blocksize)
+        blocks = _f32(flat[start:stop]).view(-1, blocksize)
         absmax = blocks.abs().amax(dim=-1)  # the values of bitsandbytes' .max(dim=-1)[0], faster
         scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38).view(-1, 1)), -1, 1).reshape(-1)
         out[start:stop] = _bnb_dequant(scaled, bounds, order, code, quant_type).view(-1, blocksize).mul_(absmax.view(-1, 1)).reshape(-1)
     if rem:
-        tail = flat[full:]
+        tail = _f32(flat[full:])
         am = tail.abs().max().clamp(min=1e-38)
         scaled = torch.clamp(tail / am, -1, 1)
         out[full:] = _bnb_dequant(scaled, bounds, order, code, quant_type) * am
@@ -118,12 +124,12 @@ def torchao_int8(weight: torch.Tensor, granularity: str = "per-row") -> Decoded:
     """
     if granularity not in ("per-row", "per-tensor"):
         raise ValueError(f"granularity must be 'per-row' or 'per-tensor', got {granularity!r}")
-    w = weight if weight.dtype == torch.float32 else weight.float()
+    w = weight
     rows, cols = w.shape
     if granularity == "per-row":
-        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        lo, hi = _f32(w.amin(dim=1, keepdim=True)), _f32(w.amax(dim=1, keepdim=True))
     else:
-        lo, hi = (t.reshape(1, 1) for t in torch.aminmax(w))
+        lo, hi = (_f32(t).reshape(1, 1) for t in torch.aminmax(w))
     min_neg = torch.min(lo, torch.zeros_like(lo))
     max_pos = torch.max(hi, torch.zeros_like(hi))
     amax = torch.max(-min_neg, max_pos)
@@ -133,7 +139,7 @@ def torchao_int8(weight: torch.Tensor, granularity: str = "per-row") -> Decoded:
     out = torch.empty((rows, cols), dtype=torch.float32)
     for start, stop in _row_chunks(rows, cols):
         r = slice(start, stop) if granularity == "per-row" else slice(None)
-        q = torch.clamp(torch.round(w[start:stop] * inv[r]) + zero, _INT8_MIN, _INT8_MAX).to(torch.int8)
+        q = torch.clamp(torch.round(_f32(w[start:stop]) * inv[r]) + zero, _INT8_MIN, _INT8_MAX).to(torch.int8)
         out[start:stop] = (q.to(torch.int32) - zero.to(torch.int32)).to(torch.float32) * scale[r]
     return Decoded(
         label="torchao-int8",
@@ -150,13 +156,14 @@ def fp8_scale(weight: torch.Tensor, strategy: str) -> torch.Tensor:
     """The float32 weight scale compressed-tensors' `calculate_qparams` gives a min/max observer:
     max(|min(lo, 0)|, |max(hi, 0)|) / 448, a zero scale replaced by float32 eps. Shape () per
     tensor, (out, 1) per channel."""
-    w = weight if weight.dtype == torch.float32 else weight.float()
+    w = weight
     if strategy == "tensor":
         lo, hi = torch.aminmax(w)
     elif strategy == "channel":
         lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
     else:
         raise ValueError(f"strategy must be 'tensor' or 'channel', got {strategy!r}")
+    lo, hi = _f32(lo), _f32(hi)
     lo = torch.min(lo, torch.zeros_like(lo))
     hi = torch.max(hi, torch.zeros_like(hi))
     scale = torch.max(torch.abs(lo), torch.abs(hi)) / (float(fp8.FP8_MAX - (-fp8.FP8_MAX)) / 2)
@@ -173,13 +180,13 @@ def fp8_weight(weight: torch.Tensor, strategy: str, scale: torch.Tensor | None =
     """
     if scale is None:
         scale = fp8_scale(weight, strategy)
-    w = weight if weight.dtype == torch.float32 else weight.float()
+    w = weight
     rows, cols = w.shape
     qweight = torch.empty((rows, cols), dtype=fp8.FP8)
     out = torch.empty((rows, cols), dtype=torch.float32)
     for start, stop in _row_chunks(rows, cols):
         s = scale[start:stop] if strategy == "channel" else scale
-        q = fp8.quantize(w[start:stop], s)
+        q = fp8.quantize(_f32(w[start:stop]), s)
         qweight[start:stop] = q
         out[start:stop] = q.float() * s
     return Decoded(

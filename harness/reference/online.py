@@ -242,6 +242,12 @@ class OnlineQuantizer:
     def plan(self, model: nn.Module, names: list[str], arch: str) -> tuple[dict[str, tuple[str, Any]], list[Disagreement], list[str]]:
         """name -> ('skip', reason) or ('quantize', what), plus disagreements and notes."""
         policy = self.policy(model, arch)
+        if self.dialect in skip.VLLM_DIALECTS:
+            try:
+                skip.to_vllm(names[0], arch)
+            except KeyError as e:
+                raise CheckpointError(WHERE, f"the {self.dialect} dialect needs vLLM's module names, which are "
+                                             f"not modelled here: {e.args[0]}") from None
         out_emb = model.get_output_embeddings()
         output_names = {n for n, m in model.named_modules() if out_emb is not None and m is out_emb}
         plan: dict[str, tuple[str, Any]] = {}
