@@ -90,7 +90,20 @@ def _run(args) -> int:
         for msg in res.messages:
             print("    " + msg.replace("\n", "\n    "), flush=True)
 
-    results_list = r.run(jobs=args.jobs, progress=progress)
+    import signal
+
+    def terminate(signum, frame):  # a cancelled CI job: end the engine children, then stop
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        results_list = r.run(jobs=args.jobs, progress=progress)
+    except KeyboardInterrupt:
+        r.kill_children()
+        print(f"error: interrupted; partial records in {results}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     table, code = runner.summary_text(results_list)
     wall = time.perf_counter() - t0
     changes = [res.outcome.change for res in results_list if res.outcome.change is not None]

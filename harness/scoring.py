@@ -10,13 +10,45 @@ import torch
 
 @dataclass
 class Prompt:
-    """One prompt: its token ids (decoder ids for encoder-decoder models) and, where the model
-    takes them, the encoder inputs (input_features for audio, pixel_values for images)."""
+    """One prompt: the token ids that scoring extends (the decoder ids of an encoder-decoder
+    model), and every other model input: input_features for audio, pixel_values and friends for
+    images, the encoder's input_ids for Bart."""
 
     id: str
     kind: str  # text, audio, image
     tokens: list[int]
-    encoder_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    encoder_decoder: bool = False
+
+    @classmethod
+    def from_model_inputs(cls, id: str, kwargs: dict[str, torch.Tensor]) -> "Prompt":
+        kwargs = dict(kwargs)
+        kind = "image" if "pixel_values" in kwargs else "audio" if "input_features" in kwargs else "text"
+        if "decoder_input_ids" in kwargs:
+            return cls(id, kind, kwargs.pop("decoder_input_ids")[0].tolist(), kwargs, encoder_decoder=True)
+        return cls(id, kind, kwargs.pop("input_ids")[0].tolist(), kwargs)
+
+    def model_inputs(self, tokens: list[int]) -> dict[str, torch.Tensor]:
+        ids = torch.tensor([tokens])
+        if self.encoder_decoder:
+            return {**self.inputs, "decoder_input_ids": ids}
+        return {**{k: _extend(k, v, len(tokens)) for k, v in self.inputs.items()}, "input_ids": ids}
+
+
+# Per-token inputs of decoder-only prompts, and how a continuation extends them: a new token is
+# attended, is text (not an image token), and sees the images the last prompt token saw.
+_PER_TOKEN = {"attention_mask": 1, "mm_token_type_ids": 0, "token_type_ids": 0, "cross_attention_mask": None}
+
+
+def _extend(key: str, value: torch.Tensor, length: int) -> torch.Tensor:
+    if key not in _PER_TOKEN or value.shape[1] >= length:
+        return value
+    extra = length - value.shape[1]
+    if _PER_TOKEN[key] is None:
+        tail = value[:, -1:].expand(-1, extra, *value.shape[2:])
+    else:
+        tail = torch.full((value.shape[0], extra, *value.shape[2:]), _PER_TOKEN[key], dtype=value.dtype)
+    return torch.cat([value, tail], dim=1)
 
 
 @dataclass
@@ -34,11 +66,7 @@ class Greedy:
 
 @torch.inference_mode()
 def _log_softmax(model, prompt: Prompt, tokens: list[int]) -> torch.Tensor:
-    ids = torch.tensor([tokens])
-    if prompt.encoder_inputs:
-        out = model(**prompt.encoder_inputs, decoder_input_ids=ids)
-    else:
-        out = model(input_ids=ids)
+    out = model(**prompt.model_inputs(tokens))
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
@@ -76,12 +104,5 @@ def fixture_prompts(path) -> list[Prompt]:
     """The fixed prompts of a fixture directory, from its manifest."""
     from harness import fixtures
 
-    manifest = fixtures.manifest(path)
-    prompts = []
-    for index, kwargs in enumerate(fixtures.prompt_inputs(manifest)):
-        if "decoder_input_ids" in kwargs:
-            tokens = kwargs.pop("decoder_input_ids")[0].tolist()
-            prompts.append(Prompt(f"audio-{index}", "audio", tokens, kwargs))
-        else:
-            prompts.append(Prompt(f"text-{index}", "text", kwargs["input_ids"][0].tolist()))
-    return prompts
+    inputs = fixtures.prompt_inputs(fixtures.manifest(path))
+    return [Prompt.from_model_inputs(f"p{index}", kwargs) for index, kwargs in enumerate(inputs)]

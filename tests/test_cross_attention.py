@@ -56,7 +56,7 @@ def test_cached_decoding_reuses_encoder_kv_and_matches_uncached(monkeypatch):
     ids, past, cached = torch.tensor([prompt.tokens]), None, []
     with torch.inference_mode():
         for _ in range(6):
-            out = model(**prompt.encoder_inputs, decoder_input_ids=ids, past_key_values=past, use_cache=True)
+            out = model(**prompt.inputs, decoder_input_ids=ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
             ids = out.logits[:, -1:].argmax(-1)
             cached.append(int(ids))

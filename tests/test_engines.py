@@ -39,8 +39,8 @@ def test_one_interface_and_registry():
     assert base.engine_class("transformers") is TransformersEngine
     assert ReferenceEngine.fuses_shards and not TransformersEngine.fuses_shards
     assert base.fuses_shards("transformers") is False and base.fuses_shards("vllm") is True
-    with pytest.raises(base.EngineUnavailable, match="vllm engine is not implemented"):
-        base.engine_class("vllm")
+    with pytest.raises(base.EngineUnavailable, match="the nope engine is not implemented"):
+        base.engine_class("nope")
 
 
 def test_both_engines_one_record_shape_same_sequences(cells):

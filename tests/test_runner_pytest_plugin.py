@@ -67,11 +67,12 @@ def test_unsupported_by_probe_is_skipped_known_failures_are_xfail():
 
 
 def test_collect_selects_exactly_the_cells():
+    select = ["-k", "whisper and torchao", "--engine", "reference,transformers"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "suites/matrix", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "-k", "whisper and torchao"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           *select], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ids = [ln.split("[", 1)[1].rstrip("]") for ln in proc.stdout.splitlines() if "::test_cell[" in ln]
-    listed = subprocess.run([sys.executable, "-m", "harness.cli", "cells", "-k", "whisper and torchao"], cwd=ROOT,
+    listed = subprocess.run([sys.executable, "-m", "harness.cli", "cells", *select], cwd=ROOT,
                             capture_output=True, text=True, timeout=300).stdout.split()
     assert ids == listed == [
         "whisper.torchao-float8wo.reference", "whisper.torchao-float8wo.transformers",

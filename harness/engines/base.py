@@ -78,9 +78,10 @@ class Checkpoint:
 class EnginePrompt:
     """One prompt in an engine-neutral form.
 
-    ``tokens`` are the prompt's token ids (decoder ids for encoder-decoder models). ``hf_inputs``
-    are the extra model-call kwargs of a transformers-style forward (Whisper: ``input_features``),
-    built exactly as the fixture's margins were. ``audio`` is the raw waveform and its sampling
+    ``tokens`` are the prompt's token ids (decoder ids for encoder-decoder models), the ids that
+    scoring extends. ``hf_inputs`` are all the model-call kwargs of a transformers-style forward
+    of the prompt (``input_ids`` or ``decoder_input_ids`` included; Whisper's ``input_features``,
+    a VLM's ``pixel_values`` ...), built exactly as the fixture's margins were. ``audio`` is the raw waveform and its sampling
     rate, ``image`` a path or ``synthetic:<name>``, ``text`` the prompt text, for engines that
     take raw inputs (vLLM's multi-modal prompts)."""
 
@@ -253,17 +254,17 @@ def prompts_for(cell: Cell, checkpoint: Checkpoint) -> list[EnginePrompt]:
         from harness.fixtures import models as fixture_models
 
         m = checkpoint.manifest
-        inputs = fixtures.prompt_inputs(m)
         audio = fixture_models.synth_audio(m["audio"]) if m.get("audio") else None
         out = []
-        for i, tokens in enumerate(m["prompts"]):
-            extra = {k: v for k, v in inputs[i].items() if k not in ("input_ids", "decoder_input_ids")}
+        for i, kwargs in enumerate(fixtures.prompt_inputs(m)):
+            ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
+            kind = "image" if "pixel_values" in kwargs else "audio" if "input_features" in kwargs else "text"
             out.append(EnginePrompt(
                 id=f"p{i}",
-                kind="audio" if audio is not None else "text",
-                tokens=list(tokens),
-                hf_inputs=extra,
-                audio=(audio[i], int(m["audio"]["sampling_rate"])) if audio is not None else None,
+                kind=kind,
+                tokens=[int(t) for t in ids[0].tolist()],
+                hf_inputs=dict(kwargs),
+                audio=(audio[i], int(m["audio"]["sampling_rate"])) if audio is not None and kind == "audio" else None,
             ))
         return out
     out = []
@@ -369,7 +370,15 @@ class InProcessEngine(Engine):
     def _prompt(self, p: EnginePrompt):
         from harness import scoring
 
-        return scoring.Prompt(p.id, p.kind, list(p.tokens), dict(p.hf_inputs))
+        kwargs = dict(p.hf_inputs)
+        if not any(k in kwargs for k in ("input_ids", "decoder_input_ids")):  # a text prompt of a prompt set
+            import torch
+
+            kwargs["input_ids"] = torch.tensor([p.tokens])
+        if hasattr(scoring.Prompt, "from_model_inputs"):
+            return scoring.Prompt.from_model_inputs(p.id, kwargs)
+        extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "decoder_input_ids")}
+        return scoring.Prompt(p.id, p.kind, list(p.tokens), extra)
 
     def greedy(self, prompts, max_tokens, top_k):
         from harness import scoring

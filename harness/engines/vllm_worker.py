@@ -330,7 +330,19 @@ def _fp8_effective(layer, weight) -> tuple[Any, str, str]:
     undone and weight * scale computed in float32, as the kernel dequantizes."""
     import torch
 
-    w = weight.t()
+    n_out = sum(getattr(layer, "output_partition_sizes", None) or []) or None
+    n_in = getattr(layer, "input_size_per_partition", None)
+    if n_out and n_in and n_out != n_in and tuple(weight.shape) == (n_out, n_in):
+        # still the checkpoint's [out, in]: process_weights_after_loading never transposed it
+        w, label, note = _fp8_values(layer, weight)
+        return w, f"{label} [unprocessed]", ("weight still in the checkpoint layout [out, in], not the kernel's "
+                                              "[in, out]: process_weights_after_loading did not run" + (f"; {note}" if note else ""))
+    return _fp8_values(layer, weight.t())
+
+
+def _fp8_values(layer, w) -> tuple[Any, str, str]:
+    import torch
+
     scale = getattr(layer, "weight_scale", None)
     if scale is None:
         return w.float(), "fp8-tensor", "no weight_scale on the layer"
@@ -349,6 +361,12 @@ def _fp8_effective(layer, weight) -> tuple[Any, str, str]:
         else:
             return w.float(), "fp8-tensor", f"weight_scale of {scale.numel()} values does not fit {n} rows"
     return w.float() * s, _labels_for_fp8(scale, n), note
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _torchao_label(weight) -> str:
@@ -412,10 +430,14 @@ def effective_shards(name: str, layer, packed: dict[str, list[str]]) -> dict:
         w = getattr(layer, "_harness_effective_weight", None)
         if w is None:
             w = layer.weight
+        label = "unquantized"
+        note = ""
+        if qm_name == "UnquantizedLinearMethod" and _on_cpu() and not hasattr(layer, "cpu_linear"):
+            label, note = "unquantized [unprocessed]", "no CPU GEMM dispatched: process_weights_after_loading did not run"
         if w.numel() == 0:
-            split(None, "unquantized", "weight removed and not captured")
+            split(None, label, "weight removed and not captured")
         else:
-            split(w, "unquantized")
+            split(w, label, note)
         return out
 
     weight = layer.weight

@@ -108,6 +108,23 @@ class _HookedEngine:
         return self._engine.load(checkpoint)
 
 
+def die_with_parent() -> None:
+    """Linux: SIGKILL this child when its parent dies (the runner, or the fork server, which exits
+    with the runner), so a cancelled job (SIGTERM, SIGKILL) leaves no engine running in its own
+    process group. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        parent = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call
+            os._exit(1)
+    except Exception:
+        pass
+
+
 def _write_json(path: str, data) -> None:
     R.atomic_write_text(Path(path), json.dumps(data) + "\n")
 
@@ -130,6 +147,7 @@ def run_job(job: dict) -> int:
     except Exception:
         pass
 
+    die_with_parent()
     cell = Cell.model_validate(job["cell"])
     mode = job.get("mode", "cell")
     if mode == "continuation":
@@ -195,6 +213,19 @@ def forked_main(job_path: str, log_path: str, env: dict[str, str]) -> None:
     preloaded with torch and transformers by harness.engines._forkserver_preload): a new process
     group, stdout and stderr to the cell's log, the job's environment, then the job."""
     os.setsid()
+    # multiprocessing hands every forked child the write end of the fork server's "parent alive"
+    # pipe; holding it would keep the fork server (this child's parent) alive after the runner
+    # dies, and with it this child. Closed, the fork server exits with the runner and
+    # die_with_parent() ends this child.
+    try:
+        from multiprocessing import forkserver
+
+        alive = forkserver._forkserver._forkserver_alive_fd
+        if alive is not None:
+            os.close(alive)
+            forkserver._forkserver._forkserver_alive_fd = None
+    except Exception:
+        pass
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -136,6 +136,10 @@ class TensorSource:
         self._file_meta: dict[str, dict[str, str]] = {}
         self.metadata: dict[str, str] = {}
         self.keys: frozenset[str] = frozenset()
+        # Producers may key per-tensor metadata by in-memory names while the tensors carry the
+        # checkpoint spelling (transformers' torchao saves of Qwen2.5-VL). The loader fills this
+        # with {checkpoint spelling: metadata key} once it knows the architecture.
+        self.metadata_aliases: dict[str, str] = {}
 
     # construction ---------------------------------------------------------------------------
 

@@ -57,9 +57,10 @@ def owns(src: TensorSource, weight: str) -> bool:
 
 def read_metadata(src: TensorSource, weight: str) -> dict:
     qname = part_name(weight, "qdata")
-    raw = src.file_metadata(src.file_of(qname)).get(weight) if qname in src.keys else None
+    key = src.metadata_aliases.get(weight, weight)
+    raw = src.file_metadata(src.file_of(qname)).get(key) if qname in src.keys else None
     if raw is None:
-        raw = src.metadata.get(weight)
+        raw = src.metadata.get(key)
     if raw is None:
         raise CheckpointError(weight, "missing torchao metadata: no entry for it in the safetensors __metadata__")
     try:

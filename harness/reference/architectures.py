@@ -44,3 +44,12 @@ def attention_modules(model: nn.Module) -> list[str]:
     """FQNs of modules that hold q/k/v projections: where KV-cache scales attach."""
     return [name for name, module in model.named_modules()
             if all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj"))]
+
+
+# Attention modules that run without a KV cache in an engine: encoder and vision-tower attention.
+# An fp8 KV-cache scheme does not reach them, so a missing scale there falls back to nothing.
+UNCACHED_ATTENTION = ("model.encoder.", "model.vision_model.", "model.visual.")
+
+
+def uses_kv_cache(fqn: str) -> bool:
+    return not fqn.startswith(UNCACHED_ATTENTION)

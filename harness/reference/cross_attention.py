@@ -65,6 +65,8 @@ class ReferenceCrossAttention(nn.Module):
         self.scaling = original.scaling
         self.is_causal = False
         self.num_kv_heads = getattr(original, style.kv_heads_attr)
+        # sdpa repeats K/V for grouped-query attention by this attribute.
+        self.num_key_value_groups = getattr(original, "num_key_value_groups", 1)
         for name, child in original.named_children():
             self.add_module(name, child)
         self.qkv = CrossAttentionQKV(self.q_proj, self.k_proj, self.v_proj, kv)

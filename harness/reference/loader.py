@@ -65,13 +65,16 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
     arch = model.config.model_type
     with phase("read"):
         src = TensorSource.open(path)
+        src.metadata_aliases = {_disk_name(key, arch): key for key in src.metadata}
 
+    # Parameters a checkpoint may store once for several names: {target: source}, in-memory names.
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     activation = _activation_scheme(quant_config) if online_q is None else online_q.activation
     decoded: dict[str, tuple[Decoded, torch.Tensor | None]] = {}
     with phase("decode"):
         for name, module in linears.items():
-            decoded[name] = _decode_linear(src, model, name, module, arch)
+            decoded[name] = _decode_linear(src, name, module, arch, tied)
             report.modules[name] = decoded[name][0].label
     if online_q is not None:
         with phase("quantize"):
@@ -100,7 +103,7 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
         for name in architectures.attention_modules(model):
             if architectures.is_cross_attention(name):
                 cross_attention.install(model, name, fused_kv.get(name))
-        _assign_remaining(src, model, arch)
+        _assign_remaining(src, model, arch, tied)
         _attach_kv_scales(src, model, arch, quant_config, report)
 
     if online_q is None:  # online: the quantizer's own decisions; it recorded their disagreements
@@ -141,12 +144,17 @@ def _disk_name(name: str, arch: str) -> str:
     return skip.to_checkpoint(name, arch)
 
 
-def _decode_linear(src, model, name, module, arch) -> tuple[Decoded, torch.Tensor | None]:
+def _disk_key(src, name: str, arch: str, tied: dict[str, str]) -> str:
+    """The checkpoint key of an in-memory parameter; a tied one absent from disk reads its source."""
+    key = _disk_name(name, arch)
+    if key not in src.keys and name in tied:
+        return _disk_name(tied[name], arch)
+    return key
+
+
+def _decode_linear(src, name, module, arch, tied) -> tuple[Decoded, torch.Tensor | None]:
     disk = _disk_name(name, arch)
-    weight_key = f"{disk}.weight"
-    if weight_key not in src.keys and _is_tied_output(model, module):
-        embedding = _module_name(model, model.get_input_embeddings())
-        weight_key = f"{_disk_name(embedding, arch)}.weight"
+    weight_key = _disk_key(src, f"{name}.weight", arch, tied)
     dec = formats.decode_weight(src, weight_key)
     expected = (module.out_features, module.in_features)
     if tuple(dec.weight.shape) != expected:
@@ -158,14 +166,6 @@ def _decode_linear(src, model, name, module, arch) -> tuple[Decoded, torch.Tenso
         if tuple(bias.shape) != (module.out_features,):
             raise CheckpointError(f"{disk}.bias", f"shape {tuple(bias.shape)}, expected {(module.out_features,)}")
     return dec, bias
-
-
-def _is_tied_output(model, module) -> bool:
-    return bool(getattr(model.config, "tie_word_embeddings", False)) and module is model.get_output_embeddings()
-
-
-def _module_name(model, target) -> str:
-    return next(name for name, m in model.named_modules() if m is target)
 
 
 def _unfusable(shards: list[str], decoded) -> str:
@@ -221,20 +221,34 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def _assign_remaining(src, model, arch) -> None:
-    """Everything that is not a linear weight: embeddings, norms, convolutions, positions."""
+def _assign_remaining(src, model, arch, tied) -> None:
+    """Everything that is not a linear weight: embeddings, norms, convolutions, positions, and
+    persistent buffers the checkpoint holds (Bart's final_logits_bias)."""
     for name, param in list(model.named_parameters()):
-        if not param.is_meta:
-            continue
-        key = _disk_name(name, arch)
-        tensor = src.get(key)
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise CheckpointError(key, f"shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
-        parent, _, leaf = name.rpartition(".")
-        model.get_submodule(parent)._parameters[leaf] = nn.Parameter(tensor.float(), requires_grad=False)
+        if param.is_meta:
+            _put(model, name, nn.Parameter(_read(src, name, arch, tied, param.shape), requires_grad=False))
+    for module_name, module in list(model.named_modules()):
+        for leaf, buffer in list(module._buffers.items()):
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            if buffer is not None and leaf not in module._non_persistent_buffers_set \
+                    and _disk_name(name, arch) in src.keys:
+                module._buffers[leaf] = _read(src, name, arch, tied, buffer.shape)
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if leftover:
         raise CheckpointError(leftover[0], "not found in the checkpoint")
+
+
+def _read(src, name, arch, tied, shape) -> torch.Tensor:
+    key = _disk_key(src, name, arch, tied)
+    tensor = src.get(key)
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(key, f"shape {tuple(tensor.shape)}, the model expects {tuple(shape)}")
+    return tensor.float() if tensor.is_floating_point() else tensor
+
+
+def _put(model, name: str, param: nn.Parameter) -> None:
+    parent, _, leaf = name.rpartition(".")
+    model.get_submodule(parent)._parameters[leaf] = param
 
 
 def _attach_kv_scales(src, model, arch, quant_config, report: LoadReport) -> None:
@@ -243,7 +257,7 @@ def _attach_kv_scales(src, model, arch, quant_config, report: LoadReport) -> Non
         k_scale, v_scale, notes = fp8.kv_scales(src, _disk_name(name, arch))
         report.notes.extend(notes)
         if k_scale is None and v_scale is None:
-            if wants_fp8_kv:
+            if wants_fp8_kv and architectures.uses_kv_cache(name):
                 # vLLM's behaviour: without scales on disk the fp8 cache uses 1.0.
                 k_scale = v_scale = torch.tensor(1.0)
                 report.notes.append(f"{name}: kv_cache_scheme set but no k/v scales on disk; using 1.0 as vLLM does")

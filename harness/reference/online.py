@@ -242,7 +242,7 @@ class OnlineQuantizer:
     def plan(self, model: nn.Module, names: list[str], arch: str) -> tuple[dict[str, tuple[str, Any]], list[Disagreement], list[str]]:
         """name -> ('skip', reason) or ('quantize', what), plus disagreements and notes."""
         policy = self.policy(model, arch)
-        if self.dialect in skip.VLLM_DIALECTS:
+        if self.dialect in skip.VLLM_DIALECTS and names:
             try:
                 skip.to_vllm(names[0], arch)
             except KeyError as e:

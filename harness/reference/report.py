@@ -55,8 +55,12 @@ class LoadReport:
         if self.kv_scales:
             lines.append(f"kv-cache scales: {len(self.kv_scales)} attention modules"
                          f" (fake quantization {'on' if self.kv_fake_quant else 'off'})")
+        by_entry: dict[tuple[str, str], list[Disagreement]] = {}
         for d in self.disagreements:
-            lines.append(f"disagreement [{d.source}] {d.module}: {d.detail}")
+            by_entry.setdefault((d.source, d.detail.split(":", 1)[0]), []).append(d)
+        for (source, _), found in by_entry.items():
+            more = f" (and {len(found) - 1} more modules)" if len(found) > 1 else ""
+            lines.append(f"disagreement [{source}] {found[0].module}: {found[0].detail}{more}")
         for note in self.notes:
             lines.append(f"note: {note}")
         lines.append("timings: " + ", ".join(f"{k}={v * 1000:.1f}ms" for k, v in self.timings.items()))
