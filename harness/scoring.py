@@ -70,6 +70,12 @@ def _log_softmax(model, prompt: Prompt, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
+def _logprob(row: torch.Tensor, token: int) -> float:
+    """A token the model cannot output (an image placeholder beyond the output vocabulary) has
+    probability zero."""
+    return float(row[token]) if token < row.shape[0] else float("-inf")
+
+
 def _topk(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
     values, indices = row.topk(k)
     return [(int(i), float(v)) for i, v in zip(indices, values)]
@@ -81,7 +87,7 @@ def teacher_forced(model, prompt: Prompt, tokens: list[int], k: int) -> Scored:
     positions = range(len(tokens) - 1)
     return Scored(
         tokens=list(tokens),
-        logprobs=[float(lp[i, tokens[i + 1]]) for i in positions],
+        logprobs=[_logprob(lp[i], tokens[i + 1]) for i in positions],
         topk=[_topk(lp[i], k) for i in positions],
     )
 

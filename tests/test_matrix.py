@@ -213,7 +213,8 @@ def test_select_with_pytest_k_expressions():
     ids = [c.id for c in cells]
     got = [c.id for c in M.select(cells, "whisper and torchao")]
     assert got == [i for i in ids if "whisper" in i and "torchao" in i]
-    assert got == sorted(f"whisper.{s}.{e}" for s in WHISPER_SCHEMES if "torchao" in s for e in ("reference", "transformers"))
+    assert got == sorted(f"whisper.{s}.{e}" for s in WHISPER_SCHEMES if "torchao" in s
+                         for e in ("reference", "transformers", "vllm"))
     got = [c.id for c in M.select(cells, "llama and not fp8")]
     assert got and got == [i for i in ids if "llama" in i and "fp8" not in i]
     # case-insensitive like pytest; an exact id part; markers match too (pytest matches marker names)
@@ -231,7 +232,7 @@ def test_committed_matrix_covers_every_fixture_on_cpu_tiny():
     assert {c.fixture_name for c in cpu} == FIXTURES
     for fixture in FIXTURES:
         engines = {c.engine for c in cpu if c.fixture_name == fixture}
-        assert engines == {"reference", "transformers"}, fixture
+        assert engines == {"reference", "transformers", "vllm"}, fixture
     assert all(c.prompt_set == "fixture" and c.hardware.gpus == 0 and not c.gate_load_time for c in cpu)
 
 

