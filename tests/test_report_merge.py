@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import report_scenario as rs
+import yaml
 
 from harness import matrix as mx
 from harness.records import Record, save

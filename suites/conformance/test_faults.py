@@ -37,9 +37,9 @@ def test_swapped_cross_attention_k_and_v_is_caught(name, monkeypatch):
 def test_dropped_fp8_requantization_is_caught(name, monkeypatch):
     path = fixtures.build(name)
     src = TensorSource.open(path)
-    assert fp8_requantization_problems(reference.load(path), src) == []
+    assert fp8_requantization_problems(reference.load(path), src, path) == []
     monkeypatch.setattr(fp8, "requantize_fused", lambda shards, *a, **k: shards)
-    problems = fp8_requantization_problems(reference.load(path), src)
+    problems = fp8_requantization_problems(reference.load(path), src, path)
     assert problems, "keeping each shard's own scale must break the shared-scale invariant"
     if name.startswith("whisper"):
         assert any(".encoder_attn." in p for p in problems), "the cross-attention kv group must be among them"
