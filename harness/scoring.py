@@ -29,10 +29,12 @@ class Prompt:
         return cls(id, kind, kwargs.pop("input_ids")[0].tolist(), kwargs)
 
     def model_inputs(self, tokens: list[int]) -> dict[str, torch.Tensor]:
+        """Fresh tensors on every call: models may modify their inputs in place (transformers'
+        Mllama rewrites cross_attention_mask), which would leak from one forward into the next."""
         ids = torch.tensor([tokens])
         if self.encoder_decoder:
-            return {**self.inputs, "decoder_input_ids": ids}
-        return {**{k: _extend(k, v, len(tokens)) for k, v in self.inputs.items()}, "input_ids": ids}
+            return {**{k: v.clone() for k, v in self.inputs.items()}, "decoder_input_ids": ids}
+        return {**{k: _extend(k, v, len(tokens)).clone() for k, v in self.inputs.items()}, "input_ids": ids}
 
 
 # Per-token inputs of decoder-only prompts, and how a continuation extends them: a new token is

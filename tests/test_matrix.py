@@ -213,8 +213,9 @@ def test_select_with_pytest_k_expressions():
     ids = [c.id for c in cells]
     got = [c.id for c in M.select(cells, "whisper and torchao")]
     assert got == [i for i in ids if "whisper" in i and "torchao" in i]
-    assert got == sorted(f"whisper.{s}.{e}" for s in WHISPER_SCHEMES if "torchao" in s
-                         for e in ("reference", "transformers", "vllm"))
+    assert got == sorted([f"whisper.{s}.{e}" for s in WHISPER_SCHEMES if "torchao" in s
+                          for e in ("reference", "transformers", "vllm")]
+                         + ["whisper.online-torchao-int8wo.reference", "whisper.online-torchao-int8wo.transformers"])
     got = [c.id for c in M.select(cells, "llama and not fp8")]
     assert got and got == [i for i in ids if "llama" in i and "fp8" not in i]
     # case-insensitive like pytest; an exact id part; markers match too (pytest matches marker names)
@@ -229,10 +230,12 @@ def test_select_with_pytest_k_expressions():
 def test_committed_matrix_covers_every_fixture_on_cpu_tiny():
     m = M.load(MODELS_YAML)
     cpu = M.expand(m, tier="cpu-tiny")
-    assert {c.fixture_name for c in cpu} == FIXTURES
-    for fixture in FIXTURES:
+    assert FIXTURES <= {c.fixture_name for c in cpu}
+    for fixture in {c.fixture_name for c in cpu}:
         engines = {c.engine for c in cpu if c.fixture_name == fixture}
-        assert engines == {"reference", "transformers", "vllm"}, fixture
+        assert {"reference", "transformers"} <= engines, fixture
+        if fixture in FIXTURES:
+            assert "vllm" in engines, fixture
     assert all(c.prompt_set == "fixture" and c.hardware.gpus == 0 and not c.gate_load_time for c in cpu)
 
 
