@@ -25,7 +25,8 @@ The five steps (harness.engines.base):
 - ``probe``: before anything loads: the architecture must be registered in this vLLM, and the
   format must have its kernels on this platform (``_C::static_scaled_fp8_quant`` for per-tensor
   FP8, AMX for block-quantized FP8 on CPU, AVX-512 or AMX for an FP8 KV cache on CPU, the
-  bitsandbytes plugin, no torchao int4 on CPU).
+  bitsandbytes plugin, no torchao int4 on CPU), and the Python modules the architecture needs
+  (torchvision for Qwen2-VL / Qwen2.5-VL).
 - ``load``: builds the ``LLM``. Load time is vLLM's own model loading (``BaseModelLoader.load_model``:
   initialise, load weights, process weights after loading), with its phases; the engine is never
   restarted for a repeat. Then, right away, the module read (``apply_model``) and its diff
@@ -331,9 +332,6 @@ class VllmEngine(Engine):
 
             if importlib.util.find_spec("vllm_bnb_plugin") is None:
                 return f"vLLM {version} has no in-tree bitsandbytes (removed in 0.32) and vllm-bnb-plugin is not installed"
-            if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
-                if on_cpu:
-                    return "bitsandbytes 8-bit (LLM.int8) in vllm-bnb-plugin needs CUDA"
         if method == "torchao" and "Int4" in json.dumps(qc) and on_cpu:
             return "torchao int4 weight-only has no CPU kernel (torchao 0.18 fails on CPU for every packing format)"
         if method in ("fp8", "compressed-tensors") and on_cpu:
