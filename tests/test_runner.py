@@ -218,8 +218,8 @@ def test_pytest_runs_cells_under_xdist(generated, tmp_path):
 def test_cells_lists_ids(capsys):
     code, out, _ = harness(capsys, "cells", "-k", "whisper and torchao and reference")
     assert code == 0
-    assert out.split() == ["whisper.torchao-float8wo.reference", "whisper.torchao-int8wo-skip-encoder.reference",
-                           "whisper.torchao-int8wo.reference"]
+    assert out.split() == ["whisper.online-torchao-int8wo.reference", "whisper.torchao-float8wo.reference",
+                           "whisper.torchao-int8wo-skip-encoder.reference", "whisper.torchao-int8wo.reference"]
     code, out, _ = harness(capsys, "cells", "--engine", "transformers", "-k", "whisper.unquantized")
     assert out.split() == ["whisper.unquantized.transformers"]
 

@@ -75,6 +75,7 @@ def test_collect_selects_exactly_the_cells():
     listed = subprocess.run([sys.executable, "-m", "harness.cli", "cells", *select], cwd=ROOT,
                             capture_output=True, text=True, timeout=300).stdout.split()
     assert ids == listed == [
+        "whisper.online-torchao-int8wo.reference", "whisper.online-torchao-int8wo.transformers",
         "whisper.torchao-float8wo.reference", "whisper.torchao-float8wo.transformers",
         "whisper.torchao-int8wo-skip-encoder.reference", "whisper.torchao-int8wo-skip-encoder.transformers",
         "whisper.torchao-int8wo.reference", "whisper.torchao-int8wo.transformers"]
