@@ -1,8 +1,12 @@
 # The two commands of the README. Both build .venv on first use (scripts/bootstrap).
+# One BLAS/OpenMP thread per process: on a shared 2-core machine, torch's default of one thread per
+# core makes every small op contend, and two pytest workers (-n 2) already use both cores.
+export OMP_NUM_THREADS ?= 1
+
 .PHONY: run test venv
 venv:
 	@scripts/bootstrap
 run: venv
 	.venv/bin/harness run
 test: venv
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n 2
