@@ -18,7 +18,7 @@ import platform as _platform
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -26,18 +26,6 @@ if TYPE_CHECKING:
     from harness.matrix import Cell
 
 SCHEMA_VERSION = 1
-VERDICTS: tuple[str, ...] = (
-    "pass",
-    "regressed",
-    "improved",
-    "failed",
-    "error",
-    "unsupported",
-    "waived",
-    "unexpected-pass",
-    "stale-baseline",
-    "missing-baseline",
-)
 Verdict = Literal[
     "pass",
     "regressed",
@@ -50,6 +38,7 @@ Verdict = Literal[
     "stale-baseline",
     "missing-baseline",
 ]
+VERDICTS: tuple[str, ...] = get_args(Verdict)
 Status = Literal["ok", "error", "unsupported"]
 PromptKind = Literal["text", "image", "audio"]
 EngineName = Literal["reference", "transformers", "vllm"]
