@@ -23,18 +23,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    # under pytest-xdist the workers share one cache (their basetemps share a parent): the file
-    # lock then makes exactly one worker build each fixture
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "fixture-cache"
-    root.mkdir(exist_ok=True)
-    with pytest.MonkeyPatch.context() as mp_:
-        mp_.setenv("HARNESS_FIXTURE_CACHE", str(root))
-        yield root
-
-
-@pytest.fixture(scope="session")
 def built(cache_dir):
     """Every fixture, built once into a fresh cache for this session."""
     return {name: F.build(name) for name in F.names()}

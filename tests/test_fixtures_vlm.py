@@ -41,17 +41,6 @@ NEW = [n for n in F.names() if F.spec(n).model in NEW_MODELS]
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    # the same root as tests/test_fixtures.py's cache_dir: a session running both builds each fixture once
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "fixture-cache"
-    root.mkdir(exist_ok=True)
-    with pytest.MonkeyPatch.context() as mp_:
-        mp_.setenv("HARNESS_FIXTURE_CACHE", str(root))
-        yield root
-
-
-@pytest.fixture(scope="session")
 def built(cache_dir):
     return {name: F.build(name) for name in NEW}
 
