@@ -114,6 +114,10 @@ def _run(args) -> int:
         lines.append(f"baselines: {kinds['new']} new, {kinds['updated']} updated, {kinds['unchanged']} unchanged, "
                      f"{len(refused)} refused, in {Path(args.baselines)}")
     lines.append(f"wall time {wall:.1f} s; records in {results}")
+    from harness.report import write_reports
+
+    written = write_reports([results], Path(results) / "report", expected=[c.id for c in cells], matrix=m)
+    lines.append(f"report: {written.html}")
     text = "\n".join(lines)
     print(text, flush=True)
     (Path(results) / "summary.txt").write_text(text.lstrip("\n") + "\n")

@@ -105,6 +105,8 @@ def test_update_baselines_writes_every_cell_then_the_matrix_passes(generated, tm
     assert {p.name: p.read_bytes() for p in (baselines / "cpu-tiny").iterdir()} == before  # never written
     assert (tmp_path / "r" / "summary.txt").read_text().startswith("verdict")
     assert (tmp_path / "r" / "logs" / "whisper.bnb-nf4.transformers.log").exists()
+    report = (tmp_path / "r" / "report" / "report.html").read_text()  # harness run ends in the report
+    assert all(cell in report for cell in CELLS) and f"report: {tmp_path / 'r' / 'report' / 'report.html'}" in out
 
 
 def test_baseline_altered_by_hand_is_regressed_and_exit_1(generated, tmp_path, capsys):
