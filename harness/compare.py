@@ -353,6 +353,14 @@ def _same_public_version(a: str, b: str | None) -> bool:
         return False
 
 
+def _failed_or_waived(verdict_name: str, known, failing: list[Check], checks: list[Check]) -> Judgement:
+    """`verdict_name` for these failing checks, or `waived` when a known failure covers them all."""
+    k = _waiver(known, failing)
+    if k is not None:
+        return Judgement("waived", f"known failure: {k.reason} ({failing[0].name})", checks, k)
+    return Judgement(verdict_name, "; ".join(f"{c.name}: {c.detail}" for c in failing), checks)
+
+
 def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
             known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
             expected_engine_version: str | None = None, platform: str | None = None,
@@ -391,10 +399,7 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
     checks += list(cross_engine_checks)
     failing = [c for c in checks if not c.ok]
     if failing:
-        k = _waiver(known, failing)
-        if k is not None:
-            return Judgement("waived", f"known failure: {k.reason} ({failing[0].name})", checks, k)
-        return Judgement("failed", "; ".join(f"{c.name}: {c.detail}" for c in failing), checks)
+        return _failed_or_waived("failed", known, failing, checks)
 
     if baseline is None:
         return Judgement("missing-baseline", "no baseline stored for this cell; run with --update-baselines to create one", checks)
@@ -409,15 +414,9 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
 
     failing = [c for c in base_checks if not c.ok]
     if failing:
-        k = _waiver(known, failing)
-        if k is not None:
-            return Judgement("waived", f"known failure: {k.reason} ({failing[0].name})", checks, k)
-        return Judgement("regressed", "; ".join(f"{c.name}: {c.detail}" for c in failing), checks)
+        return _failed_or_waived("regressed", known, failing, checks)
     if load_check is not None and not load_check.ok:
-        k = _waiver(known, [load_check])
-        if k is not None:
-            return Judgement("waived", f"known failure: {k.reason} ({load_check.name})", checks, k)
-        return Judgement("regressed", f"{load_check.name}: {load_check.detail}", checks)
+        return _failed_or_waived("regressed", known, [load_check], checks)
     if known:
         k = known[0]
         return Judgement("unexpected-pass", f"passes, but a known failure covers {record.engine} "

@@ -180,6 +180,17 @@ class FqnResolution:
         return self.config is None
 
 
+def _module_regex_or_default(fqn_to_config: Mapping[str, Any], module_fqn: str) -> FqnResolution:
+    """The first ``re:`` key matching the whole module name, else ``_default``, else unmatched:
+    the tail of the lookup that torchao and vLLM's torchao config share."""
+    for pattern in fqn_to_config:
+        if pattern.startswith("re:") and re.fullmatch(pattern[3:], module_fqn):
+            return FqnResolution(pattern, fqn_to_config[pattern], "module-regex")
+    if fqn_to_config.get("_default") is not None:
+        return FqnResolution("_default", fqn_to_config["_default"], "default")
+    return FqnResolution(None, None, "unmatched")
+
+
 def torchao_fqn_matches(fqn: str, fqn_to_config: Mapping[str, Any]) -> bool:
     """torchao 0.18 ``quant_api.fqn_matches_fqn_config``: an exact key, or any ``re:`` key that
     ``re.fullmatch``-es ``fqn``. ``None`` entries match too; ``_default`` is an ordinary key here."""
@@ -256,12 +267,7 @@ def torchao_resolve(
                     none_keys[p].append((pattern, "param-regex"))
 
     if not param_found:
-        for pattern in cfg:
-            if pattern.startswith("re:") and re.fullmatch(pattern[3:], module_fqn):
-                return FqnResolution(pattern, cfg[pattern], "module-regex")
-        if cfg.get("_default") is not None:
-            return FqnResolution("_default", cfg["_default"], "default")
-        return FqnResolution(None, None, "unmatched")
+        return _module_regex_or_default(cfg, module_fqn)
 
     if param not in applied:
         return FqnResolution(None, None, "untouched")
@@ -371,12 +377,7 @@ def vllm_torchao_resolve(prefix: str, quantization_config: Mapping[str, Any], is
         return FqnResolution("default", (quantization_config.get("quant_type") or {}).get("default"), "default")
     if prefix in fqn:
         return FqnResolution(prefix, fqn[prefix], "module")
-    for pattern in fqn:
-        if pattern.startswith("re:") and re.fullmatch(pattern[3:], prefix):
-            return FqnResolution(pattern, fqn[pattern], "module-regex")
-    if fqn.get("_default") is not None:
-        return FqnResolution("_default", fqn["_default"], "default")
-    return FqnResolution(None, None, "unmatched")
+    return _module_regex_or_default(fqn, prefix)
 
 
 # ---------------------------------------------------------------------------------------------
