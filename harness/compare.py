@@ -1,4 +1,4 @@
-"""The comparison rules and the verdict (DESIGN.md, "Comparison rules"). Pure functions on records.
+"""The comparison rules and the verdict (docs/design.md, "Comparison rules"). Pure functions on records.
 
 Checks (each a records.Check named ``<kind>:<against>``):
 - ``teacher-forced``: the main check. Both runs scored the same token sequence; |Δlogprob| of the
@@ -12,7 +12,7 @@ Checks (each a records.Check named ``<kind>:<against>``):
 - ``load-time``: the load-time ratio, normalised by the in-run calibration.
 - ``module-diff``: vLLM's module-level conformance (from the record).
 
-``verdict()`` applies DESIGN.md's order; ``summarize()`` counts verdicts and gives the exit code.
+``verdict()`` applies the order of docs/design.md, "Verdicts"; ``summarize()`` counts verdicts and gives the exit code.
 """
 from __future__ import annotations
 
@@ -365,7 +365,7 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
             known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
             expected_engine_version: str | None = None, platform: str | None = None,
             gate_load_time: bool = False) -> Judgement:
-    """The verdict of one record, in DESIGN.md's order:
+    """The verdict of one record, in the order of docs/design.md, "Verdicts":
 
     1. status unsupported (a capability probe) -> unsupported
     2. status error: a known failure (engine, version range, pattern) matches -> unsupported

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraint
 
 ENGINES: tuple[str, ...] = ("reference", "transformers", "vllm")
 TIERS: tuple[str, ...] = ("cpu-tiny", "gpu-tiny", "gpu-full")
-# Tiers on which load time is gated (DESIGN.md: never on cpu-tiny, where Python overhead dominates).
+# Tiers on which load time is gated (docs/design.md, "Load time": never on cpu-tiny, where Python overhead dominates).
 GATED_TIERS: frozenset[str] = frozenset({"gpu-tiny", "gpu-full"})
 ARCHS: tuple[str, ...] = (
     "LlamaForCausalLM",

@@ -388,7 +388,7 @@ def cuda_platform(major: int, minor: int) -> str:
 
 def platform_key(platform: str | None) -> str | None:
     """The part of a platform string baselines are keyed by. CPU results differ between ISAs
-    only in their last bits and are compared within bounds (DESIGN.md), so the ISA is dropped:
+    only in their last bits and are compared within bounds (docs/design.md, "Baselines and their keys"), so the ISA is dropped:
     ``cpu-x86_64-avx2`` -> ``cpu-x86_64``. GPU platforms are kept whole (``cuda-sm90``)."""
     if platform is None:
         return None

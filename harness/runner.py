@@ -33,7 +33,7 @@ order, per prompt:
 **Cross-engine checks.** Each record is compared with the other selected engines' ok records of its
 group, within the cell's bounds (harness.compare). An engine that does not fuse projections
 (transformers) is compared with the *reference executed unfused*: FP8 per-tensor shards fused into
-one projection are requantized to the largest scale (DESIGN.md), which an unfused engine never
+one projection are requantized to the largest scale (docs/design.md, "Fusion rule"), which an unfused engine never
 does. The reference child writes that witness when a non-fusing engine is in the group. Two
 non-reference engines with different fusion are not compared directly (each is compared with the
 reference variant that models it). An engine whose cell has a known failure covering its version

@@ -26,7 +26,7 @@ every engine implements the same five steps and the driver :func:`execute` makes
 gate/up) as one fused projection, the way an inference engine does. That matters only for FP8 with
 per-tensor scales, where fusing requantizes the shards to the group's largest scale; the runner
 compares an engine that does not fuse (transformers) with the reference executed unfused, and an
-engine that fuses (vLLM) with the reference as it fuses (DESIGN.md: "model the engine you compare
+engine that fuses (vLLM) with the reference as it fuses (docs/design.md, "Fusion rule": "model the engine you compare
 against").
 
 Engines run in a child process (harness.engines.worker), one cell per process, under the cell's

@@ -2,7 +2,7 @@
 
 Version: the harness package version (models.yaml pins it in the ``core`` environment). Load time:
 the load report's total, with its phases (skeleton, read, decode, fuse, assign). Fused groups
-follow DESIGN.md (``fuse=True``, as an inference engine executes them); the runner may also ask for
+follow docs/design.md, "Fusion rule" (``fuse=True``, as an inference engine executes them); the runner may also ask for
 the unfused variant, the witness that engines which do not fuse (transformers) are compared with.
 Online schemes (``online-*``) pass their quantization config to ``reference.load(quantization=)``.
 """

@@ -20,7 +20,7 @@ Memory: every function reads the weight (an mmap view, as the loader hands it ov
 effective weight (and, for FP8, the float8 codes) into the only full-size tensors it allocates. The
 temporaries of the arithmetic are bounded by `CHUNK` elements whatever the size of the weight, and a
 float16 / bfloat16 weight is widened to float32 chunk by chunk, so quantizing online never holds a
-second full-size copy (DESIGN.md, fast loading). Widening is exact: the result is that of
+second full-size copy (docs/design.md, "Fast loading"). Widening is exact: the result is that of
 quantizing the float32 weight, which is what transformers quantizes after loading in float32.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The reference loader: skip-aware, quantization-aware loading of a checkpoint directory.
 
 The skeleton is built on the meta device, tensors are read through mmap, every on-disk layout is
-decoded in plain torch (harness.quant), fused groups follow DESIGN.md's rules, and the result is
+decoded in plain torch (harness.quant), fused groups follow docs/design.md, "Fusion rule", and the result is
 the architecture's own transformers module with reference linears in place of nn.Linear.
 """
 import json
@@ -45,7 +45,7 @@ class _Phases:
 
 def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loaded:
     """Load a checkpoint directory. `fuse=False` keeps every projection separate, which is how
-    transformers executes it; the default fuses as an engine does (DESIGN.md). `quantization`, a
+    transformers executes it; the default fuses as an engine does (docs/design.md, "Fusion rule"). `quantization`, a
     quantization config (dict, JSON file or preset name; harness.reference.online), quantizes an
     unquantized checkpoint at load time."""
     path = Path(path)

@@ -15,7 +15,7 @@ result set (on Buildkite: engines in different environments, hence different ste
 within the cell's bounds, with harness.runner's rules (an engine with a known failure is no
 witness; engines that differ in fusing shards are compared only in a run that holds both). A
 disagreement makes the verdict ``failed`` (``waived`` when a known failure matches every failing
-check), as DESIGN.md's verdict order has it.
+check), as the verdict order of docs/design.md, "Verdicts", has it.
 """
 from __future__ import annotations
 
