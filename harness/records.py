@@ -18,27 +18,18 @@ import platform as _platform
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from harness.verdicts import VERDICTS
 
 if TYPE_CHECKING:
     from harness.matrix import Cell
 
 SCHEMA_VERSION = 1
-Verdict = Literal[
-    "pass",
-    "regressed",
-    "improved",
-    "failed",
-    "error",
-    "unsupported",
-    "waived",
-    "unexpected-pass",
-    "stale-baseline",
-    "missing-baseline",
-]
-VERDICTS: tuple[str, ...] = get_args(Verdict)
+# The verdicts, from the one verdict table (harness/verdicts.py).
+Verdict = Literal[VERDICTS]  # type: ignore[valid-type]
 Status = Literal["ok", "error", "unsupported"]
 PromptKind = Literal["text", "image", "audio"]
 EngineName = Literal["reference", "transformers", "vllm"]
