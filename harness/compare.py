@@ -9,26 +9,28 @@ Checks (each a records.Check named ``<kind>:<against>``):
 - ``greedy``: vLLM's check_logprobs_close rule. At the first step where the greedy tokens differ,
   each run's token must be in the other run's top-k. Reports that first divergence.
 - ``prompts``: both runs have the same prompt ids.
-- ``load-time``: the load-time ratio, normalised by the in-run calibration.
+- ``load-time``: the load-time ratio obtained / baseline.
 - ``module-diff``: vLLM's module-level conformance (from the record).
 
-``verdict()`` applies the order of docs/design.md, "Verdicts"; ``summarize()`` counts verdicts and gives the exit code.
+``verdict()`` applies the order of docs/design.md, "Verdicts"; ``judge()`` is verdict() with the
+cell's settings, the entry point the runner uses. ``cross_engine()`` and ``disagreement()`` are the
+cross-engine rule and its judgement, shared by the runner and the Buildkite merge step
+(harness.report.merge). What each verdict means for the exit status and every output is the table
+in harness.verdicts.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from harness.records import VERDICTS, Check, KnownFailureRef, Record, SequenceResult, platform_key
+from harness.engines.base import fuses_shards
+from harness.records import Check, KnownFailureRef, Record, SequenceResult, platform_key
 
 if TYPE_CHECKING:
     from harness.baselines import Baseline
     from harness.matrix import Bounds, Cell
-
-# Verdicts that make a run exit 1.
-BAD_VERDICTS = frozenset({"regressed", "failed", "error"})
 
 
 class KnownFailureLike(Protocol):
@@ -232,25 +234,16 @@ def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[Seq
     return checks
 
 
-def _normalised_load(load) -> tuple[float, float | None]:
-    calib = load.phases.get("calibration")
-    return load.seconds, (calib if calib and calib > 0 else None)
-
-
 def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: bool) -> Check | None:
-    """Load-time ratio obtained / baseline, each divided by its in-run calibration
-    (load.phases["calibration"]) when both have one. ``ok`` is False only when gated and the
-    ratio exceeds ``bound``; data["improved"] marks a ratio below 1/bound."""
+    """Load-time ratio obtained / baseline. ``ok`` is False only when gated and the ratio exceeds
+    ``bound``; data["improved"] marks a ratio below 1/bound."""
     if record.load is None or baseline.load is None or baseline.load.seconds <= 0:
         return None
-    s_obt, c_obt = _normalised_load(record.load)
-    s_base, c_base = _normalised_load(baseline.load)
-    normalised = c_obt is not None and c_base is not None
-    ratio = (s_obt / c_obt) / (s_base / c_base) if normalised else s_obt / s_base
+    s_obt, s_base = record.load.seconds, baseline.load.seconds
+    ratio = s_obt / s_base
     regressed = ratio > bound
     improved = ratio < 1 / bound
-    text = (f"load {_fmt(s_obt)} s vs baseline {_fmt(s_base)} s: ratio {_fmt(ratio)}"
-            f"{' (calibrated)' if normalised else ''}, bound {_fmt(bound)}")
+    text = f"load {_fmt(s_obt)} s vs baseline {_fmt(s_base)} s: ratio {_fmt(ratio)}, bound {_fmt(bound)}"
     if not gated:
         text += " (measured, not gated on this tier)"
     elif regressed:
@@ -258,7 +251,7 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
     elif improved:
         text = "faster than 1/bound: " + text
     return Check(name="load-time:baseline", ok=not (gated and regressed), detail=text,
-                 data={"ratio": _safe(ratio), "seconds": s_obt, "baseline_seconds": s_base, "calibrated": normalised,
+                 data={"ratio": _safe(ratio), "seconds": s_obt, "baseline_seconds": s_base,
                        "bound": bound, "gated": gated, "regressed": gated and regressed, "improved": gated and improved})
 
 
@@ -271,16 +264,37 @@ def check_module_diff(record: Record, *, against: str = "reference") -> Check | 
                  data={"first_differing_module": md.first_differing_module})
 
 
-def cross_engine(record: Record, others: Iterable[Record], bounds: Bounds) -> list[Check]:
-    """Checks of ``record`` against the other engines' records of the same cell in the same run.
-    Records that are not ok, or are this same engine, are skipped."""
+def cross_engine(record: Record, others: Iterable[Record], bounds: Bounds, *,
+                 known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None) -> list[Check]:
+    """The cross-engine rule (docs/design.md, "Cross-engine" and "Fusion rule"): checks of
+    ``record`` against the other engines' records of its (model, scheme), within ``bounds``.
+
+    - Records that are not ok, or are this same engine, are skipped.
+    - An engine that one of ``known_failures`` (the group's, any engine) covers is no witness.
+    - Engines that differ in fusing shards are compared only through ``unfused``, the reference's
+      results executed unfused (the runner's witness), which replaces the reference's side; the
+      check's detail says so when it differs. Without it (a merge of separate runs) such a pair is
+      not compared, and two non-reference engines that differ in fusion never are.
+    """
     checks: list[Check] = []
     if record.status != "ok":
         return checks
+    known = list(known_failures)
     for other in others:
         if other.status != "ok" or other.engine == record.engine:
             continue
-        checks += compare_sequences(other.sequences, record.sequences, bounds, against=other.engine)
+        if applicable(known, other.engine, other.engine_info.version):
+            continue
+        mine, theirs, note = record, other, ""
+        if fuses_shards(record.engine) != fuses_shards(other.engine):
+            if unfused is None or "reference" not in (record.engine, other.engine):
+                continue
+            reference, executes = (record, other.engine) if record.engine == "reference" else (other, record.engine)
+            if unfused.sequences != reference.sequences:
+                note = f" [reference executed unfused, as {executes} executes]"
+            mine, theirs = (unfused, other) if record.engine == "reference" else (record, unfused)
+        for c in compare_sequences(theirs.sequences, mine.sequences, bounds, against=other.engine):
+            checks.append(c.model_copy(update={"detail": c.detail + note}) if note else c)
     return checks
 
 
@@ -361,6 +375,19 @@ def _failed_or_waived(verdict_name: str, known, failing: list[Check], checks: li
     return Judgement(verdict_name, "; ".join(f"{c.name}: {c.detail}" for c in failing), checks)
 
 
+def disagreement(record: Record, checks: Iterable[Check], known_failures: Iterable[KnownFailureLike] = ()) -> Judgement | None:
+    """Step 3 of the verdict on its own, for the runner and the merge step alike: the checks of
+    ``record`` that are not against its baseline (other engines, the module diff) and fail make it
+    ``failed``, or ``waived`` when known failures match every one of them; None when none fails.
+    The judgement carries all of ``checks``."""
+    checks = list(checks)
+    failing = [c for c in checks if not c.ok and c.name.partition(":")[2] not in ("baseline", "")]
+    if not failing:
+        return None
+    return _failed_or_waived("failed", applicable(known_failures, record.engine, record.engine_info.version),
+                             failing, checks)
+
+
 def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
             known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
             expected_engine_version: str | None = None, platform: str | None = None,
@@ -397,9 +424,9 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
     if md is not None:
         checks.append(md)
     checks += list(cross_engine_checks)
-    failing = [c for c in checks if not c.ok]
-    if failing:
-        return _failed_or_waived("failed", known, failing, checks)
+    j = disagreement(record, checks, known_failures)
+    if j is not None:
+        return j
 
     if baseline is None:
         return Judgement("missing-baseline", "no baseline stored for this cell; run with --update-baselines to create one", checks)
@@ -426,57 +453,18 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
     return Judgement("pass", "matches the baseline", checks)
 
 
-def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = ()) -> Judgement:
-    """verdict() with every setting taken from the cell: bounds, known failures, the pinned
-    engine version, load-time gating; cross-engine checks against ``others`` (same cell, other
-    engines, this run)."""
+def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = (), *,
+          known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None) -> Judgement:
+    """verdict() with every setting taken from the cell (bounds, known failures, the pinned engine
+    version, load-time gating) and the cross-engine checks against ``others``, the other engines'
+    records of its (model, scheme) in this run, by cross_engine()'s rule (``known_failures``: the
+    group's; ``unfused``: the reference executed unfused)."""
     return verdict(
         record,
         baseline,
         bounds=cell.bounds,
         known_failures=cell.known_failures,
-        cross_engine_checks=cross_engine(record, others, cell.bounds),
+        cross_engine_checks=cross_engine(record, others, cell.bounds, known_failures=known_failures, unfused=unfused),
         expected_engine_version=cell.engine_version,
         gate_load_time=cell.gate_load_time,
     )
-
-
-# --------------------------------------------------------------------------------------- summary
-
-
-@dataclass
-class Summary:
-    counts: dict[str, int]
-    total: int
-
-    @property
-    def exit_code(self) -> int:
-        return exit_code_for(self.counts)
-
-    def table(self) -> str:
-        width = max(len(v) for v in VERDICTS)
-        lines = [f"{'verdict':<{width}}  cells"]
-        lines += [f"{v:<{width}}  {n}" for v, n in self.counts.items() if n]
-        lines.append(f"{'total':<{width}}  {self.total}")
-        return "\n".join(lines)
-
-
-def summarize(items: Iterable[Record | str | None]) -> Summary:
-    """Counts per verdict (every verdict listed, in the taxonomy's order). A record that was
-    never judged counts as error."""
-    counts = {v: 0 for v in VERDICTS}
-    total = 0
-    for item in items:
-        v = item.verdict if isinstance(item, Record) else item
-        if v not in counts:
-            v = "error"
-        counts[v] += 1
-        total += 1
-    return Summary(counts, total)
-
-
-def exit_code_for(verdicts: dict[str, int] | Iterable[Any]) -> int:
-    """0 when nothing is regressed, failed or errored; 1 otherwise."""
-    if isinstance(verdicts, dict):
-        return 1 if any(verdicts.get(v, 0) for v in BAD_VERDICTS) else 0
-    return 1 if summarize(verdicts).exit_code else 0

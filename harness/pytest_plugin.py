@@ -13,19 +13,18 @@ Markers (registered in pyproject.toml): the tier (``cpu_tiny``, ``gpu_tiny``, ``
 hardware class (``cpu`` or ``gpu``), and for GPU cells ``hardware(gpus=, gpu_memory_gb=,
 compute_capability=)`` with the cell's needs: ``pytest suites -m "not gpu"``.
 
-Verdict -> test outcome:
+Verdict -> test outcome: the ``pytest`` column of harness.verdicts' table (``pytest_outcome``):
 
-- ``pass``, ``improved``: passed.
-- ``regressed``, ``failed``, ``error``: FAILED, with the reason, the failing checks and, for an
-  error, the end of the engine child's log.
-- ``unsupported`` from the capability probe: SKIPPED with the reason (the engine did not run the
-  cell here; it is not a pass, and a session in which nothing passed fails, see conftest.py).
-- ``unsupported`` through a known failure, and ``waived``: XFAIL with the known failure's reason
-  (the engine ran and failed in the documented way).
-- ``unexpected-pass``: FAILED, so a fixed known failure gets noticed and its entry removed
-  (pytest's strict xfail).
-- ``missing-baseline``, ``stale-baseline``: FAILED, unless ``--update-baselines`` wrote the baseline
-  (then the cell is judged against it and passes): CI can never pass without baselines.
+- passed: ``pass``, ``improved``.
+- FAILED, with the reason, the failing checks and, for an error, the end of the engine child's log:
+  every verdict that fails the run (``regressed``, ``failed``, ``error``; ``unexpected-pass``, so a
+  fixed known failure gets noticed and its entry removed; ``missing-baseline`` and
+  ``stale-baseline`` unless ``--update-baselines`` wrote the baseline, after which the cell is
+  judged against it and passes: CI can never pass without baselines).
+- SKIPPED: ``unsupported`` from the capability probe (the engine did not run the cell here; it is
+  not a pass, and a session in which nothing passed fails, see conftest.py).
+- XFAIL: ``waived``, and ``unsupported`` through a known failure (the engine ran and failed in the
+  documented way).
 
 Several tests of one (model, scheme) share their engines' records through the results directory
 (file locks), so each engine runs once per session, and under ``-n 2`` the engines of a group run
@@ -82,7 +81,6 @@ class _State:
         self._matrix = None
         self.runner = None
         self.prepared = False
-        self.reports: list[dict] = []  # controller: one per finished cell test
 
     @property
     def matrix(self):
@@ -125,7 +123,7 @@ def pytest_configure(config):
         for sub in ("raw", "witness", "sequences"):  # an earlier session's results must not be reused
             shutil.rmtree(state.results / sub, ignore_errors=True)
     else:
-        from harness.runner import default_results_dir
+        from harness.layout import default_results_dir
 
         state.results = default_results_dir(prefix="pytest-")
     if config.pluginmanager.hasplugin("xdist"):
@@ -183,6 +181,7 @@ def harness_runner(request):
 
 def check(result, record_property=None, record_path=None) -> None:
     """Turn a judged cell into the test's outcome (see the module docstring)."""
+    from harness import verdicts
     from harness.runner import one_line
 
     rec: R.Record = result.record
@@ -191,14 +190,14 @@ def check(result, record_property=None, record_path=None) -> None:
     if record_property is not None:
         record_property("harness", {"cell": rec.cell, "verdict": verdict, "reason": reason,
                                     "messages": list(result.messages)})
-    if verdict in ("pass", "improved"):
+    outcome = verdicts.pytest_outcome(verdict, known_failure=rec.known_failure is not None)
+    if outcome == "passed":
         return
-    if verdict == "unsupported":
-        if rec.known_failure is not None:
-            pytest.xfail(f"unsupported (known failure): {reason}")
-        pytest.skip(f"unsupported: {reason}")
-    if verdict == "waived":
-        pytest.xfail(f"waived: {reason}")
+    if outcome == "skipped":
+        pytest.skip(f"{verdict}: {reason}")
+    if outcome == "xfailed":
+        by_known = "" if verdicts.row(verdict).pytest == "xfailed" else " (known failure)"
+        pytest.xfail(f"{verdict}{by_known}: {reason}")
     lines = [f"{rec.cell}: {verdict}: {reason}"]
     for c in rec.checks:
         if not c.ok:
@@ -230,12 +229,12 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if getattr(config, "workerinput", None) is not None or not _REPORTS:
         return
-    from harness import compare
+    from harness import verdicts
 
     state = config.stash.get(_STASH, None)
     tr = terminalreporter
     tr.section("harness matrix")
-    s = compare.summarize([r["verdict"] for r in _REPORTS])
+    s = verdicts.summarize([r["verdict"] for r in _REPORTS])
     for line in s.table().splitlines():
         tr.write_line(line)
     messages = [(r["cell"], m) for r in _REPORTS for m in r.get("messages", ())]

@@ -192,9 +192,9 @@ def test_a_cell_run_alone_scores_the_same_sequence(generated, tmp_path, capsys):
     reference child on the fixture, the same tokens the full run scored."""
     code, out, _ = harness(capsys, "run", "--matrix", generated["matrix"], "--baselines", tmp_path / "none",
                            "--results", tmp_path / "r", "-k", "bnb", "--engine", "transformers")
-    assert code == 0, out  # missing-baseline is not a failure of the run ...
+    assert code == 1, out  # missing-baseline fails the run (harness.verdicts): CI cannot pass without baselines
     alone = records(tmp_path / "r")["whisper.bnb-nf4.transformers"]
-    assert alone.verdict == "missing-baseline"  # ... but it is not a pass either
+    assert alone.verdict == "missing-baseline"
     full = records(generated["results"])["whisper.bnb-nf4.transformers"]
     assert [s.scored.tokens for s in alone.sequences] == [s.scored.tokens for s in full.sequences]
     assert (tmp_path / "r" / "sequences" / "whisper.bnb-nf4.json").exists()

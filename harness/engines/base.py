@@ -211,21 +211,15 @@ def hardware_problem(cell: Cell) -> str | None:
 
 def online_quantization(cell: Cell) -> dict | None:
     """The quantization config an online scheme applies at load time, or None for a pre-quantized
-    (or unquantized) checkpoint: the cell's own ``quantization`` when the matrix gives one, else the
-    preset named like the scheme (harness.reference.online.PRESETS: ``online-bnb-nf4``,
-    ``online-torchao-int8wo``, ``online-fp8``), in the format its library serializes to."""
-    spec = getattr(cell, "quantization", None)
-    if spec is None and cell.scheme.startswith("online-"):
-        from harness.reference.online import PRESETS
-
-        spec = PRESETS.get(cell.scheme)
-    if spec is None:
+    (or unquantized) checkpoint: the preset named like the scheme (harness.reference.online.PRESETS:
+    ``online-bnb-nf4``, ``online-torchao-int8wo``, ``online-fp8``), in the format its library
+    serializes to (a copy: engines may modify it)."""
+    if not cell.scheme.startswith("online-"):
         return None
-    if isinstance(spec, str):
-        from harness.reference.online import read_config
+    from harness.reference.online import PRESETS
 
-        return read_config(spec)
-    return json.loads(json.dumps(spec))
+    spec = PRESETS.get(cell.scheme)
+    return json.loads(json.dumps(spec)) if spec is not None else None
 
 
 def resolve_checkpoint(cell: Cell, path: str | None = None) -> Checkpoint:
@@ -375,10 +369,7 @@ class InProcessEngine(Engine):
             import torch
 
             kwargs["input_ids"] = torch.tensor([p.tokens])
-        if hasattr(scoring.Prompt, "from_model_inputs"):
-            return scoring.Prompt.from_model_inputs(p.id, kwargs)
-        extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "decoder_input_ids")}
-        return scoring.Prompt(p.id, p.kind, list(p.tokens), extra)
+        return scoring.Prompt.from_model_inputs(p.id, kwargs)
 
     def greedy(self, prompts, max_tokens, top_k):
         from harness import scoring

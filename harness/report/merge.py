@@ -12,10 +12,11 @@ lost agent, a cancelled job). Unreadable files are *problems*, listed, never sil
 With the matrix at hand, ``cross_check`` adds the cross-engine comparisons that no single
 ``harness run`` made: engines of one model x scheme that ran in different runs into the same
 result set (on Buildkite: engines in different environments, hence different steps) are compared
-within the cell's bounds, with harness.runner's rules (an engine with a known failure is no
-witness; engines that differ in fusing shards are compared only in a run that holds both). A
-disagreement makes the verdict ``failed`` (``waived`` when a known failure matches every failing
-check), as the verdict order of docs/design.md, "Verdicts", has it.
+within the cell's bounds by the runner's own rule and judgement (``compare.cross_engine``: an
+engine with a known failure is no witness; engines that differ in fusing shards are compared only
+in a run that holds both; ``compare.disagreement``: a disagreement makes the verdict ``failed``, or
+``waived`` when a known failure matches every failing check), as the verdict order of
+docs/design.md, "Verdicts", has it.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness import compare
-from harness.engines.base import fuses_shards
 from harness.records import Record, RecordError
 
 if TYPE_CHECKING:
@@ -126,55 +126,50 @@ def load_results(dirs: Sequence[str | Path], expected: Iterable[str] = ()) -> Me
     return Merged(sets=sets, current=current, history=history, problems=problems, expected=list(expected))
 
 
-def _is_cross(check_name: str) -> bool:
-    against = check_name.split(":", 1)[1] if ":" in check_name else ""
-    return against not in ("baseline", "")
+MERGED = " (cross-engine, compared when the results were merged)"
+
+
+def _groups(merged: Merged, source: str) -> list[list[Entry]]:
+    """The entries of one result set, grouped by (model, scheme)."""
+    groups: dict[tuple[str, str], list[Entry]] = {}
+    for entries in merged.history.values():
+        for e in entries:
+            if e.source == source:
+                groups.setdefault((e.record.model, e.record.scheme), []).append(e)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def cross_check(merged: Merged, matrix: Matrix) -> None:
-    """Compare the engines of each model x scheme within each result set (see the module doc).
-    Records gain the missing cross-engine checks; their verdict changes only when one fails."""
+    """Compare the engines of each model x scheme within each result set (see the module doc), by
+    the runner's rule and judgement (compare.cross_engine, compare.disagreement). Records gain the
+    missing cross-engine checks; their verdict changes only when one fails."""
     cells = {c.id: c for c in matrix.cells()}
     for source in merged.sets:
-        groups: dict[tuple[str, str], list[Entry]] = {}
-        for entries in merged.history.values():
-            for e in entries:
-                if e.source == source:
-                    groups.setdefault((e.record.model, e.record.scheme), []).append(e)
-        for group in groups.values():
-            if len(group) < 2:
-                continue
+        for group in _groups(merged, source):
+            known = [k for e in group if e.record.cell in cells for k in cells[e.record.cell].known_failures]
             for entry in group:
-                rec = entry.record
-                cell = cells.get(rec.cell)
-                if cell is None or rec.status != "ok":
-                    continue
-                # as harness.runner compares: an engine with a known failure is no witness, and
-                # engines that differ in fusing shards need the reference executed unfused, which
-                # only a run holding both makes (then the checks are in the records already)
-                others = [o.record for o in group if o is not entry
-                          and fuses_shards(o.record.engine) == fuses_shards(rec.engine)
-                          and not (o.record.cell in cells and compare.applicable(
-                              cells[o.record.cell].known_failures, o.record.engine, o.record.engine_info.version))]
-                have = {c.name for c in rec.checks}
-                new = [c for c in compare.cross_engine(rec, others, cell.bounds) if c.name not in have]
-                if not new:
-                    continue
-                checks = [*rec.checks, *new]
-                failing_new = [c for c in new if not c.ok]
-                if not failing_new or rec.verdict in (None, "error", "unsupported"):
-                    entry.record = rec.model_copy(update={"checks": checks})
-                    continue
-                failing = [c for c in checks if not c.ok and _is_cross(c.name)]
-                known = compare.applicable(cell.known_failures, rec.engine, rec.engine_info.version)
-                k = compare._waiver(known, failing)
-                if k is not None:
-                    j = compare.Judgement("waived", f"known failure: {k.reason} ({failing[0].name}; cross-engine, "
-                                          "compared when the results were merged)", checks, k)
-                else:
-                    j = compare.Judgement("failed", "; ".join(f"{c.name}: {c.detail}" for c in failing)
-                                          + " (cross-engine, compared when the results were merged)", checks)
-                before = rec.verdict
-                entry.record = j.apply(rec)
-                merged.notes.append(f"{rec.cell} ({source}): {before} -> {j.verdict}: engines disagree "
-                                    f"({', '.join(c.name for c in failing_new)})")
+                cell = cells.get(entry.record.cell)
+                if cell is not None:
+                    _cross_check(entry, [o.record for o in group if o is not entry], cell, known, merged)
+
+
+def _cross_check(entry: Entry, others: list[Record], cell, known, merged: Merged) -> None:
+    rec = entry.record
+    # no unfused reference here: engines that differ in fusing shards are compared only by a run
+    # holding both (and then the checks are in the records already)
+    have = {c.name for c in rec.checks}
+    new = [c for c in compare.cross_engine(rec, others, cell.bounds, known_failures=known) if c.name not in have]
+    if not new:
+        return
+    checks = [*rec.checks, *new]
+    failing_new = [c for c in new if not c.ok]
+    j = None
+    if failing_new and rec.verdict not in (None, "error", "unsupported"):
+        j = compare.disagreement(rec, checks, cell.known_failures)
+    if j is None:
+        entry.record = rec.model_copy(update={"checks": checks})
+        return
+    j.reason += MERGED
+    entry.record = j.apply(rec)
+    merged.notes.append(f"{rec.cell} ({entry.source}): {rec.verdict} -> {j.verdict}: engines disagree "
+                        f"({', '.join(c.name for c in failing_new)})")

@@ -1,0 +1,85 @@
+"""The results directory of a run (``--results``): where every file of it lives.
+
+    <cell id>.json                   the judged result record of each cell (the report reads *.json)
+    logs/<cell id>.log               the engine child's stdout and stderr
+    raw/<cell id>.json               the unjudged record, shared between pytest-xdist workers
+    raw/<cell id>.info.json          the engine identity, written by the child before it loads
+    raw/<cell id>.job.json           the job the child was given
+    raw/<model>.<scheme>.continuation.json   a continuation-only reference child's record
+    witness/<cell id>.unfused.json   the reference executed unfused
+    sequences/<model>.<scheme>.json  the scored sequences of a group computed in this run
+    summary.txt                      the verdict table (harness run)
+    report/                          the HTML report, JUnit XML and annotation (harness run)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+
+SUBDIRS = ("raw", "logs", "witness", "sequences")
+
+
+def default_results_dir(base: str | Path = "results", prefix: str = "") -> Path:
+    """``results/<prefix><UTC timestamp>``, made unique with a suffix when it exists."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = Path(base) / f"{prefix}{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path(base) / f"{prefix}{stamp}-{n}"
+    return path
+
+
+def group_key(cell) -> str:
+    """A cell's group: its (model, scheme), ``<model>.<scheme>``."""
+    return f"{cell.model}.{cell.scheme}"
+
+
+class Layout:
+    """The paths of one results directory."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def record(self, cell_id: str) -> Path:
+        return self.root / f"{cell_id}.json"
+
+    def raw(self, cell_id: str) -> Path:
+        return self.root / "raw" / f"{cell_id}.json"
+
+    def info(self, record_path: Path) -> Path:
+        """The engine identity beside an unjudged record (``raw/<name>.info.json``)."""
+        return record_path.with_name(record_path.stem + ".info.json")
+
+    def job(self, record_path: Path) -> Path:
+        return record_path.with_name(record_path.stem + ".job.json")
+
+    def continuation(self, key: str) -> Path:
+        return self.root / "raw" / f"{key}.continuation.json"
+
+    def log(self, name: str) -> Path:
+        return self.root / "logs" / f"{name}.log"
+
+    def witness(self, cell_id: str) -> Path:
+        return self.root / "witness" / f"{cell_id}.unfused.json"
+
+    def sequences(self, key: str) -> Path:
+        return self.root / "sequences" / f"{key}.json"
+
+    def summary(self) -> Path:
+        return self.root / "summary.txt"
+
+    def report(self) -> Path:
+        return self.root / "report"
+
+    def prepare(self, cell_ids: Iterable[str] = (), keys: Iterable[str] = ()) -> None:
+        """Create the directory; forget what an earlier run into it left for these cells and groups."""
+        for sub in SUBDIRS:
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        for cid in cell_ids:
+            raw = self.raw(cid)
+            for p in (raw, self.info(raw), self.witness(cid), self.record(cid)):
+                p.unlink(missing_ok=True)
+        for key in keys:
+            self.sequences(key).unlink(missing_ok=True)
