@@ -41,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from harness import architectures
 from harness.matrix import ENGINES, TIERS, Cell, Environment, Matrix, MatrixError
 
 # ------------------------------------------------------------------------------------ queues
@@ -445,22 +446,10 @@ def _engine(*engines: str) -> Selector:
 
 
 
-# Where each architecture lives in an engine's source tree.
+# Where each architecture lives in an engine's source tree (harness.architectures).
 ARCH_SOURCES: dict[str, dict[str, tuple[str, ...]]] = {
-    "vllm": {
-        "LlamaForCausalLM": ("llama",),
-        "MllamaForConditionalGeneration": ("mllama",),
-        "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_vl", "qwen2"),
-        "WhisperForConditionalGeneration": ("whisper",),
-        "BartForConditionalGeneration": ("bart",),
-    },
-    "transformers": {
-        "LlamaForCausalLM": ("llama",),
-        "MllamaForConditionalGeneration": ("mllama",),
-        "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_vl"),
-        "WhisperForConditionalGeneration": ("whisper",),
-        "BartForConditionalGeneration": ("bart",),
-    },
+    "vllm": {a.hf_class: a.vllm_sources for a in architectures.ARCHITECTURES},
+    "transformers": {a.hf_class: a.transformers_sources for a in architectures.ARCHITECTURES},
 }
 
 

@@ -28,29 +28,19 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, field_validator, model_validator
 
+from harness import architectures
+
 ENGINES: tuple[str, ...] = ("reference", "transformers", "vllm")
 TIERS: tuple[str, ...] = ("cpu-tiny", "gpu-tiny", "gpu-full")
 # Tiers on which load time is gated (docs/design.md, "Load time": never on cpu-tiny, where Python overhead dominates).
 GATED_TIERS: frozenset[str] = frozenset({"gpu-tiny", "gpu-full"})
-ARCHS: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "WhisperForConditionalGeneration",
-    "MllamaForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration",
-    "BartForConditionalGeneration",
-)
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
 UNPINNED = "unpinned"
 
 Engine = Literal["reference", "transformers", "vllm"]
 Tier = Literal["cpu-tiny", "gpu-tiny", "gpu-full"]
-Arch = Literal[
-    "LlamaForCausalLM",
-    "WhisperForConditionalGeneration",
-    "MllamaForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration",
-    "BartForConditionalGeneration",
-]
+# The transformers classes of harness.architectures (docs/design.md: one list of architectures).
+Arch = Literal[architectures.HF_CLASSES]  # type: ignore[valid-type]
 # Names that become part of a cell id: no dots (ids are dot-separated), no spaces, no shell.
 _NAME_RE = r"^[a-z0-9][a-z0-9_+-]*$"
 Name = Annotated[str, StringConstraints(pattern=_NAME_RE)]

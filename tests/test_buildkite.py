@@ -358,7 +358,7 @@ def _ids(cells):
 @pytest.mark.parametrize("path, expect", [
     ("harness/quant/bnb.py", lambda c: c.family == "bnb"),
     ("harness/quant/torchao.py", lambda c: c.family == "torchao"),
-    ("harness/quant/skip.py", lambda c: True),
+    ("harness/dialects/policy.py", lambda c: True),
     ("harness/engines/vllm.py", lambda c: c.engine == "vllm"),
     ("harness/engines/transformers.py", lambda c: c.engine == "transformers"),
     ("harness/reference/loader.py", lambda c: c.engine in ("reference", "vllm")),

@@ -1,4 +1,4 @@
-"""harness.quant.skip against the owners of each skip-list dialect.
+"""harness.dialects against the owners of each skip-list dialect.
 
 Every dialect is compared with its owner's own function where the owner exposes one
 (transformers ``should_convert_module`` and friends, torchao ``quantize_`` itself,
@@ -22,7 +22,28 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.quant import skip as S
+from harness.architectures import BY_NAME as ARCH
+from harness.dialects import SkipPolicy, intent_disagreements
+from harness.dialects.compressed_tensors import NAME as COMPRESSED_TENSORS
+from harness.dialects.compressed_tensors import ct_is_match, ct_match_class, ct_match_name, ct_match_targets, ct_resolve
+from harness.dialects.intent import literal_dots
+from harness.dialects.names import normalise_entry, to_checkpoint, to_memory, to_vllm, vllm_rename_entry
+from harness.dialects.torchao import NAME as TORCHAO
+from harness.dialects.torchao import torchao_fqn_matches, torchao_quant_type, torchao_resolve
+from harness.dialects.transformers import NAME as TRANSFORMERS
+from harness.dialects.transformers import transformers_default_skip_keys, transformers_should_convert, transformers_skip_keys
+from harness.dialects.transformers_fp8 import NAME as TRANSFORMERS_FP8
+from harness.dialects.transformers_torchao import NAME as TRANSFORMERS_TORCHAO
+from harness.dialects.transformers_torchao import transformers_torchao_resolve
+from harness.dialects.vllm_bnb import NAME as VLLM_BNB
+from harness.dialects.vllm_bnb import vllm_bnb_is_layer_skipped
+from harness.dialects.vllm_compressed_tensors import NAME as VLLM_COMPRESSED_TENSORS
+from harness.dialects.vllm_compressed_tensors import (vllm_ct_find_matched_target, vllm_ct_resolve, vllm_ct_should_ignore_layer,
+                                                      vllm_find_matching_patterns)
+from harness.dialects.vllm_fp8 import NAME as VLLM_FP8
+from harness.dialects.vllm_fp8 import vllm_fp8_ignored_layers, vllm_is_layer_skipped
+from harness.dialects.vllm_torchao import NAME as VLLM_TORCHAO
+from harness.dialects.vllm_torchao import vllm_torchao_resolve, vllm_torchao_should_skip, vllm_torchao_skip_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -204,25 +225,25 @@ def _outcome(fn, *args, **kwargs):
 def test_transformers_should_convert_matches_owner(hf, names, keys, param):
     for n in names:
         name = f"{n}.weight" if param else n
-        assert S.transformers_should_convert(name, keys) == hf["should_convert_module"](name, keys)
+        assert transformers_should_convert(name, keys) == hf["should_convert_module"](name, keys)
 
 
 def test_transformers_documented_cases():
     keys = ["model.layers.1"]
-    assert not S.transformers_should_convert("model.layers.11.mlp.up_proj", keys)  # layers.1 hits layers.11
-    assert not S.transformers_should_convert("model.layers.10.self_attn.q_proj", keys)
-    assert S.transformers_should_convert("model.layers.2.mlp.up_proj", keys)
+    assert not transformers_should_convert("model.layers.11.mlp.up_proj", keys)  # layers.1 hits layers.11
+    assert not transformers_should_convert("model.layers.10.self_attn.q_proj", keys)
+    assert transformers_should_convert("model.layers.2.mlp.up_proj", keys)
     # dots are wildcards, and the key is anchored at the start only
-    assert not S.transformers_should_convert("model_layers_1.x", ["model.layers.1"])
-    assert S.transformers_should_convert("model.model.layers.1.x", ["model.layers.1"])
+    assert not transformers_should_convert("model_layers_1.x", ["model.layers.1"])
+    assert transformers_should_convert("model.model.layers.1.x", ["model.layers.1"])
     # plain suffix, no dot boundary; on a parameter name (torchao path) the suffix no longer matches
-    assert not S.transformers_should_convert("model.encoder.layers.23.fc1", ["fc1"])
-    assert not S.transformers_should_convert("model.layers.0.self_attn.q_proj", ["proj"])
-    assert S.transformers_should_convert("model.encoder.layers.23.fc1.weight", ["fc1"])
+    assert not transformers_should_convert("model.encoder.layers.23.fc1", ["fc1"])
+    assert not transformers_should_convert("model.layers.0.self_attn.q_proj", ["proj"])
+    assert transformers_should_convert("model.encoder.layers.23.fc1.weight", ["fc1"])
     # a "re:" prefix is just text to transformers
-    assert S.transformers_should_convert("model.layers.1.mlp", ["re:model.layers.1"])
+    assert transformers_should_convert("model.layers.1.mlp", ["re:model.layers.1"])
     # in-memory paths only: the checkpoint spelling of Mllama's vision tower does not match
-    assert S.transformers_should_convert("model.vision_model.transformer.layers.0.mlp.fc1", ["vision_model"])
+    assert transformers_should_convert("model.vision_model.transformer.layers.0.mlp.fc1", ["vision_model"])
 
 
 @pytest.fixture(scope="session")
@@ -260,10 +281,10 @@ def tiny_models():
 @pytest.mark.parametrize("add_default", [False, True])
 def test_transformers_skip_keys_match_owner(hf, tiny_models, user, add_default):
     for key, model in tiny_models.items():
-        defaults = S.transformers_default_skip_keys(model)
+        defaults = transformers_default_skip_keys(model)
         assert defaults == sorted(hf["get_keys_to_not_convert"](model)), key
         keep = sorted(model._keep_in_fp32_modules or []) or None
-        ours = S.transformers_skip_keys(user, defaults, keep, add_default)
+        ours = transformers_skip_keys(user, defaults, keep, add_default)
         theirs = hf["get_modules_to_not_convert"](model, list(user) if user is not None else None, keep, add_default)
         assert ours == sorted(theirs), key
 
@@ -282,7 +303,7 @@ def test_transformers_bnb_end_to_end(tiny_models):
         linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         bnb = BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=skip)
         quantizer = AutoHfQuantizer.from_config(bnb, pre_quantized=False)
-        policy = S.SkipPolicy.from_quantization_config(bnb.to_dict(), default_keys=S.transformers_default_skip_keys(model))
+        policy = SkipPolicy.from_quantization_config(bnb.to_dict(), default_keys=transformers_default_skip_keys(model))
         quantizer._process_model_before_weight_loading(model, device_map={"": "cpu"})
         kept = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
         assert {n for n in linears if policy.skips(n)} == kept
@@ -346,7 +367,7 @@ def test_torchao_resolve_matches_quantize(ao, data):
     q.quantize_(model, q.FqnToConfig(cfg), filter_fn=None)
     for n in names:
         quantized = isinstance(model.get_submodule(n).weight, base)
-        assert S.torchao_resolve(cfg, n).skipped == (not quantized), (n, list(cfg))
+        assert torchao_resolve(cfg, n).skipped == (not quantized), (n, list(cfg))
 
 
 @SLOW
@@ -370,7 +391,7 @@ def test_transformers_torchao_resolve_matches_convert(ao, data):
         full = f"{n}.weight"
         op.convert({full: model.get_submodule(n).weight.data}, model=model, full_layer_name=full, missing_keys=set())
         quantized = isinstance(model.get_submodule(n).weight, base)
-        assert S.transformers_torchao_resolve(cfg, full).skipped == (not quantized), (n, list(cfg))
+        assert transformers_torchao_resolve(cfg, full).skipped == (not quantized), (n, list(cfg))
 
 
 @FAST
@@ -382,7 +403,7 @@ def test_torchao_fqn_matches_owner(ao, names, keys):
     conf = q.FqnToConfig(cfg)
     for n in names:
         for fqn in (n, f"{n}.weight"):
-            assert S.torchao_fqn_matches(fqn, cfg) == q.fqn_matches_fqn_config(fqn, conf)
+            assert torchao_fqn_matches(fqn, cfg) == q.fqn_matches_fqn_config(fqn, conf)
 
 
 def test_torchao_and_transformers_disagree_on_regex_precedence(ao):
@@ -391,16 +412,16 @@ def test_torchao_and_transformers_disagree_on_regex_precedence(ao):
     in torchao only."""
     q, _ = ao
     cfg = OrderedDict([(r"re:.*\.up_proj", "int8"), (r"re:model\.layers\.1\..*", None)])
-    ao_res = S.torchao_resolve(cfg, "model.layers.1.mlp.up_proj")
-    hf_res = S.transformers_torchao_resolve(cfg, "model.layers.1.mlp.up_proj.weight")
+    ao_res = torchao_resolve(cfg, "model.layers.1.mlp.up_proj")
+    hf_res = transformers_torchao_resolve(cfg, "model.layers.1.mlp.up_proj.weight")
     assert ao_res.skipped and ao_res.how == "param-regex"
     assert not hf_res.skipped and hf_res.how == "module-regex"
     # None exact module key: unquantized; a None key on a container does not reach its children
     cfg = OrderedDict([("model.visual", None), ("_default", "int8")])
-    assert not S.torchao_resolve(cfg, "model.visual.blocks.0.attn.qkv").skipped
-    assert S.torchao_resolve(OrderedDict([("_default", None)]), "x").how == "unmatched"
+    assert not torchao_resolve(cfg, "model.visual.blocks.0.attn.qkv").skipped
+    assert torchao_resolve(OrderedDict([("_default", None)]), "x").how == "unmatched"
     # no _default, nothing matched: torchao never touches it
-    assert S.torchao_resolve(OrderedDict([("a", "int8")]), "b").how == "unmatched"
+    assert torchao_resolve(OrderedDict([("a", "int8")]), "b").how == "unmatched"
 
 
 def _serialized_torchao(q, symbolic, mtnc=None):
@@ -420,10 +441,10 @@ def test_torchao_config_json_shape(ao):
     data = qc["quant_type"]["default"]["_data"]
     assert qc["quant_type"]["default"]["_type"] == "FqnToConfig"
     assert list(data["fqn_to_config"]) == sorted(symbolic) == list(data["module_fqn_to_config"])
-    type_name, fqn = S.torchao_quant_type(qc)
+    type_name, fqn = torchao_quant_type(qc)
     assert type_name == "FqnToConfig" and list(fqn) == sorted(symbolic)
     assert fqn["model.visual"] is None and fqn["_default"]["_type"] == "Int8WeightOnlyConfig"
-    policy = S.SkipPolicy.from_quantization_config(qc)
+    policy = SkipPolicy.from_quantization_config(qc)
     assert [e.raw for e in policy.from_source("modules_to_not_convert")] == ["lm_head"]
     assert {e.raw for e in policy.from_source("fqn_to_config") if e.value is None} == {r"re:z\..*", "model.visual"}
     assert policy.skips("lm_head") and policy.skips("z.q") and not policy.skips("a.q") and not policy.skips("model.x")
@@ -442,36 +463,36 @@ def test_vllm_torchao_matches_owner(ao, vq, data):
     mtnc = data.draw(st.one_of(st.none(), st.lists(st.sampled_from(VLLM_PIECES), max_size=3)))
     qc = _serialized_torchao(q, symbolic, mtnc)
     owner = vq["TorchAOConfig"].from_config(copy.deepcopy(qc))
-    assert owner.skip_modules == S.vllm_torchao_skip_modules(qc)
-    policy = S.SkipPolicy.from_quantization_config(qc, dialect=S.VLLM_TORCHAO)
+    assert owner.skip_modules == vllm_torchao_skip_modules(qc)
+    policy = SkipPolicy.from_quantization_config(qc, dialect=VLLM_TORCHAO)
     for p in prefixes:
         cls = VLLM_CLASSES[p]
         method = owner.get_quant_method(vq["fake"](cls), p)
         theirs = method is None or isinstance(method, vq["UnquantizedLinearMethod"])
-        ours = S.vllm_torchao_resolve(p, qc, is_linear=cls != "ParallelLMHead").skipped
+        ours = vllm_torchao_resolve(p, qc, is_linear=cls != "ParallelLMHead").skipped
         assert ours == theirs == policy.skips(p, cls), (p, qc["quant_type"]["default"]["_data"]["fqn_to_config"].keys(), mtnc)
 
 
 @FAST
 @given(prefix=st.sampled_from(VLLM_NAMES + HF_NAMES), skip=st.lists(st.sampled_from(VLLM_PIECES), max_size=4))
 def test_vllm_torchao_should_skip_matches_owner(vq, prefix, skip):
-    assert S.vllm_torchao_should_skip(prefix, skip) == vq["should_skip"](prefix, skip)
+    assert vllm_torchao_should_skip(prefix, skip) == vq["should_skip"](prefix, skip)
 
 
 def test_vllm_torchao_documented_cases():
-    assert S.vllm_torchao_should_skip("model.model.layers.1.q_proj", ["layers.1"])
-    assert not S.vllm_torchao_should_skip("model.model.layers.11.q_proj", ["layers.1"])
-    assert S.vllm_torchao_should_skip("visual.blocks.0.attn.qkv", ["visual"])
-    assert not S.vllm_torchao_should_skip("visual.blocks.0.attn.qkv", [r"re:visual\..*"])
+    assert vllm_torchao_should_skip("model.model.layers.1.q_proj", ["layers.1"])
+    assert not vllm_torchao_should_skip("model.model.layers.11.q_proj", ["layers.1"])
+    assert vllm_torchao_should_skip("visual.blocks.0.attn.qkv", ["visual"])
+    assert not vllm_torchao_should_skip("visual.blocks.0.attn.qkv", [r"re:visual\..*"])
     # no shard expansion: a q_proj None entry does not reach vLLM's fused qkv_proj
     qc = {"quant_method": "torchao", "quant_type": {"default": {"_type": "FqnToConfig", "_data": {
         "module_fqn_to_config": {"model.layers.0.self_attn.q_proj": None, "_default": {"_type": "Int8WeightOnlyConfig"}}}}}}
-    assert not S.vllm_torchao_resolve("model.layers.0.self_attn.qkv_proj", qc).skipped
+    assert not vllm_torchao_resolve("model.layers.0.self_attn.qkv_proj", qc).skipped
     # a config with only fqn_to_config: vLLM's skip list misses the None entries, get_quant_method still honours exact ones
     qc2 = {"quant_method": "torchao", "quant_type": {"default": {"_type": "FqnToConfig", "_data": {
         "fqn_to_config": {"model.visual": None, "_default": {"_type": "Int8WeightOnlyConfig"}}}}}}
-    assert S.vllm_torchao_skip_modules(qc2) == []
-    assert not S.vllm_torchao_resolve("model.visual.blocks.0.attn.qkv", qc2).skipped
+    assert vllm_torchao_skip_modules(qc2) == []
+    assert not vllm_torchao_resolve("model.visual.blocks.0.attn.qkv", qc2).skipped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,11 +519,11 @@ def test_ct_matching_matches_owner(ctm, name, kind, targets, ignore, use_fused):
     mod = _module(kind)
     fused = FUSED if use_fused else None
     for t in targets:
-        assert S.ct_match_name(name, t, fused) == ctm.match_name(name, t, fused)
-        assert S.ct_match_class(MODULE_TYPES[kind], t) == ctm._match_class(mod, t)
-        assert S.ct_match_class(kind, t) == ctm._match_class(mod, t)
-    assert S.ct_is_match(name, MODULE_TYPES[kind], targets, ignore, fused) == ctm.is_match(name, mod, targets, ignore, fused)
-    assert S.ct_match_targets(name, kind, targets) == ctm.match_targets(name, mod, targets)
+        assert ct_match_name(name, t, fused) == ctm.match_name(name, t, fused)
+        assert ct_match_class(MODULE_TYPES[kind], t) == ctm._match_class(mod, t)
+        assert ct_match_class(kind, t) == ctm._match_class(mod, t)
+    assert ct_is_match(name, MODULE_TYPES[kind], targets, ignore, fused) == ctm.is_match(name, mod, targets, ignore, fused)
+    assert ct_match_targets(name, kind, targets) == ctm.match_targets(name, mod, targets)
 
 
 @FAST
@@ -521,7 +542,7 @@ def test_ct_resolve_matches_apply_quantization_config_selection(ctm, names, grou
     for name, sub in ctm.match_named_modules(model, target_to_scheme, ignore):
         theirs[name] = target_to_scheme[ctm.match_targets(name, sub, target_to_scheme)[0]]
     for name, sub in model.named_modules():
-        res = S.ct_resolve(name, type(sub), config_groups, ignore)
+        res = ct_resolve(name, type(sub), config_groups, ignore)
         assert (None if res is None else res.group) == theirs.get(name), name
 
 
@@ -540,21 +561,21 @@ def test_ct_apply_quantization_config_end_to_end():
     model = build(names)
     apply_quantization_config(model, QuantizationConfig.model_validate(copy.deepcopy(qc)))
     bits = {"g8": 8, "g4": 4, "g6": 6}
-    policy = S.SkipPolicy.from_quantization_config(qc)
+    policy = SkipPolicy.from_quantization_config(qc)
     for n in names:
         scheme = getattr(model.get_submodule(n), "quantization_scheme", None)
-        res = S.ct_resolve(n, torch.nn.Linear, qc["config_groups"], qc["ignore"])
+        res = ct_resolve(n, torch.nn.Linear, qc["config_groups"], qc["ignore"])
         assert (None if scheme is None else scheme.weights.num_bits) == (None if res is None else bits[res.group]), n
         assert policy.skips(n) == (scheme is None)
-    assert S.ct_resolve("model.layers.11.mlp.up_proj", "Linear", qc["config_groups"], qc["ignore"]).group == "g4"
-    assert S.ct_resolve("model.layers.0.mlp.down_proj", "Linear", qc["config_groups"], qc["ignore"]).group == "g6"
+    assert ct_resolve("model.layers.11.mlp.up_proj", "Linear", qc["config_groups"], qc["ignore"]).group == "g4"
+    assert ct_resolve("model.layers.0.mlp.down_proj", "Linear", qc["config_groups"], qc["ignore"]).group == "g6"
     # untargeted: no group names it and it is not in ignore
     only_mlp = {"g": {"targets": ["re:.*mlp.*"], "weights": w(8)}}
-    assert S.ct_resolve("model.layers.0.self_attn.o_proj", "Linear", only_mlp, []) is None
-    assert S.ct_resolve("model.layers.0.self_attn.o_proj", "Linear", {"g": {"targets": ["Embedding"], "weights": w(8)}}, []) is None
+    assert ct_resolve("model.layers.0.self_attn.o_proj", "Linear", only_mlp, []) is None
+    assert ct_resolve("model.layers.0.self_attn.o_proj", "Linear", {"g": {"targets": ["Embedding"], "weights": w(8)}}, []) is None
     # exact names only for plain entries; "Module" is a class every module has
-    assert not S.ct_match_name("model.layers.0.mlp", "mlp")
-    assert S.ct_match_class("Linear", "Module")
+    assert not ct_match_name("model.layers.0.mlp", "mlp")
+    assert ct_match_class("Linear", "Module")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,30 +588,30 @@ def test_ct_apply_quantization_config_end_to_end():
        ignored=st.lists(st.sampled_from(HF_NAMES + VLLM_NAMES + VLLM_PIECES + ["model.layers.0.mlp.experts"]), max_size=6),
        mode=st.sampled_from(["exact", "substring", "suffix"]), fused=st.sampled_from([{}, FUSED]))
 def test_vllm_is_layer_skipped_matches_owner(vq, prefix, ignored, mode, fused):
-    ours = _outcome(S.vllm_is_layer_skipped, prefix, ignored, fused, match_mode=mode)
+    ours = _outcome(vllm_is_layer_skipped, prefix, ignored, fused, match_mode=mode)
     theirs = _outcome(vq["is_layer_skipped"], prefix, ignored, fused, match_mode=mode)
     assert ours == theirs
 
 
 def test_vllm_fp8_documented_cases(vq):
-    fused = S.VLLM_PACKED_MODULES["llama"]
+    fused = ARCH["llama"].vllm_packed_modules
     ignored = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
                "model.layers.1.self_attn.q_proj"]
-    assert S.vllm_is_layer_skipped("model.layers.0.self_attn.qkv_proj", ignored, fused)
+    assert vllm_is_layer_skipped("model.layers.0.self_attn.qkv_proj", ignored, fused)
     with pytest.raises(ValueError):
-        S.vllm_is_layer_skipped("model.layers.1.self_attn.qkv_proj", ignored, fused)
-    assert not S.vllm_is_layer_skipped("model.layers.10.self_attn.qkv_proj", ["model.layers.1.self_attn.q_proj"], fused)
-    assert not S.vllm_is_layer_skipped("model.layers.0.mlp.down_proj", ["model.layers.0.mlp"], fused)  # exact only
+        vllm_is_layer_skipped("model.layers.1.self_attn.qkv_proj", ignored, fused)
+    assert not vllm_is_layer_skipped("model.layers.10.self_attn.qkv_proj", ["model.layers.1.self_attn.q_proj"], fused)
+    assert not vllm_is_layer_skipped("model.layers.0.mlp.down_proj", ["model.layers.0.mlp"], fused)  # exact only
     for qc in ({"ignored_layers": ["a"], "modules_to_not_convert": ["b"]}, {"ignored_layers": [], "modules_to_not_convert": ["b"]},
                {"modules_to_not_convert": ["b"]}, {}):
         full = {"quant_method": "fp8", "activation_scheme": "dynamic", **qc}
-        assert vq["Fp8Config"].from_config(copy.deepcopy(full)).ignored_layers == S.vllm_fp8_ignored_layers(full)
+        assert vq["Fp8Config"].from_config(copy.deepcopy(full)).ignored_layers == vllm_fp8_ignored_layers(full)
 
 
 @FAST
 @given(prefix=st.sampled_from(VLLM_NAMES + HF_NAMES), skip=st.lists(st.sampled_from(VLLM_PIECES), max_size=4))
 def test_vllm_bnb_matches_owner(vq, prefix, skip):
-    assert S.vllm_bnb_is_layer_skipped(prefix, skip) == vq["is_layer_skipped_bnb"](prefix, skip)
+    assert vllm_bnb_is_layer_skipped(prefix, skip) == vq["is_layer_skipped_bnb"](prefix, skip)
 
 
 @FAST
@@ -598,9 +619,9 @@ def test_vllm_bnb_matches_owner(vq, prefix, skip):
        targets=st.lists(plain_or_regex(VLLM_PIECES, with_classes=True), max_size=4), fused=st.sampled_from([{}, FUSED]))
 def test_vllm_ct_helpers_match_owner(vq, prefix, ignore, targets, fused):
     cls = VLLM_CLASSES[prefix]
-    assert _outcome(S.vllm_ct_should_ignore_layer, prefix, ignore, fused) == _outcome(vq["should_ignore_layer"], prefix, ignore, fused)
-    assert S.vllm_find_matching_patterns(prefix, ignore, fused) == vq["find_matching_patterns"](prefix, ignore, fused)
-    assert S.vllm_ct_find_matched_target(prefix, cls, targets, fused) == vq["find_matched_target"](prefix, vq["fake"](cls), targets, fused)
+    assert _outcome(vllm_ct_should_ignore_layer, prefix, ignore, fused) == _outcome(vq["should_ignore_layer"], prefix, ignore, fused)
+    assert vllm_find_matching_patterns(prefix, ignore, fused) == vq["find_matching_patterns"](prefix, ignore, fused)
+    assert vllm_ct_find_matched_target(prefix, cls, targets, fused) == vq["find_matched_target"](prefix, vq["fake"](cls), targets, fused)
 
 
 @FAST
@@ -615,13 +636,13 @@ def test_vllm_ct_resolve_matches_get_scheme_dict(vq, prefixes, groups, ignore, a
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": config_groups, "ignore": ignore}
     owner = vq["CompressedTensorsConfig"].from_config(copy.deepcopy(qc))
     owner.packed_modules_mapping = FUSED
-    policy = S.SkipPolicy.from_quantization_config(qc, dialect=S.VLLM_COMPRESSED_TENSORS, fused_mapping=FUSED)
+    policy = SkipPolicy.from_quantization_config(qc, dialect=VLLM_COMPRESSED_TENSORS, fused_mapping=FUSED)
     for p in prefixes:
         cls = VLLM_CLASSES[p]
         theirs = _outcome(owner.get_scheme_dict, vq["fake"](cls), p)
         if isinstance(theirs, dict):
             theirs = next(t for t, d in owner.target_scheme_map.items() if d is theirs)
-        ours = _outcome(S.vllm_ct_resolve, p, cls, qc, FUSED)
+        ours = _outcome(vllm_ct_resolve, p, cls, qc, FUSED)
         ours = ours[1] if isinstance(ours, tuple) else ours
         assert ours == theirs, p
         if theirs != "ValueError":
@@ -653,9 +674,9 @@ def test_vllm_names_match_owner(vq):
     from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
 
     qwen = _qwen_vllm_source()
-    assert S.VLLM_PACKED_MODULES["llama"] == LlamaForCausalLM.packed_modules_mapping
-    assert S.VLLM_PACKED_MODULES["whisper"] == WhisperForConditionalGeneration.packed_modules_mapping
-    assert S.VLLM_PACKED_MODULES["qwen2_5_vl"] == qwen["packed"]
+    assert ARCH["llama"].vllm_packed_modules == LlamaForCausalLM.packed_modules_mapping
+    assert ARCH["whisper"].vllm_packed_modules == WhisperForConditionalGeneration.packed_modules_mapping
+    assert ARCH["qwen2_5_vl"].vllm_packed_modules == qwen["packed"]
     qwen_mapper = WeightsMapper(orig_to_new_prefix=qwen["prefix"])
     cases = {
         "llama": (LlamaForCausalLM.hf_to_vllm_mapper, [t.format(i=i) for t in HF_TEMPLATES[:7] for i in IDX] + ["lm_head"]),
@@ -669,7 +690,7 @@ def test_vllm_names_match_owner(vq):
     for arch, (mapper, names) in cases.items():
         rename = mapper.get_rename_mapper()
         for n in names:
-            assert S.vllm_rename_entry(n, arch) == rename.map_name(n), (arch, n)
+            assert vllm_rename_entry(n, arch) == rename.map_name(n), (arch, n)
             if arch == "qwen2_5_vl" and n.startswith("language_model."):
                 continue  # vLLM spelling already; to_vllm takes HF spellings
             mapped = mapper.map_name(f"{n}.weight").removesuffix(".weight")
@@ -677,13 +698,13 @@ def test_vllm_names_match_owner(vq):
             if arch == "qwen2_5_vl":
                 mapped = re.sub(r"self_attn\.[qkv]_proj$", "self_attn.qkv_proj", mapped)
                 mapped = re.sub(r"mlp\.(gate|up)_proj$", "mlp.gate_up_proj", mapped)
-            assert S.to_vllm(n, arch) == mapped, (arch, n)
+            assert to_vllm(n, arch) == mapped, (arch, n)
     # documented surprises: module entries carry no trailing dot, so some renames never fire
-    assert S.vllm_rename_entry("model.encoder.layers.0.fc1", "whisper") == "model.encoder.layers.0.fc1"
-    assert S.to_vllm("model.encoder.layers.0.fc1", "whisper") == "model.encoder.layers.0.mlp.fc1"
-    assert S.vllm_rename_entry("lm_head", "qwen2_5_vl") == "lm_head"
-    assert S.to_vllm("lm_head", "qwen2_5_vl") == "language_model.lm_head"
-    assert S.to_vllm("model.decoder.layers.0.encoder_attn.v_proj", "whisper") == "model.decoder.layers.0.encoder_attn.kv_proj"
+    assert vllm_rename_entry("model.encoder.layers.0.fc1", "whisper") == "model.encoder.layers.0.fc1"
+    assert to_vllm("model.encoder.layers.0.fc1", "whisper") == "model.encoder.layers.0.mlp.fc1"
+    assert vllm_rename_entry("lm_head", "qwen2_5_vl") == "lm_head"
+    assert to_vllm("lm_head", "qwen2_5_vl") == "language_model.lm_head"
+    assert to_vllm("model.decoder.layers.0.encoder_attn.v_proj", "whisper") == "model.decoder.layers.0.encoder_attn.kv_proj"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,11 +733,11 @@ def test_names_match_transformers_conversion_mapping(tiny_models, arch):
     pairs = _checkpoint_pairs(model)
     assert pairs
     for mem, ckpt in pairs:
-        assert S.to_checkpoint(mem, arch) == ckpt
-        assert S.to_memory(ckpt, arch) == mem == rename_source_key(ckpt, ren, cv)[0]
-        assert S.to_memory(mem, arch) == mem
+        assert to_checkpoint(mem, arch) == ckpt
+        assert to_memory(ckpt, arch) == mem == rename_source_key(ckpt, ren, cv)[0]
+        assert to_memory(mem, arch) == mem
         mod_mem, mod_ckpt = mem.rsplit(".", 1)[0], ckpt.rsplit(".", 1)[0]
-        assert S.to_checkpoint(mod_mem, arch) == mod_ckpt and S.to_memory(mod_ckpt, arch) == mod_mem
+        assert to_checkpoint(mod_mem, arch) == mod_ckpt and to_memory(mod_ckpt, arch) == mod_mem
     if arch == "mllama":
         assert ("model.language_model.layers.0.self_attn.q_proj.weight", "language_model.model.layers.0.self_attn.q_proj.weight") in pairs
         assert ("lm_head.weight", "language_model.lm_head.weight") in pairs
@@ -739,33 +760,33 @@ def test_name_round_trips(arch, template, i, depth):
     name = ".".join(full.split(".")[:depth])
     if name in ("model",):
         return  # the bare base model: transformers itself maps Qwen's "model" to "model.language_model"
-    ckpt = S.to_checkpoint(name, arch)
-    assert S.to_memory(ckpt, arch) == name
-    assert S.to_checkpoint(S.to_memory(ckpt, arch), arch) == ckpt
+    ckpt = to_checkpoint(name, arch)
+    assert to_memory(ckpt, arch) == name
+    assert to_checkpoint(to_memory(ckpt, arch), arch) == ckpt
     # any entry spelling (memory, checkpoint, unsloth) normalises to memory spelling
-    assert name in S.normalise_entry(name, arch)
-    assert name in S.normalise_entry(ckpt, arch) or (arch == "qwen2_5_vl" and ckpt == "model")
+    assert name in normalise_entry(name, arch)
+    assert name in normalise_entry(ckpt, arch) or (arch == "qwen2_5_vl" and ckpt == "model")
     if name.startswith("model.language_model"):
         unsloth = "language_model.model" + name[len("model.language_model"):]
-        assert S.normalise_entry(unsloth, arch) == (name,)
+        assert normalise_entry(unsloth, arch) == (name,)
     rx = "re:" + re.escape(ckpt) + r"\..*"
     if ckpt != "model":
-        assert S.normalise_entry(rx, arch) == ("re:" + re.escape(name) + r"\..*",)
+        assert normalise_entry(rx, arch) == ("re:" + re.escape(name) + r"\..*",)
 
 
 def test_normalise_entry_documented_cases():
-    assert S.normalise_entry("language_model.model.layers.1.mlp", "mllama") == ("model.language_model.layers.1.mlp",)
-    assert S.normalise_entry("language_model", "mllama") == ("model.language_model", "lm_head")
-    assert S.normalise_entry("vision_model", "mllama") == ("model.vision_model",)
-    assert S.normalise_entry("language_model.lm_head", "mllama") == ("lm_head",)
-    assert S.normalise_entry("model.layers.2.mlp", "qwen2_5_vl") == ("model.language_model.layers.2.mlp",)
-    assert S.normalise_entry("language_model.model.layers.2", "qwen2_5_vl") == ("model.language_model.layers.2",)
-    assert S.normalise_entry("visual.blocks.31.mlp.down_proj", "qwen2_5_vl") == ("model.visual.blocks.31.mlp.down_proj",)
-    assert S.normalise_entry(r"re:language_model.model.layers.*", "mllama") == (r"re:model\.language_model.layers.*",)
-    assert S.normalise_entry(r"re:.*vision_model.*", "mllama") == (r"re:.*vision_model.*",)  # no literal lead: unchanged
-    assert S.normalise_entry("mlp.down_proj", "mllama") == ("mlp.down_proj",)
-    assert S.normalise_entry("model.layers.1", "llama") == ("model.layers.1",)
-    assert S.to_memory("model.encoder.layers.0.fc1", "whisper") == "model.encoder.layers.0.fc1"
+    assert normalise_entry("language_model.model.layers.1.mlp", "mllama") == ("model.language_model.layers.1.mlp",)
+    assert normalise_entry("language_model", "mllama") == ("model.language_model", "lm_head")
+    assert normalise_entry("vision_model", "mllama") == ("model.vision_model",)
+    assert normalise_entry("language_model.lm_head", "mllama") == ("lm_head",)
+    assert normalise_entry("model.layers.2.mlp", "qwen2_5_vl") == ("model.language_model.layers.2.mlp",)
+    assert normalise_entry("language_model.model.layers.2", "qwen2_5_vl") == ("model.language_model.layers.2",)
+    assert normalise_entry("visual.blocks.31.mlp.down_proj", "qwen2_5_vl") == ("model.visual.blocks.31.mlp.down_proj",)
+    assert normalise_entry(r"re:language_model.model.layers.*", "mllama") == (r"re:model\.language_model.layers.*",)
+    assert normalise_entry(r"re:.*vision_model.*", "mllama") == (r"re:.*vision_model.*",)  # no literal lead: unchanged
+    assert normalise_entry("mlp.down_proj", "mllama") == ("mlp.down_proj",)
+    assert normalise_entry("model.layers.1", "llama") == ("model.layers.1",)
+    assert to_memory("model.encoder.layers.0.fc1", "whisper") == "model.encoder.layers.0.fc1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -785,22 +806,22 @@ def test_policy_bitsandbytes_sources_and_defaults():
 
     qc = BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["model.layers.1"]).to_dict()
     qc["modules_to_not_convert"] = ["lm_head"]  # some producers write it; nobody reads it for bnb
-    p = S.SkipPolicy.from_quantization_config(qc)
-    assert p.dialect == S.TRANSFORMERS and p.quant_method == "bitsandbytes"
+    p = SkipPolicy.from_quantization_config(qc)
+    assert p.dialect == TRANSFORMERS and p.quant_method == "bitsandbytes"
     assert [(e.raw, e.source, e.honoured) for e in p.entries] == [("model.layers.1", "llm_int8_skip_modules", True),
                                                                    ("lm_head", "modules_to_not_convert", False)]
     assert not p.skips("lm_head") and p.skips("model.layers.11.mlp.up_proj") and not p.skips("model.layers.2.mlp.up_proj")
     assert any("lm_head" in n for n in p.notes)
-    ds = intent_ds = S.intent_disagreements(p, LLAMA12)
+    ds = intent_ds = intent_disagreements(p, LLAMA12)
     assert ("overreach", "model.layers.1") in _kinds(ds)
     assert ("unread-source", "lm_head") in _kinds(ds)
     assert {d.module for d in intent_ds if d.kind == "overreach"} == {n for n in LLAMA12 if n.startswith(("model.layers.10.", "model.layers.11."))}
-    assert all(d.dialect == S.TRANSFORMERS and d.explanation for d in ds)
+    assert all(d.dialect == TRANSFORMERS and d.explanation for d in ds)
     # null list: transformers' defaults
-    p0 = S.SkipPolicy.from_quantization_config(BitsAndBytesConfig(load_in_4bit=True).to_dict())
+    p0 = SkipPolicy.from_quantization_config(BitsAndBytesConfig(load_in_4bit=True).to_dict())
     assert p0.skips("lm_head") and [e.source for e in p0.entries] == ["default"]
     # vLLM's bnb plugin: dot-component semantics, lm_head is a ParallelLMHead there
-    pv = S.SkipPolicy.from_quantization_config(qc, dialect=S.VLLM_BNB)
+    pv = SkipPolicy.from_quantization_config(qc, dialect=VLLM_BNB)
     assert pv.skips("model.layers.1.self_attn.qkv_proj") and not pv.skips("model.layers.11.self_attn.qkv_proj")
     assert pv.skips("lm_head", "ParallelLMHead")
 
@@ -811,15 +832,15 @@ def test_policy_unsloth_spelling_for_mllama():
     mem = ["model.language_model.layers.1.cross_attn.q_proj", "model.language_model.layers.1.cross_attn.k_proj",
            "model.language_model.layers.1.cross_attn.v_proj", "model.language_model.layers.2.self_attn.q_proj",
            "model.vision_model.transformer.layers.0.mlp.fc1", "model.multi_modal_projector", "lm_head"]
-    raw = S.SkipPolicy.from_quantization_config(qc, arch="mllama")
-    meant = S.SkipPolicy.from_quantization_config(qc, arch="mllama", normalise=True)
+    raw = SkipPolicy.from_quantization_config(qc, arch="mllama")
+    meant = SkipPolicy.from_quantization_config(qc, arch="mllama", normalise=True)
     # transformers 5.19 itself: only lm_head, and the projector through its endswith clause
     assert [n for n in mem if raw.skips(n)] == ["model.multi_modal_projector", "lm_head"]
     assert [n for n in mem if meant.skips(n)] == [n for n in mem if "layers.2" not in n]
-    kinds = _kinds(S.intent_disagreements(raw, mem))
+    kinds = _kinds(intent_disagreements(raw, mem))
     assert ("spelling", "language_model.model.layers.1.cross_attn") in kinds
     assert ("underreach", "vision_model") in kinds
-    assert not [d for d in S.intent_disagreements(meant, mem) if d.kind in ("spelling", "unmatched", "overreach")]
+    assert not [d for d in intent_disagreements(meant, mem) if d.kind in ("spelling", "unmatched", "overreach")]
 
 
 def test_policy_torchao_vision_tower(ao):
@@ -830,12 +851,12 @@ def test_policy_torchao_vision_tower(ao):
     qc = _serialized_torchao(q, symbolic, ["lm_head"])
     names = ["model.visual.blocks.0.attn.qkv", "model.language_model.layers.1.mlp.up_proj",
              "model.language_model.layers.11.mlp.up_proj", "lm_head"]
-    producer = S.SkipPolicy.from_quantization_config(qc)
+    producer = SkipPolicy.from_quantization_config(qc)
     assert [producer.skips(n) for n in names] == [False, True, False, True]
-    kinds = _kinds(S.intent_disagreements(producer, names))
+    kinds = _kinds(intent_disagreements(producer, names))
     assert ("underreach", "model.visual") in kinds and ("unmatched", "model.visual") in kinds
-    vllm = S.SkipPolicy.from_quantization_config(qc, dialect=S.VLLM_TORCHAO, arch="qwen2_5_vl")
-    vnames = [S.to_vllm(n, "qwen2_5_vl") for n in names]
+    vllm = SkipPolicy.from_quantization_config(qc, dialect=VLLM_TORCHAO, arch="qwen2_5_vl")
+    vnames = [to_vllm(n, "qwen2_5_vl") for n in names]
     assert vnames[0] == "visual.blocks.0.attn.qkv"
     # in vLLM's spelling the HF keys reach nothing (TorchAOConfig never remaps names) ...
     assert [vllm.skips(n) for n in vnames[:3]] == [False, False, False]
@@ -848,9 +869,9 @@ def test_policy_torchao_order_dependence(ao):
     q, _ = ao
     symbolic = OrderedDict([(r"re:.*\.up_proj", "int8"), (r"re:model\.layers\.1\..*", None)])
     qc = _serialized_torchao(q, symbolic)
-    for dialect in (S.TRANSFORMERS_TORCHAO, S.TORCHAO):
-        p = S.SkipPolicy.from_quantization_config(qc, dialect=dialect)
-        ds = S.intent_disagreements(p, ["model.layers.1.mlp.up_proj", "model.layers.2.mlp.up_proj"])
+    for dialect in (TRANSFORMERS_TORCHAO, TORCHAO):
+        p = SkipPolicy.from_quantization_config(qc, dialect=dialect)
+        ds = intent_disagreements(p, ["model.layers.1.mlp.up_proj", "model.layers.2.mlp.up_proj"])
         assert any(d.kind == "order-dependent" and d.module == "model.layers.1.mlp.up_proj" for d in ds)
 
 
@@ -860,8 +881,8 @@ def test_policy_compressed_tensors():
           "config_groups": {"group_0": {"targets": ["Linear"], "weights": w},
                             "group_1": {"targets": ["re:.*layers.1.*"], "weights": dict(w, strategy="tensor")}},
           "ignore": ["lm_head", "re:.*visual.*", "model.layers.0.mlp.down_proj"]}
-    p = S.SkipPolicy.from_quantization_config(qc)
-    assert p.dialect == S.COMPRESSED_TENSORS
+    p = SkipPolicy.from_quantization_config(qc)
+    assert p.dialect == COMPRESSED_TENSORS
     assert {e.source for e in p.entries} == {"ignore", "config_groups.group_0.targets", "config_groups.group_1.targets"}
     assert p.skips("lm_head") and p.skips("model.visual.blocks.0.attn.qkv") and p.skips("model.layers.0.mlp.down_proj")
     assert not p.skips("model.layers.0.mlp.up_proj")
@@ -869,9 +890,9 @@ def test_policy_compressed_tensors():
     d = p.decide("model.layers.11.mlp.up_proj")
     assert d.reason.startswith("group group_1")
     names = ["model.layers.1.mlp.up_proj", "model.layers.11.mlp.up_proj", "model.layers.0.mlp.up_proj", "lm_head"]
-    kinds = _kinds(S.intent_disagreements(p, names))
+    kinds = _kinds(intent_disagreements(p, names))
     assert ("overreach", "re:.*layers.1.*") in kinds  # ".*layers.1.*" reaches layers.11: the trailing .* eats the "1"
-    pv = S.SkipPolicy.from_quantization_config(qc, dialect=S.VLLM_COMPRESSED_TENSORS, arch="llama")
+    pv = SkipPolicy.from_quantization_config(qc, dialect=VLLM_COMPRESSED_TENSORS, arch="llama")
     assert pv.skips("lm_head", "ParallelLMHead")
     assert not pv.skips("model.layers.0.mlp.gate_up_proj", "MergedColumnParallelLinear")
 
@@ -881,52 +902,52 @@ def test_policy_compressed_tensors_group_precedence():
     qc = {"quant_method": "compressed-tensors", "config_groups": {
         "late": {"targets": [r"re:model\.layers\.1\..*"], "weights": w},
         "early": {"targets": [r"re:.*mlp.*"], "weights": dict(w, num_bits=4)}}, "ignore": []}
-    p = S.SkipPolicy.from_quantization_config(qc)
-    assert S.ct_resolve("model.layers.1.mlp.up_proj", "Linear", qc["config_groups"], []).group == "early"  # alphabetical regex
-    assert S.vllm_ct_resolve("model.layers.1.mlp.up_proj", "Linear", qc)[0] == "late"  # config order
-    ds = S.intent_disagreements(p, ["model.layers.1.mlp.up_proj"])
+    p = SkipPolicy.from_quantization_config(qc)
+    assert ct_resolve("model.layers.1.mlp.up_proj", "Linear", qc["config_groups"], []).group == "early"  # alphabetical regex
+    assert vllm_ct_resolve("model.layers.1.mlp.up_proj", "Linear", qc)[0] == "late"  # config order
+    ds = intent_disagreements(p, ["model.layers.1.mlp.up_proj"])
     assert any(d.kind == "group-precedence" for d in ds)
 
 
 def test_policy_fp8_and_partial_fused_groups():
     qc = {"quant_method": "fp8", "activation_scheme": "static",
           "ignored_layers": ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.3.mlp", "model.encoder.layers.0.fc1"]}
-    p = S.SkipPolicy.from_quantization_config(qc)
-    assert p.dialect == S.VLLM_FP8
+    p = SkipPolicy.from_quantization_config(qc)
+    assert p.dialect == VLLM_FP8
     assert p.skips("model.layers.0.self_attn.q_proj") and not p.skips("model.layers.3.mlp.down_proj")
-    ds = S.intent_disagreements(p, LLAMA12)
+    ds = intent_disagreements(p, LLAMA12)
     kinds = _kinds(ds)
     assert ("partial-fused-group", "q_proj") in kinds
     assert ("underreach", "model.layers.3.mlp") in kinds
     # vLLM: fused names, entries renamed by the model's mapper
-    pv = S.SkipPolicy.from_quantization_config(qc, dialect=S.VLLM_FP8, arch="llama")
+    pv = SkipPolicy.from_quantization_config(qc, dialect=VLLM_FP8, arch="llama")
     with pytest.raises(ValueError):
         pv.skips("model.layers.0.self_attn.qkv_proj", "QKVParallelLinear")
-    pw = S.SkipPolicy.from_quantization_config(qc, dialect=S.VLLM_FP8, arch="whisper")
-    assert not pw.skips(S.to_vllm("model.encoder.layers.0.fc1", "whisper"), "ColumnParallelLinear")
+    pw = SkipPolicy.from_quantization_config(qc, dialect=VLLM_FP8, arch="whisper")
+    assert not pw.skips(to_vllm("model.encoder.layers.0.fc1", "whisper"), "ColumnParallelLinear")
     # transformers' FineGrainedFP8: ignored_layers is an alias, renamed through the conversion mapping
-    pt = S.SkipPolicy.from_quantization_config({"quant_method": "fp8", "ignored_layers": ["language_model.model.layers.1"]},
-                                               dialect=S.TRANSFORMERS_FP8, arch="mllama")
+    pt = SkipPolicy.from_quantization_config({"quant_method": "fp8", "ignored_layers": ["language_model.model.layers.1"]},
+                                               dialect=TRANSFORMERS_FP8, arch="mllama")
     assert pt.skips("model.language_model.layers.1.self_attn.q_proj") and pt.skips("model.language_model.layers.10.mlp.up_proj")
 
 
 def test_intent_kinds_on_documented_cases():
-    p = S.SkipPolicy.from_quantization_config({"quant_method": "bitsandbytes", "llm_int8_skip_modules": ["nothing.here", "proj", "mlp"]})
-    kinds = _kinds(S.intent_disagreements(p, LLAMA12))
+    p = SkipPolicy.from_quantization_config({"quant_method": "bitsandbytes", "llm_int8_skip_modules": ["nothing.here", "proj", "mlp"]})
+    kinds = _kinds(intent_disagreements(p, LLAMA12))
     assert ("unmatched", "nothing.here") in kinds
     assert ("overreach", "proj") in kinds  # endswith("proj") hits q_proj
     assert ("underreach", "mlp") in kinds  # neither a start-anchored regex nor a suffix of mlp.up_proj
     # a trailing dot meant as a boundary is a wildcard: "model.layers.1." still skips layers.11
-    dot = S.SkipPolicy.from_quantization_config({"quant_method": "bitsandbytes", "llm_int8_skip_modules": ["model.layers.1."]})
+    dot = SkipPolicy.from_quantization_config({"quant_method": "bitsandbytes", "llm_int8_skip_modules": ["model.layers.1."]})
     assert dot.skips("model.layers.11.mlp.up_proj")
-    ds = S.intent_disagreements(dot, LLAMA12)
+    ds = intent_disagreements(dot, LLAMA12)
     assert {d.kind for d in ds} == {"wildcard-dot"}
     assert {d.module for d in ds} == {n for n in LLAMA12 if n.startswith(("model.layers.10.", "model.layers.11."))}
-    ct = S.SkipPolicy.from_quantization_config({"quant_method": "compressed-tensors", "ignore": ["re:.*layers.1."],
+    ct = SkipPolicy.from_quantization_config({"quant_method": "compressed-tensors", "ignore": ["re:.*layers.1."],
                                                 "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8}}}})
-    assert ("wildcard-dot", "re:.*layers.1.") in _kinds(S.intent_disagreements(ct, LLAMA12))
-    bad = S.SkipPolicy.from_quantization_config({"quant_method": "bitsandbytes", "llm_int8_skip_modules": ["model.layers.(1"]})
-    assert ("invalid-regex", "model.layers.(1") in _kinds(S.intent_disagreements(bad, LLAMA12))
-    assert S.literal_dots(r"a.b\.c.*[.]d.+") == r"a\.b\.c.*[.]d.+"
+    assert ("wildcard-dot", "re:.*layers.1.") in _kinds(intent_disagreements(ct, LLAMA12))
+    bad = SkipPolicy.from_quantization_config({"quant_method": "bitsandbytes", "llm_int8_skip_modules": ["model.layers.(1"]})
+    assert ("invalid-regex", "model.layers.(1") in _kinds(intent_disagreements(bad, LLAMA12))
+    assert literal_dots(r"a.b\.c.*[.]d.+") == r"a\.b\.c.*[.]d.+"
     with pytest.raises(Exception):
-        S.SkipPolicy.from_quantization_config({"quant_method": "gguf"})
+        SkipPolicy.from_quantization_config({"quant_method": "gguf"})

@@ -45,15 +45,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import architectures
 from harness import records as R
+from harness.dialects.names import to_vllm
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem
 
 MUTATION_ENV = "HARNESS_VLLM_MUTATION"
 DTYPE_ENV = "HARNESS_VLLM_DTYPE"  # override the dtype rule (probes, docs); never set in CI
 MAX_NUM_SEQS = 16
-# Python modules an architecture needs in vLLM beyond vLLM's own requirements.
+# Python modules an architecture needs in vLLM beyond vLLM's own requirements: the registry's
+# ``vllm_needs``, plus Qwen2-VL (not a registered architecture; hub checkpoints may name it).
 ARCH_NEEDS: dict[str, tuple[str, ...]] = {
-    "Qwen2_5_VLForConditionalGeneration": ("torchvision",),
+    **{a.hf_class: a.vllm_needs for a in architectures.ARCHITECTURES if a.vllm_needs},
     "Qwen2VLForConditionalGeneration": ("torchvision",),
 }
 
@@ -206,8 +209,6 @@ def compare_modules(reference, read: dict, arch: str) -> tuple[R.ModuleDiff | No
     modules compared)."""
     import torch
 
-    from harness.quant import skip
-
     modules = read["modules"]
     lines: list[str] = []
     first: R.ModuleDiff | None = None
@@ -215,7 +216,7 @@ def compare_modules(reference, read: dict, arch: str) -> tuple[R.ModuleDiff | No
     for name, ref_label in reference.report.modules.items():
         compared += 1
         try:
-            vname = skip.to_vllm(name, arch)
+            vname = to_vllm(name, arch)
         except KeyError as e:
             detail = f"no vLLM name for it ({e})"
             vname, shard = None, None
@@ -396,7 +397,7 @@ class VllmEngine(Engine):
                                       max_num_seqs=MAX_NUM_SEQS, disable_log_stats=True)
         if qc.get("kv_cache_scheme"):
             kwargs["kv_cache_dtype"] = "fp8"
-        if "Whisper" in self.arch:
+        if getattr(architectures.get(self.arch), "modality", None) == "audio":
             kwargs["limit_mm_per_prompt"] = {"audio": 1}
             self._kind = "audio"
         self._log(f"vllm: LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items() if k not in ('model', 'tokenizer'))}); "

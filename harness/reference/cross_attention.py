@@ -5,15 +5,17 @@ could fuse them (identical quantization settings), and separately otherwise. Wit
 states (they are cached), only q is computed.
 
 `ReferenceCrossAttention` replaces a model's own cross-attention module around it. The
-architectures differ only in data (`Style`): which keyword carries the encoder states, whether
-the query is pre-scaled, whether q and k are normalised, and how the cache is organised.
+architectures differ only in data (`Style`, one per architecture in `harness.architectures`):
+which keyword carries the encoder states, whether the query is pre-scaled, whether q and k are
+normalised, and how the cache is organised.
 """
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from harness import architectures
+from harness.architectures import CrossAttentionStyle as Style
 
 
 class CrossAttentionQKV(nn.Module):
@@ -37,22 +39,8 @@ class CrossAttentionQKV(nn.Module):
         return query, k(encoder_states), v(encoder_states)
 
 
-@dataclass(frozen=True)
-class Style:
-    encoder_kwarg: str  # the forward keyword that carries the encoder states
-    output: str  # the output projection's attribute
-    prescale_query: bool = False  # Whisper scales q before attention and passes scaling=1.0
-    norms: bool = False  # Mllama normalises q and k per head
-    kv_heads_attr: str = "num_heads"
-    encoder_decoder_cache: bool = True  # EncoderDecoderCache (Whisper, Bart) or a plain cache (Mllama)
-
-
-STYLES = {
-    "WhisperAttention": Style("key_value_states", "out_proj", prescale_query=True),
-    "BartAttention": Style("key_value_states", "out_proj"),
-    "MllamaTextCrossAttention": Style("cross_attention_states", "o_proj", norms=True,
-                                      kv_heads_attr="num_key_value_heads", encoder_decoder_cache=False),
-}
+# How each architecture's cross-attention differs: data in the architecture registry (docs/design.md).
+STYLES = architectures.CROSS_ATTENTION_STYLES
 
 
 class ReferenceCrossAttention(nn.Module):

@@ -15,10 +15,12 @@ import transformers
 from accelerate import init_empty_weights
 from torch import nn
 
+from harness import architectures
 from harness.errors import CheckpointError
-from harness.quant import Decoded, fp8, formats, skip
+from harness.dialects import SkipPolicy, intent_disagreements, names
+from harness.quant import Decoded, fp8, formats
 from harness.quant.source import TensorSource
-from harness.reference import architectures, attention, cross_attention
+from harness.reference import attention, cross_attention
 from harness.reference import online  # online quantization: load(..., quantization=)
 from harness.reference.linear import FusedLinear, InputQuant, ReferenceLinear
 from harness.reference.report import Disagreement, FusedGroup, LoadReport
@@ -141,7 +143,7 @@ def _skeleton(path: Path, config_dict: dict) -> nn.Module:
 
 
 def _disk_name(name: str, arch: str) -> str:
-    return skip.to_checkpoint(name, arch)
+    return names.to_checkpoint(name, arch)
 
 
 def _disk_key(src, name: str, arch: str, tied: dict[str, str]) -> str:
@@ -276,10 +278,10 @@ def _attach_kv_scales(src, model, arch, quant_config, report: LoadReport) -> Non
 
 def _disagreements(quant_config: dict | None, labels: dict[str, str], arch: str) -> list[Disagreement]:
     """Where the producer's skip rules, read in its own dialect, and the disk disagree, and where an
-    entry's dialect and its evident intent disagree (skip.intent_disagreements)."""
+    entry's dialect and its evident intent disagree (harness.dialects.intent)."""
     if not quant_config:
         return []
-    policy = skip.SkipPolicy.from_quantization_config(quant_config, arch=arch)
+    policy = SkipPolicy.from_quantization_config(quant_config, arch=arch)
     found = []
     for name, label in labels.items():
         decision = policy.decide(name)
@@ -289,6 +291,5 @@ def _disagreements(quant_config: dict | None, labels: dict[str, str], arch: str)
         elif not decision.skipped and label == "unquantized":
             found.append(Disagreement(name, "config-vs-disk", f"{policy.dialect}: {decision.reason}, "
                                                               "but the disk holds it unquantized"))
-    for d in skip.intent_disagreements(policy, list(labels)):
-        found.append(Disagreement(d.module or "-", f"{d.dialect}:{d.kind}", f"entry {d.entry!r}: {d.explanation}"))
+    found.extend(Disagreement.from_entry(d) for d in intent_disagreements(policy, list(labels)))
     return found

@@ -50,9 +50,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness import architectures, dialects
+from harness.dialects import SkipPolicy, intent_disagreements
+from harness.dialects.compressed_tensors import ct_resolve
+from harness.dialects.names import to_vllm
+from harness.dialects.torchao import torchao_quant_type
+from harness.dialects.transformers import transformers_default_skip_keys
+from harness.dialects.transformers_torchao import transformers_torchao_resolve
 from harness.errors import CheckpointError
-from harness.quant import Decoded, quantize, skip
-from harness.reference import architectures
+from harness.quant import Decoded, quantize
 from harness.reference.report import Disagreement, LoadReport
 
 WHERE = "quantization"
@@ -123,7 +129,7 @@ class OnlineQuantizer:
         self.notes: list[str] = []
         self.activation: str | None = None  # 'dynamic' when FP8 inputs are quantized per token
         checks[method]()
-        self.dialect = skip.PRODUCER_DIALECT[method]
+        self.dialect = dialects.PRODUCER_DIALECT[method]
 
     @classmethod
     def from_config(cls, spec: Any, checkpoint_quantization: Mapping | None = None) -> OnlineQuantizer:
@@ -176,7 +182,7 @@ class OnlineQuantizer:
         c = self.config
         if c.get("include_input_output_embeddings"):
             self._refuse("include_input_output_embeddings", "quantizing embeddings is not supported online")
-        type_name, fqn = skip.torchao_quant_type(c)
+        type_name, fqn = torchao_quant_type(c)
         if type_name is None:
             self._refuse("quant_type", f"{c.get('quant_type')!r}: expected {{'default': <serialized torchao config>}}")
         self.fqn_to_config = fqn
@@ -230,21 +236,21 @@ class OnlineQuantizer:
 
     # -- deciding and quantizing --------------------------------------------------------------
 
-    def policy(self, model: nn.Module, arch: str) -> skip.SkipPolicy:
+    def policy(self, model: nn.Module, arch: str) -> SkipPolicy:
         """The config read in its own dialect, with transformers' default skip keys for this model
         (its tied and output-embedding modules, computed on the meta skeleton)."""
-        if self.dialect in (skip.TRANSFORMERS, skip.TRANSFORMERS_TORCHAO):
-            return skip.SkipPolicy.from_quantization_config(
-                self.config, arch=arch, default_keys=skip.transformers_default_skip_keys(model),
+        if dialects.get(self.dialect).uses_default_keys:
+            return SkipPolicy.from_quantization_config(
+                self.config, arch=arch, default_keys=transformers_default_skip_keys(model),
                 keep_in_fp32=list(getattr(model, "_keep_in_fp32_modules", None) or ()))
-        return skip.SkipPolicy.from_quantization_config(self.config, arch=arch)
+        return SkipPolicy.from_quantization_config(self.config, arch=arch)
 
     def plan(self, model: nn.Module, names: list[str], arch: str) -> tuple[dict[str, tuple[str, Any]], list[Disagreement], list[str]]:
         """name -> ('skip', reason) or ('quantize', what), plus disagreements and notes."""
         policy = self.policy(model, arch)
-        if self.dialect in skip.VLLM_DIALECTS and names:
+        if policy.reader.vllm and names:
             try:
-                skip.to_vllm(names[0], arch)
+                to_vllm(names[0], arch)
             except KeyError as e:
                 raise CheckpointError(WHERE, f"the {self.dialect} dialect needs vLLM's module names, which are "
                                              f"not modelled here: {e.args[0]}") from None
@@ -254,7 +260,7 @@ class OnlineQuantizer:
         found: list[Disagreement] = []
         notes: list[str] = []
         for name in names:
-            if self.dialect == skip.VLLM_FP8:
+            if policy.reader.vllm:
                 decision, extra = self._decide_vllm(policy, name, arch, name in output_names)
                 found.extend(extra)
             else:
@@ -264,18 +270,17 @@ class OnlineQuantizer:
                 continue
             plan[name] = ("quantize", self._what(name))
             if self.method == "torchao" and self.fqn_to_config is not None:
-                bias = skip.transformers_torchao_resolve(self.fqn_to_config, f"{name}.bias")
+                bias = transformers_torchao_resolve(self.fqn_to_config, f"{name}.bias")
                 if bias.config is not None and getattr(model.get_submodule(name), "bias", None) is not None:
                     notes.append(f"{name}.bias: FqnToConfig {bias.how} entry {bias.key!r} makes transformers 5.19 "
                                  "quantize this bias too (an Int8Tensor bias, which breaks its forward); "
                                  "the reference keeps biases in float")
-        spelled = [skip.to_vllm(n, arch) for n in names] if self.dialect in skip.VLLM_DIALECTS else names
-        for d in skip.intent_disagreements(policy, spelled):
-            found.append(Disagreement(d.module or "-", f"{d.dialect}:{d.kind}", f"entry {d.entry!r}: {d.explanation}"))
+        spelled = [to_vllm(n, arch) for n in names] if policy.reader.vllm else names
+        found.extend(Disagreement.from_entry(d) for d in intent_disagreements(policy, spelled))
         return plan, found, notes + [f"{policy.dialect}: {x}" for x in policy.notes]
 
     def _decide_vllm(self, policy, name: str, arch: str, is_output: bool):
-        prefix = skip.to_vllm(name, arch)
+        prefix = to_vllm(name, arch)
         cls = "ParallelLMHead" if is_output else "Linear"
         try:
             return policy.decide(prefix, cls), []
@@ -291,11 +296,11 @@ class OnlineQuantizer:
         if self.method == "torchao":
             if self.fqn_to_config is None:
                 return {"granularity": self.granularity["default"]}
-            res = skip.transformers_torchao_resolve(self.fqn_to_config, f"{name}.weight")
+            res = transformers_torchao_resolve(self.fqn_to_config, f"{name}.weight")
             return {"granularity": self.granularity[res.key]}
         if self.method == "fp8":
             return {"strategy": "tensor"}
-        res = skip.ct_resolve(name, "Linear", self.config.get("config_groups") or {}, self.config.get("ignore"))
+        res = ct_resolve(name, "Linear", self.config.get("config_groups") or {}, self.config.get("ignore"))
         return {"strategy": self.strategies[res.group]}
 
     def quantize(self, weight: torch.Tensor, what: Mapping[str, Any], scale: torch.Tensor | None = None) -> Decoded:

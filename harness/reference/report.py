@@ -14,9 +14,18 @@ class FusedGroup:
 
 @dataclass
 class Disagreement:
+    """One disagreement in the load report: the config against the disk ("config-vs-disk"), or a
+    skip entry's dialect against its evident intent ("<dialect>:<kind>", from an
+    ``harness.dialects.EntryDisagreement``)."""
+
     module: str
-    source: str  # "config-vs-disk" or the skip dialect that disagrees with evident intent
+    source: str  # "config-vs-disk" or "<dialect>:<kind>"
     detail: str
+
+    @classmethod
+    def from_entry(cls, d) -> "Disagreement":
+        """The report's record of an ``EntryDisagreement`` (harness.dialects.intent)."""
+        return cls(d.module or "-", f"{d.dialect}:{d.kind}", f"entry {d.entry!r}: {d.explanation}")
 
 
 @dataclass

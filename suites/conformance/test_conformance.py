@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from harness import fixtures, reference, scoring
-from harness.quant import fp8, skip
+from harness.dialects.names import to_checkpoint
+from harness.quant import fp8
 from harness.quant.source import TensorSource
 from oracles import library_weight, transformers_model
 
@@ -48,7 +49,7 @@ def _weight_label(src: TensorSource, module: str) -> str:
 
 def _disk(path, module: str) -> str:
     """A module's name in the checkpoint's spelling."""
-    return skip.to_checkpoint(module, fixtures.manifest(path)["model"])
+    return to_checkpoint(module, fixtures.manifest(path)["model"])
 
 
 @pytest.fixture(scope="module", params=NAMES)

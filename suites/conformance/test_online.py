@@ -3,7 +3,7 @@ against the libraries' own online quantization of the same checkpoint.
 
 For each model and scheme:
 (a) labels equal what the library's online quantization did to transformers' in-memory model, and
-    what the config's own skip dialect says (harness.quant.skip);
+    what the config's own skip dialect says (harness.dialects);
 (b) the quantized weights equal the library's dequantization of that model, exactly;
 (c) teacher-forced logprobs equal that model's at every position, within LOGPROB_BOUND;
 (d) the same config quantizing online gives exactly the weights the reference decodes from the
@@ -44,12 +44,15 @@ import pytest
 import torch
 import transformers
 
-from harness import fixtures, reference, scoring
+from harness import architectures, fixtures, reference, scoring
+from harness.dialects import VLLM_DIALECTS, SkipPolicy
+from harness.dialects.names import to_checkpoint, to_vllm
+from harness.dialects.torchao import torchao_quant_type
+from harness.dialects.transformers import transformers_default_skip_keys
 from harness.fixtures.producers import linear_labels
 from harness.quant import quantize as Q
-from harness.quant import skip
 from harness.quant.source import TensorSource
-from harness.reference import architectures, online
+from harness.reference import online
 from oracles import library_weight
 
 pytestmark = pytest.mark.conformance
@@ -197,11 +200,11 @@ def test_labels_match_library_and_dialect(model, scheme):
     # What the config's own dialect says, decided here independently of the loader.
     config = reference_config(model, scheme)
     arch = loaded.model.config.model_type
-    default_keys = skip.transformers_default_skip_keys(_skeleton(model))
-    policy = skip.SkipPolicy.from_quantization_config(config, arch=arch, default_keys=default_keys)
+    default_keys = transformers_default_skip_keys(_skeleton(model))
+    policy = SkipPolicy.from_quantization_config(config, arch=arch, default_keys=default_keys)
     for name, label in loaded.report.modules.items():
-        if policy.dialect in skip.VLLM_DIALECTS:
-            skipped = policy.skips(skip.to_vllm(name, arch), "ParallelLMHead" if name == OUTPUT[model] else "Linear")
+        if policy.dialect in VLLM_DIALECTS:
+            skipped = policy.skips(to_vllm(name, arch), "ParallelLMHead" if name == OUTPUT[model] else "Linear")
         else:
             skipped = policy.skips(name)
         assert label == ("unquantized" if skipped else LABEL[scheme]), name
@@ -255,7 +258,7 @@ def test_fused_fp8_tensor_is_the_merged_weight_quantized_once(model):
     groups = [g for g in fused.report.groups if g.fused]
     assert groups
     for g in groups:
-        floats = [src.get(skip.to_checkpoint(s, arch) + ".weight").float() for s in g.shards]
+        floats = [src.get(to_checkpoint(s, arch) + ".weight").float() for s in g.shards]
         merged = Q.fp8_weight(torch.cat(floats), "tensor")
         ours_merged = torch.cat([fused.model.get_submodule(s).weight for s in g.shards])
         assert torch.equal(ours_merged, merged.weight), g.parent
@@ -301,7 +304,7 @@ def test_online_equals_prequantized_fixture(model, scheme, fixture):
     path = fixtures.build(fixture)
     config = reference_config(model, scheme)
     if scheme == "torchao-int8-fqn":  # the fixture's table (no bias entry on Llama: it has no biases)
-        assert skip.torchao_quant_type(config)[1] == skip.torchao_quant_type(
+        assert torchao_quant_type(config)[1] == torchao_quant_type(
             json.loads((path / "config.json").read_text())["quantization_config"])[1]
     pre = reference.load(path, fuse=False)
     onl = reference.load(unquantized(model), fuse=False, quantization=config)

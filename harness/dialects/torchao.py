@@ -1,0 +1,270 @@
+"""The ``torchao`` dialect: torchao 0.18 ``quantize_(model, FqnToConfig)``.
+
+Also the ``FqnToConfig`` reading that the three torchao readers share (torchao itself,
+``transformers-torchao`` and ``vllm-torchao``): the serialized config, the resolution record, the
+entries, and the order-dependence check.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from harness.dialects.base import Decision, Dialect, Reading, SkipEntry, is_linear, register
+from harness.dialects.intent import EntryDisagreement
+
+NAME = "torchao"
+
+
+@dataclass(frozen=True)
+class FqnResolution:
+    """Which ``FqnToConfig`` entry decides one weight.
+
+    ``key`` is the entry (``"_default"`` for the default, ``None`` when no entry applies),
+    ``config`` its value. ``config is None`` means the weight stays unquantized, whether an entry
+    said ``None`` (``key`` set) or nothing matched (``key`` None, ``how == "unmatched"``).
+    ``how`` is ``param`` / ``module`` (exact FQN), ``param-regex`` / ``module-regex``, ``default``,
+    ``unmatched``, ``untouched`` (torchao: another parameter of the module matched, so neither the
+    module entries nor the default apply) or ``skip_modules`` (vLLM's dot-bounded skip list).
+    ``also`` lists further keys that torchao *also* applies to the same weight (every matching
+    parameter regex is applied in turn, not just the first).
+    """
+
+    key: str | None
+    config: Any
+    how: str
+    also: tuple[str, ...] = ()
+
+    @property
+    def skipped(self) -> bool:
+        return self.config is None
+
+
+def regex_or_default(fqn_to_config: Mapping[str, Any], module_fqn: str) -> FqnResolution:
+    """The first ``re:`` key matching the whole module name, else ``_default``, else unmatched:
+    the tail of the lookup that torchao and vLLM's torchao config share."""
+    for pattern in fqn_to_config:
+        if pattern.startswith("re:") and re.fullmatch(pattern[3:], module_fqn):
+            return FqnResolution(pattern, fqn_to_config[pattern], "module-regex")
+    if fqn_to_config.get("_default") is not None:
+        return FqnResolution("_default", fqn_to_config["_default"], "default")
+    return FqnResolution(None, None, "unmatched")
+
+
+def torchao_fqn_matches(fqn: str, fqn_to_config: Mapping[str, Any]) -> bool:
+    """torchao 0.18 ``quant_api.fqn_matches_fqn_config``: an exact key, or any ``re:`` key that
+    ``re.fullmatch``-es ``fqn``. ``None`` entries match too; ``_default`` is an ordinary key here."""
+    if fqn in fqn_to_config:
+        if fqn.startswith("re:"):
+            raise AssertionError(f"Error: Exact match but regex {fqn} specified.")
+        return True
+    return any(p.startswith("re:") and re.fullmatch(p[3:], fqn) for p in fqn_to_config)
+
+
+def torchao_resolve(
+    fqn_to_config: Mapping[str, Any],
+    module_fqn: str,
+    param: str = "weight",
+    param_names: Sequence[str] = ("weight",),
+    is_linear: bool = True,
+) -> FqnResolution:
+    """torchao 0.18 ``quantize_(model, FqnToConfig(...))`` for one parameter of one module.
+
+    Mirrors the gate in ``quantize_`` (``fqn_matches_fqn_config`` on the module or one of its
+    top-level parameters, or ``_default`` and ``_is_linear``) and then ``_fqn_to_config_handler``:
+
+    1. exact parameter FQN (``...q_proj.weight``); a ``None`` there removes that parameter from
+       the regex pass;
+    2. only if no parameter matched exactly: exact module FQN;
+    3. parameter regexes, ``re.fullmatch``: *every* matching key is applied in order, not the first;
+    4. only if no parameter matched at all: the first module regex, in dict order, that fully matches;
+    5. only if no parameter matched at all: ``_default``.
+
+    ``param_names`` are the module's top-level parameters in ``named_parameters()`` order (a biased
+    Linear has ``("weight", "bias")``). torchao's ``top_level_params.pop(i)`` uses the index over
+    all parameters, so two exact ``None`` parameter entries on one module raise ``IndexError`` in
+    torchao; this mirror removes the right one instead.
+
+    Dict order matters (steps 3, 4). transformers writes ``config.json`` with ``sort_keys=True``, so
+    after a save/load the order of ``re:`` keys is alphabetical, not the order the producer wrote.
+    """
+    cfg = fqn_to_config
+
+    def pfqn(p: str) -> str:
+        return f"{module_fqn}.{p}" if module_fqn else p
+
+    gated = (
+        torchao_fqn_matches(module_fqn, cfg)
+        or any(torchao_fqn_matches(pfqn(p), cfg) for p in param_names)
+        or ("_default" in cfg and is_linear)
+    )
+    if not gated:
+        return FqnResolution(None, None, "unmatched")
+
+    param_found = False
+    applied: dict[str, list[tuple[str, str]]] = {p: [] for p in param_names}
+    none_keys: dict[str, list[tuple[str, str]]] = {p: [] for p in param_names}
+    remaining = list(param_names)
+    for p in param_names:
+        if pfqn(p) in cfg:
+            param_found = True
+            if cfg[pfqn(p)] is None:
+                remaining.remove(p)
+                none_keys[p].append((pfqn(p), "param"))
+            else:
+                applied[p].append((pfqn(p), "param"))
+
+    if not param_found and module_fqn in cfg:
+        return FqnResolution(module_fqn, cfg[module_fqn], "module")
+
+    for p in remaining:
+        for pattern in cfg:
+            if pattern.startswith("re:") and re.fullmatch(pattern[3:], pfqn(p)):
+                param_found = True
+                if cfg[pattern] is not None:
+                    applied[p].append((pattern, "param-regex"))
+                else:
+                    none_keys[p].append((pattern, "param-regex"))
+
+    if not param_found:
+        return regex_or_default(cfg, module_fqn)
+
+    if param not in applied:
+        return FqnResolution(None, None, "untouched")
+    if applied[param]:
+        (key, how), *rest = applied[param]
+        return FqnResolution(key, cfg[key], how, tuple(k for k, _ in rest))
+    if none_keys[param]:
+        key, how = none_keys[param][0]
+        return FqnResolution(key, None, how)
+    return FqnResolution(None, None, "untouched")
+
+
+def torchao_quant_type(quantization_config: Mapping[str, Any]) -> tuple[str | None, dict | None]:
+    """The torchao config that transformers 5.19 ``TorchAoConfig.to_dict`` wrote, as
+    ``(type name, fqn_to_config dict or None)``.
+
+    ``quant_type`` is ``{"default": {"_type": ..., "_version": ..., "_data": {...}}}``; for
+    ``FqnToConfig`` (alias ``ModuleFqnToConfig``) ``_data`` holds both ``fqn_to_config`` and
+    ``module_fqn_to_config`` (the same dict twice), values ``null`` or serialized configs.
+    """
+    qt = quantization_config.get("quant_type")
+    if not isinstance(qt, Mapping) or "default" not in qt:
+        return None, None
+    default = qt["default"]
+    if not isinstance(default, Mapping):
+        return None, None
+    type_name = default.get("_type")
+    if type_name not in ("FqnToConfig", "ModuleFqnToConfig"):
+        return type_name, None
+    data = default.get("_data") or {}
+    fqn = data.get("fqn_to_config") or data.get("module_fqn_to_config") or {}
+    return type_name, dict(fqn)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the three torchao readers share
+# ---------------------------------------------------------------------------------------------
+
+
+def read_fqn_to_config(reading: Reading) -> None:
+    """The ``FqnToConfig`` keys as entries (a None value skips, any other selects), after a
+    reader's own ``modules_to_not_convert`` entries."""
+    type_name, fqn = torchao_quant_type(reading.config)
+    for key, value in (fqn or {}).items():
+        match_as = (key,) if key == "_default" else reading.spell(key)
+        reading.entries.append(SkipEntry(key, "fqn_to_config", match_as, value, role="skip" if value is None else "target"))
+    if type_name is None:
+        reading.notes.append("quant_type.default is missing: nothing is known to be quantized")
+
+
+def fqn_map(policy) -> dict[str, Any]:
+    """The policy's ``FqnToConfig`` in its entries' ``match_as`` spelling."""
+    out: dict[str, Any] = {}
+    for e in policy.entries:
+        if e.source == "fqn_to_config":
+            for k in e.match_as:
+                out.setdefault(k, e.value)
+    return out
+
+
+def renamed_config(policy) -> dict[str, Any]:
+    """The config with every entry in its ``match_as`` spelling (order kept)."""
+    qc = dict(policy.config)
+    qc["modules_to_not_convert"] = [k for e in policy.entries if e.source == "modules_to_not_convert" for k in e.match_as]
+    qt = policy.config.get("quant_type")
+    if isinstance(qt, Mapping) and isinstance(qt.get("default"), Mapping) and torchao_quant_type(policy.config)[1] is not None:
+        default = dict(qt["default"])
+        data = dict(default.get("_data") or {})
+        fmap = fqn_map(policy)
+        for key in ("fqn_to_config", "module_fqn_to_config"):
+            if key in data:
+                data[key] = fmap
+        default["_data"] = data
+        qc["quant_type"] = {"default": default}
+    return qc
+
+
+def decide_fqn(policy, res: FqnResolution) -> Decision:
+    """A decision from the ``FqnToConfig`` entry that resolved a weight."""
+    ents = tuple(e for e in policy.entries if e.source == "fqn_to_config" and res.key in e.match_as)
+    type_name, fqn = torchao_quant_type(policy.config)
+    if fqn is None:
+        if type_name is None:
+            return Decision(True, (), "no torchao config")
+        return Decision(False, (), f"{type_name} applies to every linear")
+    if res.skipped:
+        if res.key is None:
+            return Decision(True, (), f"no FqnToConfig entry applies ({res.how}) and no _default")
+        return Decision(True, ents, f"FqnToConfig {res.how} entry {res.key!r} is None")
+    return Decision(False, ents, f"FqnToConfig {res.how} entry {res.key!r}")
+
+
+def fqn_entry_hits(spelling: str, name: str) -> bool:
+    """An ``FqnToConfig`` key reaches a module through its name or its weight's (torchao, transformers)."""
+    return torchao_fqn_matches(name, {spelling: 0}) or torchao_fqn_matches(f"{name}.weight", {spelling: 0})
+
+
+def order_dependent(policy, names: list[str], param_names: bool) -> list[EntryDisagreement]:
+    """Modules that several ``re:`` keys with different outcomes match: dict order decides.
+    ``param_names``: the reader also matches keys against ``<module>.weight``."""
+    out = []
+    regex = [e for e in policy.entries if e.source == "fqn_to_config" and e.raw.startswith("re:")]
+    for n in names:
+        hits = [e for e in regex if any(
+            re.fullmatch(k[3:], n) or (param_names and re.fullmatch(k[3:], f"{n}.weight")) for k in e.match_as)]
+        if len({h.value is None for h in hits}) > 1:
+            out.append(EntryDisagreement(
+                hits[0].raw, n, policy.dialect, "order-dependent",
+                f"{len(hits)} regex keys match with different outcomes ({', '.join(h.raw for h in hits)}); "
+                "dict order decides, and transformers saves config.json with sorted keys"))
+    return out
+
+
+class Torchao(Dialect):
+    name = NAME
+    quant_method = "torchao"
+    exact_containers = True
+
+    def read(self, reading: Reading) -> None:
+        mtnc = reading.config.get("modules_to_not_convert")
+        reading.entries.extend(SkipEntry(k, "modules_to_not_convert", (k,), honoured=False) for k in mtnc or [])
+        read_fqn_to_config(reading)
+
+    def decide(self, policy, fqn: str, module_class: Any) -> Decision:
+        linear = is_linear(module_class, False)
+        if torchao_quant_type(policy.config)[1] is None:
+            return Decision(not linear, (), "plain torchao config: every nn.Linear" if linear else "not an nn.Linear")
+        return decide_fqn(policy, torchao_resolve(fqn_map(policy), fqn, is_linear=linear))
+
+    def entry_hits(self, policy, entry: SkipEntry, spelling: str, name: str, module_class: Any) -> bool:
+        if entry.source == "fqn_to_config":
+            return fqn_entry_hits(spelling, name)
+        return False  # torchao never reads modules_to_not_convert
+
+    def module_disagreements(self, policy, names, classes):
+        return order_dependent(policy, names, param_names=True)
+
+
+register(Torchao())
