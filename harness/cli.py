@@ -64,6 +64,43 @@ def _cells(args) -> int:
     return 0
 
 
+class Progress:
+    """``harness run``'s progress: one line per cell as its group finishes (and the baseline
+    messages under it); on a terminal, with a live progress bar (tqdm) below the lines. When output
+    is not a terminal (CI logs) there is no bar, only the lines."""
+
+    def __init__(self, total: int, stream=None):
+        self.stream = stream or sys.stdout
+        self.counts: dict[str, int] = {}
+        self.bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="cell", file=self.stream, dynamic_ncols=True, leave=False)
+
+    def echo(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def cell(self, i: int, n: int, res) -> None:
+        from harness import runner
+
+        self.echo(runner.progress_line(i, n, res))
+        for msg in res.messages:
+            self.echo("    " + msg.replace("\n", "\n    "))
+        if self.bar is not None:
+            self.counts[res.verdict] = self.counts.get(res.verdict, 0) + 1
+            self.bar.set_postfix_str(", ".join(f"{v} {c}" for v, c in self.counts.items()), refresh=False)
+            self.bar.update(1)
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _run(args) -> int:
     from harness import matrix, runner
 
@@ -76,20 +113,15 @@ def _run(args) -> int:
         raise UsageError("--jobs must be >= 1")
     for w in matrix.warnings(cells):
         print(w, file=sys.stderr)
-    results = args.results or runner.default_results_dir()
+    results = Path(args.results or runner.default_results_dir())
+    progress = Progress(len(cells))
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
-                      matrix_path=args.matrix, echo=lambda s: print(s, flush=True))
+                      matrix_path=args.matrix, echo=progress.echo)
     r.prepare(fresh=True)
     mode = " (updating baselines)" if args.update_baselines else ""
-    print(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
-          f"jobs {args.jobs}{mode}; results in {results}", flush=True)
+    progress.echo(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
+                  f"jobs {args.jobs}{mode}; results in {results}")
     t0 = time.perf_counter()
-
-    def progress(i, n, res):
-        print(runner.progress_line(i, n, res), flush=True)
-        for msg in res.messages:
-            print("    " + msg.replace("\n", "\n    "), flush=True)
-
     import signal
 
     def terminate(signum, frame):  # a cancelled CI job: end the engine children, then stop
@@ -97,15 +129,23 @@ def _run(args) -> int:
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        results_list = r.run(jobs=args.jobs, progress=progress)
+        results_list = r.run(jobs=args.jobs, progress=progress.cell)
     except KeyboardInterrupt:
-        r.kill_children()
+        r.supervisor.kill_all()
         print(f"error: interrupted; partial records in {results}", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+        progress.close()
+    return _finish(args, m, cells, r, results_list, time.perf_counter() - t0)
+
+
+def _finish(args, m, cells, r, results_list, wall: float) -> int:
+    """The verdict table, the baseline changes, the report; the exit status (harness.verdicts)."""
+    from harness import runner
+    from harness.report import write_reports
+
     table, code = runner.summary_text(results_list)
-    wall = time.perf_counter() - t0
     changes = [res.outcome.change for res in results_list if res.outcome.change is not None]
     refused = [res for res in results_list if res.outcome.refused]
     lines = ["", table]
@@ -113,14 +153,13 @@ def _run(args) -> int:
         kinds = {k: sum(1 for c in changes if c.kind == k) for k in ("new", "updated", "unchanged")}
         lines.append(f"baselines: {kinds['new']} new, {kinds['updated']} updated, {kinds['unchanged']} unchanged, "
                      f"{len(refused)} refused, in {Path(args.baselines)}")
-    lines.append(f"wall time {wall:.1f} s; records in {results}")
-    from harness.report import write_reports
-
-    written = write_reports([results], Path(results) / "report", expected=[c.id for c in cells], matrix=m)
+    lines.append(f"wall time {wall:.1f} s; records in {r.results}")
+    written = write_reports([r.results], r.layout.report(), expected=[c.id for c in cells], matrix=m,
+                            baselines_root=r.baselines_root)
     lines.append(f"report: {written.html}")
     text = "\n".join(lines)
     print(text, flush=True)
-    (Path(results) / "summary.txt").write_text(text.lstrip("\n") + "\n")
+    r.layout.summary().write_text(text.lstrip("\n") + "\n")
     return code
 
 

@@ -92,8 +92,7 @@ def ok_record(cell_id: str, seqs, *, load_s: float = 0.05, started: datetime, ve
     return Record.for_cell(cell, engine_info=_info(cell, version), fixture_identity="f" * 64,
                            sequences=list(seqs), module_diff=module_diff,
                            load=LoadInfo(seconds=load_s, phases={"read": load_s * 0.4, "dequantize": load_s * 0.35,
-                                                                 "fuse": load_s * 0.1, "assign": load_s * 0.15,
-                                                                 "calibration": 0.01}),
+                                                                 "fuse": load_s * 0.1, "assign": load_s * 0.15}),
                            started_at=started.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
                            duration_s=1.5 + load_s)
 
@@ -191,3 +190,27 @@ def write(results: Path, kinds: dict[str, str], *, started: datetime | None = No
 def full_matrix_kinds(overrides: dict[str, str]) -> dict[str, str]:
     """Every cell of models.yaml passes, except the overrides."""
     return {cid: overrides.get(cid, "pass") for cid in CELLS}
+
+
+CPU = {"vendor": "GenuineIntel", "model": "Intel(R) Xeon(R) Platinum 8488C", "flags": ["avx2", "avx512f", "amx_tile"],
+       "capability": "avx512"}
+
+
+def with_noise_judgement(record: Record, onset_position: int = 9) -> Record:
+    """The record with what the noise-aware comparison adds to its teacher-forced:baseline check:
+    which bound judged each position, the noise bound there, each prompt's onset and the share of
+    positions the family bound judged."""
+    checks = []
+    for c in record.checks:
+        if c.name == "teacher-forced:baseline" and c.data:
+            per = c.data["per_position"]
+            judged = {p: ["noise" if i % 4 == 3 else "family" for i in range(len(v))] for p, v in per.items()}
+            noise = {p: [2e-3 if j == "noise" else None for j in js] for p, js in judged.items()}
+            onsets = {p: None for p in per}
+            onsets[next(iter(per))] = {"position": onset_position, "quantizer": "model.layers.3.mlp.down_proj",
+                                       "value": 0.0123, "distance": 4.5, "noise": 0.0021}
+            share = sum(j == "family" for js in judged.values() for j in js) / sum(len(js) for js in judged.values())
+            c = c.model_copy(update={"data": {**c.data, "judged": judged, "noise_bound": noise, "onsets": onsets,
+                                              "family_share": share}})
+        checks.append(c)
+    return record.model_copy(update={"checks": checks})

@@ -19,7 +19,8 @@ import pytest
 import report_scenario as rs
 from filelock import FileLock
 
-from harness.report import STATES, write_reports
+from harness.report import write_reports
+from harness.verdicts import STATES
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "reports"

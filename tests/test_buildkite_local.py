@@ -17,7 +17,7 @@ import yaml
 
 from harness import buildkite as bk
 from harness import matrix as mx
-from harness.report import STYLE
+from harness.verdicts import ROWS
 
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX_FILE = Path(__file__).parent / "data" / "pipeline-matrix.yaml"
@@ -115,8 +115,8 @@ def test_annotation_and_report(pipeline_run):
     for cid, v in verdicts.items():
         if v not in ("pass", "improved"):
             assert f"`{cid}` **{v}**" in body
-    assert "| unquantized | " + f"{STYLE[verdicts['llama.unquantized.reference']][3]}ref " \
-           f"{STYLE[verdicts['llama.unquantized.transformers']][3]}tf |" in body
+    assert "| unquantized | " + f"{ROWS[verdicts['llama.unquantized.reference']].emoji}ref " \
+           f"{ROWS[verdicts['llama.unquantized.transformers']].emoji}tf |" in body
     assert '<a href="artifact://reports/report.html">' in body
 
     html = run.artifact("reports/report.html").read_text()

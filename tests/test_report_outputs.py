@@ -10,13 +10,15 @@ from datetime import datetime, timezone
 from html.parser import HTMLParser
 from pathlib import Path
 
+import markupsafe
 import pytest
 import report_scenario as rs
 
 from harness import cli
-from harness.records import VERDICTS
-from harness.report import MISSING, STATES, STYLE, annotation_style, write_reports
+from harness.records import VERDICTS, save
+from harness.report import annotation_style, write_reports
 from harness.report.annotation import md
+from harness.verdicts import MISSING, ROWS, STATES
 
 ROOT = Path(__file__).resolve().parent.parent
 T1 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -57,8 +59,8 @@ class _Tags(HTMLParser):
 
 
 def test_all_states_have_distinct_colors():
-    assert set(STYLE) == set(STATES) == {*VERDICTS, MISSING}
-    assert len({bg for bg, *_ in STYLE.values()}) == len(STYLE)
+    assert set(ROWS) == set(STATES) == {*VERDICTS, MISSING}
+    assert len({r.colour for r in ROWS.values()}) == len(ROWS)
 
 
 def test_html_is_one_self_contained_file(written):
@@ -84,7 +86,7 @@ def test_text_from_records_and_logs_is_escaped(written):
     p.feed(page)
     assert len(p.scripts) == 1 and "__pwned" not in p.scripts[0]  # the page's own script only
     assert rs.EVIL not in page
-    escaped = rs.EVIL.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("'", "&#x27;")
+    escaped = str(markupsafe.escape(rs.EVIL))  # as the templates' autoescaping writes it
     # the error message, the engine log tail, the log file and the module diff all show it as text
     assert page.count(escaped) >= 4
 
@@ -121,12 +123,12 @@ def test_junit_has_one_testcase_per_cell(written):
     assert sorted(c.get("name") for c in cases) == sorted(EXPECTED)
     kind = {c.get("name"): next((ch.tag for ch in c if ch.tag in ("failure", "error", "skipped")), "passed") for c in cases}
     by_verdict = {rs.ALL_KINDS.get(n, MISSING): k for n, k in kind.items()}
-    assert by_verdict == {
-        "pass": "passed", "improved": "passed", "unexpected-pass": "passed",
+    assert by_verdict == {  # the unified policy (harness.verdicts): what fails the run is never passed or skipped
+        "pass": "passed", "improved": "passed", "unexpected-pass": "failure",
         "regressed": "failure", "failed": "failure", "error": "error", MISSING: "error",
-        "unsupported": "skipped", "waived": "skipped", "stale-baseline": "skipped", "missing-baseline": "skipped",
+        "unsupported": "skipped", "waived": "skipped", "stale-baseline": "failure", "missing-baseline": "failure",
     }
-    assert root.get("tests") == str(len(EXPECTED)) and root.get("failures") == "2" and root.get("errors") == "2"
+    assert root.get("tests") == str(len(EXPECTED)) and root.get("failures") == "5" and root.get("errors") == "2"
     assert {s.get("name") for s in root.findall("testsuite")} == {"harness cpu-tiny", "harness gpu-tiny", "harness gpu-full"}
     err = next(c for c in cases if c.get("name") == "whisper.fp8-static-kv.transformers").find("error")
     assert rs.EVIL in err.text  # XML-escaped by the writer, intact for the reader
@@ -138,7 +140,7 @@ def test_annotation_summary_and_style(written):
     assert (d / "out" / "annotation-style.txt").read_text() == "error\n"
     assert text.startswith("#### Quantized loading matrix: 9 of 11 cells need attention")
     for s in STATES:
-        assert f"{STYLE[s][3]} {s} **1**" in text
+        assert f"{ROWS[s].emoji} {s} **1**" in text
     assert "| scheme \\\\ model | llama | whisper |" in text
     assert "| fp8-static-kv |   | ⚪ref 💥tf |" in text  # whisper column: unsupported reference, error transformers
     assert "<script>" not in text and "&lt;script&gt;" in text
@@ -201,3 +203,44 @@ def test_harness_report_cli(tmp_path, capsys, monkeypatch):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (out / "report.html").is_file()
+
+
+def test_noise_judgement_and_onset_are_shown(tmp_path):
+    """What the noise-aware comparison adds to a teacher-forced:baseline check: the share of positions
+    the family bound protects, positions judged by the noise-derived bound shaded apart, the onset."""
+    cid = "llama.unquantized.reference"
+    rec = rs.with_noise_judgement(rs.build(cid, "pass", started=T1))
+    save(tmp_path / "results" / f"{cid}.json", rec)
+    page = write_reports([tmp_path / "results"], tmp_path / "out", matrix=rs.MATRIX).html.read_text()
+    share = next(c.data["family_share"] for c in rec.checks if c.name == "teacher-forced:baseline")
+    assert f"family bound protects {share * 100:.0f}% of positions" in page
+    assert 'class="bar noise"' in page and 'class="bar"' in page and 'class="nb"' in page
+    assert "judged by the noise-derived bound" in page
+    assert 'class="onset"' in page
+    assert ("onset at position 9: quantizer model.layers.3.mlp.down_proj, value 0.0123, distance 4.5, "
+            "noise 0.0021") in page
+    # an older record without any of it renders as before
+    save(tmp_path / "old" / f"{cid}.json", rs.build(cid, "pass", started=T1))
+    old = write_reports([tmp_path / "old"], tmp_path / "out2", matrix=rs.MATRIX).html.read_text()
+    assert "family bound protects" not in old and 'class="bar noise"' not in old and 'class="onset"' not in old
+
+
+def test_provenance_shows_the_run_and_the_baseline_cpu():
+    from types import SimpleNamespace
+
+    from harness.report import html
+
+    cid = "llama.unquantized.reference"
+    rec = rs.build(cid, "pass", started=T1)
+    entry = SimpleNamespace(record=rec, path=Path("r.json"), source="results")
+    prov = SimpleNamespace(engine="reference", engine_version="0.1.0", platform="cpu-x86_64-avx2",
+                           date="2026-01-01T00:00:00Z", commit="c0ffee", cpu=rs.CPU)
+    p = html._provenance(entry, SimpleNamespace(provenance=prov))
+    assert p["cpu"] is None or p["cpu"]["name"]  # this record may predate the cpu block
+    assert p["baseline"]["cpu"] == {"name": "GenuineIntel Intel(R) Xeon(R) Platinum 8488C", "capability": "avx512",
+                                    "flags": ["avx2", "avx512f", "amx_tile"]}
+    assert p["baseline"]["text"] == "reference 0.1.0 on cpu-x86_64-avx2, 2026-01-01T00:00:00Z, commit c0ffee"
+    assert html._cpu(SimpleNamespace(cpu=rs.CPU))["capability"] == "avx512" and html._cpu(SimpleNamespace()) is None
+    page = html._ENV.get_template("panel.html.j2").module.provenance(p)
+    assert "baseline CPU" in page and "ATen CPU capability <code>avx512</code>" in page and "3 flags" in page
+    assert html._provenance(entry, None)["baseline"] is None

@@ -252,3 +252,37 @@ def test_bad_matrix_is_exit_2(tmp_path, capsys):
     bad.write_text(MATRIX.replace("TIMEOUT", "-1"))
     code, _, err = harness(capsys, "run", "--matrix", bad)
     assert code == 2 and err.startswith("error: ") and "defaults.timeout_s: must be > 0" in err
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_ci():
+    from harness import matrix
+    from harness.runner import CellResult
+
+    cell = {c.id: c for c in matrix.load().cells()}["whisper.bnb-nf4.transformers"]
+    rec = R.Record.for_cell(cell, engine_info=R.EngineInfo(name="transformers", version="5.19.0"),
+                            status="unsupported", unsupported_reason="needs a GPU")
+    res = CellResult(cell, rec.model_copy(update={"verdict": "unsupported", "verdict_reason": "needs a GPU"}),
+                     messages=["baseline refused: no"])
+    for tty in (False, True):
+        stream = _Stream(tty)
+        p = cli.Progress(2, stream=stream)
+        p.echo("harness run: 2 cell(s)")
+        p.cell(1, 2, res)
+        p.close()
+        assert "[1/2] unsupported      whisper.bnb-nf4.transformers  (needs a GPU)" in stream.text
+        assert "    baseline refused: no" in stream.text
+        assert ("1/2" in stream.text.replace("[1/2]", "") and "unsupported 1" in stream.text) == tty  # tqdm's bar

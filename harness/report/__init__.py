@@ -8,8 +8,9 @@ Reads result directories (``merge``), then writes into DIR:
 - ``annotation.md`` and ``annotation-style.txt``: the Buildkite annotation (a markdown matrix
   summary) and its style by the worst verdict, ``annotation.render``.
 
-Exit status: 0; with ``--strict`` 1 when a cell is regressed, failed, error or missing, or a
-record file is unreadable; 2 for usage errors.
+Every output follows the verdict table (harness.verdicts). Exit status: 0; with ``--strict`` 1
+when a cell fails the run by that table (a missing cell included), or a record file is
+unreadable; 2 for usage errors.
 """
 from __future__ import annotations
 
@@ -19,38 +20,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.records import VERDICTS, Record, atomic_write_text
+from harness import verdicts
+from harness.records import Record, atomic_write_text
+from harness.verdicts import MISSING, STATES, VERDICTS
 
-MISSING = "missing"  # not a verdict: an expected cell for which no record came back
-STATES: tuple[str, ...] = (*VERDICTS, MISSING)
-
-# Presentation of each verdict: background, text color, one-line meaning, annotation emoji.
-STYLE: dict[str, tuple[str, str, str, str]] = {
-    "pass": ("#2e7d32", "#ffffff", "matches the baseline within the bounds", "✅"),
-    "regressed": ("#d32f2f", "#ffffff", "differs from the baseline beyond the bounds (or loads slower)", "📉"),
-    "improved": ("#00897b", "#ffffff", "loads faster than 1/bound of the baseline (gated tiers)", "🚀"),
-    "failed": ("#7b1fa2", "#ffffff", "engines disagree beyond the bounds, or a module differs from the reference", "❌"),
-    "error": ("#212121", "#ffffff", "crashed, timed out, or was never judged", "💥"),
-    "unsupported": ("#b0bec5", "#263238", "a capability probe or a known failure says this engine cannot run it", "⚪"),
-    "waived": ("#8d6e63", "#ffffff", "fails, exactly as a known failure in models.yaml says", "🟤"),
-    "unexpected-pass": ("#fbc02d", "#3e2723", "passes although a known failure covers it: narrow models.yaml", "❗"),
-    "stale-baseline": ("#ef6c00", "#ffffff", "the baseline is from another engine version, platform or fixture", "⏳"),
-    "missing-baseline": ("#1976d2", "#ffffff", "no baseline stored: not a pass", "❔"),
-    MISSING: ("#ffffff", "#424242", "expected, but no result record came back (crash, lost agent, cancel)", "⛔"),
-}
-
-# Worst first. The annotation's style and the page's banner follow the worst state present.
-SEVERITY: tuple[str, ...] = (
-    "error", "failed", "regressed", MISSING, "stale-baseline", "unexpected-pass", "missing-baseline",
-    "waived", "unsupported", "improved", "pass",
-)
-BAD: frozenset[str] = frozenset({"error", "failed", "regressed", MISSING})
-_ANNOTATION_STYLE = {
-    **{v: "error" for v in BAD},
-    "stale-baseline": "warning", "unexpected-pass": "warning", "missing-baseline": "warning",
-    "waived": "info", "unsupported": "info",
-    "improved": "success", "pass": "success",
-}
+__all__ = ["MISSING", "STATES", "Written", "annotation_style", "counts_of", "state_of", "write_reports"]
 
 
 def state_of(record: Record | None) -> str:
@@ -61,19 +35,13 @@ def state_of(record: Record | None) -> str:
     return record.verdict if record.verdict in VERDICTS else "error"
 
 
-def worst(states: Iterable[str]) -> str | None:
-    present = set(states)
-    return next((s for s in SEVERITY if s in present), None)
-
-
 def annotation_style(states: Iterable[str], problems: int = 0) -> str:
-    """Buildkite annotation style for a set of states: error, warning, info or success."""
-    w = worst(states)
+    """Buildkite annotation style for a set of states: the worst state's (harness.verdicts), error
+    when a record file is unreadable, info when there is nothing."""
+    w = verdicts.worst(states)
     if problems:
         return "error"
-    if w is None:
-        return "info"
-    return _ANNOTATION_STYLE[w]
+    return verdicts.row(w).annotation if w is not None else "info"
 
 
 @dataclass
@@ -89,7 +57,8 @@ class Written:
 
     @property
     def bad(self) -> bool:
-        return bool(self.problems) or any(self.counts.get(s, 0) for s in BAD)
+        """A cell fails the run (harness.verdicts), or a record file is unreadable: --strict exits 1."""
+        return bool(self.problems) or any(n and verdicts.fails_run(s) for s, n in self.counts.items())
 
 
 def counts_of(states: Iterable[str]) -> dict[str, int]:
@@ -100,8 +69,9 @@ def counts_of(states: Iterable[str]) -> dict[str, int]:
 
 
 def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expected: Iterable[str] = (),
-                  matrix=None, title: str | None = None) -> Written:
-    """Read ``results`` and write report.html, junit.xml, annotation.md, annotation-style.txt."""
+                  matrix=None, title: str | None = None, baselines_root: str | Path | None = None) -> Written:
+    """Read ``results`` and write report.html, junit.xml, annotation.md, annotation-style.txt.
+    ``baselines_root``: where the page finds each cell's stored baseline for its provenance."""
     from harness.report import annotation, html, junit
     from harness.report.merge import cross_check, load_results
 
@@ -113,7 +83,7 @@ def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expecte
     states = [state_of(e.record) for e in merged.current.values()] + [MISSING] * len(merged.missing)
     counts = counts_of(states)
     style = annotation_style(states, len(merged.problems))
-    page = html.render(merged, matrix=matrix, title=title)
+    page = html.render(merged, matrix=matrix, title=title, baselines_root=baselines_root)
     paths = (out / "report.html", out / "junit.xml", out / "annotation.md")
     atomic_write_text(paths[0], page)
     atomic_write_text(paths[1], junit.render(merged, matrix=matrix))
@@ -135,8 +105,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="models.yaml, for the grid's order, bounds and known failures of the cross-engine "
                         "comparison (default: ./models.yaml when present)")
     p.add_argument("--title", help="page title")
+    p.add_argument("--baselines", metavar="DIR",
+                   help="baselines root, for the baseline's provenance in each cell's details (default: ./baselines "
+                        "when present)")
     p.add_argument("--strict", action="store_true",
-                   help="exit 1 when a cell is regressed, failed, error or missing, or a record is unreadable")
+                   help="exit 1 when a cell fails the run (regressed, failed, error, unexpected-pass, stale-baseline, "
+                        "missing-baseline, missing) or a record is unreadable")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
         except MatrixError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    baselines = args.baselines or ("baselines" if Path("baselines").is_dir() else None)
     written = write_reports(args.results, args.output, expected=parse_expected(args.expect), matrix=matrix,
-                            title=args.title)
+                            title=args.title, baselines_root=baselines)
     shown = [(s, n) for s, n in written.counts.items() if n]
     width = max([len(s) for s, _ in shown] + [7])
     print("\n".join(f"{s:<{width}}  {n}" for s, n in shown) or "no cells")

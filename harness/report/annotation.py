@@ -14,8 +14,9 @@ import html
 import re
 
 from harness.matrix import TIERS
-from harness.report import MISSING, SEVERITY, STATES, STYLE, counts_of, state_of
+from harness.report import counts_of, state_of
 from harness.report.merge import Merged
+from harness.verdicts import MISSING, SEVERITY, STATES, needs_attention, row
 
 ENGINE_SHORT = {"reference": "ref", "transformers": "tf", "vllm": "vllm"}
 MAX_ATTENTION = 40
@@ -36,7 +37,7 @@ def _n(n: int, word: str) -> str:
 
 
 def _emoji(state: str) -> str:
-    return STYLE[state][3]
+    return row(state).emoji
 
 
 def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.html") -> str:
@@ -53,7 +54,7 @@ def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.ht
         slots.append((cid, tiers_of.get(cid, "unknown"), model, scheme, engine, MISSING))
         reasons[cid] = "no result record came back (crash, timeout at the agent, lost agent or cancel)"
     counts = counts_of(s[5] for s in slots)
-    bad = [s for s in SEVERITY if counts.get(s) and s not in ("pass", "improved")]
+    bad = [s for s in SEVERITY if counts.get(s) and needs_attention(s)]
 
     lines: list[str] = []
     if not slots:
@@ -80,7 +81,7 @@ def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.ht
         ts = [s for s in slots if s[1] == tier]
         models = [m for m in models_order if any(s[2] == m for s in ts)] + sorted({s[2] for s in ts} - set(models_order))
         schemes = [x for x in scheme_order if any(s[3] == x for s in ts)] + sorted({s[3] for s in ts} - set(scheme_order))
-        tier_bad = sum(1 for s in ts if s[5] not in ("pass", "improved"))
+        tier_bad = sum(1 for s in ts if needs_attention(s[5]))
         lines += ["", f"<details{' open' if tier_bad else ''}><summary><b>{html.escape(tier)}</b>: {_n(len(ts), 'cell')}"
                   f"{f', {tier_bad} need' + ('s' if tier_bad == 1 else '') + ' attention' if tier_bad else ', all pass'}</summary>", ""]
         lines.append("| scheme \\\\ model | " + " | ".join(md(m, 60) for m in models) + " |")
@@ -93,7 +94,7 @@ def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.ht
             lines.append(f"| {md(sc, 60)} | " + " | ".join(row) + " |")
         lines += ["", "</details>"]
 
-    need = sorted((s for s in slots if s[5] not in ("pass", "improved")), key=lambda s: (SEVERITY.index(s[5]), s[0]))
+    need = sorted((s for s in slots if needs_attention(s[5])), key=lambda s: (SEVERITY.index(s[5]), s[0]))
     if need:
         lines += ["", "**Needs attention**", ""]
         for s in need[:MAX_ATTENTION]:

@@ -1,26 +1,35 @@
-"""JUnit XML: one <testcase> per cell, one <testsuite> per tier, so that Buildkite Test Engine
-(and any CI) can read the matrix.
+"""JUnit XML, written with junitparser: one <testcase> per cell, one <testsuite> per tier, so that
+Buildkite Test Engine (and any CI) can read the matrix.
 
 - ``classname``: ``<tier>.<model>.<scheme>``; ``name``: the cell id; ``file``: models.yaml.
-- pass, improved, unexpected-pass: passed (unexpected-pass says so in system-out and a property).
-- regressed, failed: <failure type="<verdict>">.
-- error, and an expected cell without a record: <error>.
-- unsupported, waived, stale-baseline, missing-baseline: <skipped> with the reason: not a pass,
-  and not a failure of this change either.
+- The result element is the ``junit`` column of harness.verdicts' table: passed (none), <failure>,
+  <error> or <skipped>, with ``type`` the verdict and the reason as its message. A cell fails the
+  run exactly when it is a failure or an error here (every verdict that fails ``harness run``;
+  an expected cell without a record is an error).
+- Each case carries the verdict, engine, engine version and platform as properties, and the
+  verdict and its reason in system-out.
+- An unreadable record file is an error case in the suite ``harness unreadable``.
 """
 from __future__ import annotations
 
+import io
 import re
-import xml.etree.ElementTree as ET
 
-from harness.report import MISSING, state_of
+from junitparser import Attr, Error, Failure, JUnitXml, Properties, Property, Skipped, TestCase, TestSuite
+
+from harness.report import state_of
 from harness.report.merge import Merged
+from harness.verdicts import MISSING, row
 
-_FAILURE = {"regressed", "failed"}
-_ERROR = {"error", MISSING}
-_SKIPPED = {"unsupported", "waived", "stale-baseline", "missing-baseline"}
 # XML 1.0 cannot carry most control characters, whatever the escaping.
 _BAD_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+_RESULTS = {"failure": Failure, "error": Error}
+NO_RECORD = ("no result record came back for this expected cell (crash, timeout at the agent, lost agent "
+             "or cancel)")
+
+
+class _Case(TestCase):
+    file = Attr()
 
 
 def _clean(text: str | None, limit: int = 20000) -> str:
@@ -33,78 +42,65 @@ def _split(cell_id: str) -> tuple[str, str]:
     return (".".join(parts[:-2]), parts[-2]) if len(parts) >= 3 else (cell_id, "?")
 
 
+def _case(cell_id: str, classname: str, seconds: float, state: str, reason: str, detail: str | None,
+          properties: dict[str, str]) -> _Case:
+    case = _Case(_clean(cell_id), _clean(classname), round(seconds, 3))
+    case.file = "models.yaml"
+    if properties:
+        props = Properties()
+        for k, v in properties.items():
+            props.add_property(Property(k, _clean(v)))
+        case.append(props)
+    kind = row(state).junit
+    if kind == "skipped":
+        case.result = [Skipped(_clean(f"{state}: {reason}", 1000))]
+    elif kind in _RESULTS:
+        result = _RESULTS[kind](_clean(reason, 1000), state)
+        if detail:
+            result.text = _clean(detail)
+        case.result = [result]
+    if properties:
+        case.system_out = _clean(f"verdict: {state}\n{reason}")
+    return case
+
+
+def _record_case(r) -> _Case:
+    state = state_of(r)
+    reason = r.verdict_reason or state
+    if row(state).junit == "error" and r.error is not None:
+        detail = f"{r.error.type}: {r.error.message}\n\n{r.error.log_tail}"
+    else:
+        detail = "\n".join(f"{c.name}: {c.detail}" for c in r.checks if not c.ok) or reason
+    props = {"verdict": state, "engine": r.engine, "engine_version": r.engine_info.version or "",
+             "platform": r.engine_info.platform or ""}
+    return _case(r.cell, f"{r.tier}.{r.model}.{r.scheme}", r.duration_s, state, reason, detail, props)
+
+
 def render(merged: Merged, *, matrix=None) -> str:
     tiers = {c.id: c.tier for c in matrix.cells()} if matrix is not None else {}
-    cases: dict[str, list[ET.Element]] = {}
-    stats: dict[str, dict[str, float]] = {}
-
-    def add(tier: str, case: ET.Element, kind: str, seconds: float) -> None:
-        cases.setdefault(tier, []).append(case)
-        s = stats.setdefault(tier, {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time": 0.0})
-        s["tests"] += 1
-        s["time"] += seconds
-        if kind:
-            s[kind] += 1
-
-    for cell_id, entry in sorted(merged.current.items()):
-        r = entry.record
-        state = state_of(r)
-        case = ET.Element("testcase", classname=_clean(f"{r.tier}.{r.model}.{r.scheme}"), name=_clean(r.cell),
-                          file="models.yaml", time=f"{r.duration_s:.3f}")
-        props = ET.SubElement(case, "properties")
-        for k, v in (("verdict", state), ("engine", r.engine), ("engine_version", r.engine_info.version or ""),
-                     ("platform", r.engine_info.platform or "")):
-            ET.SubElement(props, "property", name=k, value=_clean(v))
-        reason = _clean(r.verdict_reason or state)
-        kind = ""
-        if state in _FAILURE:
-            el = ET.SubElement(case, "failure", type=state, message=_clean(reason, 1000))
-            el.text = "\n".join(_clean(f"{c.name}: {c.detail}") for c in r.checks if not c.ok) or reason
-            kind = "failures"
-        elif state in _ERROR:
-            el = ET.SubElement(case, "error", type=state, message=_clean(reason, 1000))
-            if r.error is not None:
-                el.text = _clean(f"{r.error.type}: {r.error.message}\n\n{r.error.log_tail}")
-            kind = "errors"
-        elif state in _SKIPPED:
-            ET.SubElement(case, "skipped", message=_clean(f"{state}: {reason}", 1000))
-            kind = "skipped"
-        out = ET.SubElement(case, "system-out")
-        out.text = _clean(f"verdict: {state}\n{reason}")
-        add(r.tier, case, kind, r.duration_s)
-
+    cases: dict[str, list[_Case]] = {}
+    for _, entry in sorted(merged.current.items()):
+        cases.setdefault(entry.record.tier, []).append(_record_case(entry.record))
     for cell_id in merged.missing:
         model, scheme = _split(cell_id)
         tier = tiers.get(cell_id, "unknown")
-        case = ET.Element("testcase", classname=_clean(f"{tier}.{model}.{scheme}"), name=_clean(cell_id),
-                          file="models.yaml", time="0")
-        ET.SubElement(case, "error", type=MISSING,
-                      message="no result record came back for this expected cell (crash, timeout at the agent, "
-                              "lost agent or cancel)")
-        add(tier, case, "errors", 0.0)
-
-    root = ET.Element("testsuites", name="harness")
-    total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time": 0.0}
+        cases.setdefault(tier, []).append(_case(cell_id, f"{tier}.{model}.{scheme}", 0.0, MISSING, NO_RECORD, None, {}))
+    xml = JUnitXml("harness")
     for tier in sorted(cases):
-        s = stats[tier]
-        suite = ET.SubElement(root, "testsuite", name=f"harness {tier}", tests=str(int(s["tests"])),
-                              failures=str(int(s["failures"])), errors=str(int(s["errors"])),
-                              skipped=str(int(s["skipped"])), time=f"{s['time']:.3f}")
-        suite.extend(cases[tier])
-        for k in total:
-            total[k] += s[k]
-    for k in ("tests", "failures", "errors", "skipped"):
-        root.set(k, str(int(total[k])))
-    root.set("time", f"{total['time']:.3f}")
-    for p in merged.problems:
-        suite = root.find("testsuite[@name='harness unreadable']")
-        if suite is None:
-            suite = ET.SubElement(root, "testsuite", name="harness unreadable", tests="0", failures="0", errors="0",
-                                  skipped="0", time="0")
-        case = ET.SubElement(suite, "testcase", classname="unreadable", name=_clean(str(p.path)), time="0")
-        ET.SubElement(case, "error", type="unreadable-record", message=_clean(p.message, 1000))
-        for el in (suite, root):
-            el.set("tests", str(int(el.get("tests")) + 1))
-            el.set("errors", str(int(el.get("errors")) + 1))
-    ET.indent(root)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+        suite = TestSuite(f"harness {tier}")
+        suite.add_testcases(cases[tier])
+        xml.add_testsuite(suite)
+    if merged.problems:
+        suite = TestSuite("harness unreadable")
+        suite.add_testcases([_unreadable(p) for p in merged.problems])
+        xml.add_testsuite(suite)
+    xml.update_statistics()
+    buf = io.BytesIO()
+    xml.write(buf, pretty=True)
+    return buf.getvalue().decode("utf-8")
+
+
+def _unreadable(problem) -> TestCase:
+    case = TestCase(_clean(str(problem.path)), "unreadable", 0.0)
+    case.result = [Error(_clean(problem.message, 1000), "unreadable-record")]
+    return case

@@ -1,0 +1,135 @@
+"""Geometry of the report's inline SVG charts; templates/charts.svg.j2 draws them.
+
+Each function returns plain data (coordinates, classes, titles), never markup: the template
+escapes every string it is given.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    """A number for the page: 3 significant digits, "–" for None, NaN and ±∞ spelled out."""
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "NaN"
+        if math.isinf(x):
+            return "∞" if x > 0 else "-∞"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def numbers(values: Any) -> list[float | None] | None:
+    """A list of numbers from untrusted check data (anything else becomes None)."""
+    if not isinstance(values, list):
+        return None
+    return [v if isinstance(v, (int, float)) and not isinstance(v, bool) else None for v in values]
+
+
+class _LogScale:
+    def __init__(self, values: Sequence[float | None], bound: float | None, top: float, height: float):
+        finite = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+        self.lo = 1e-8
+        self.hi = max([1.0, (bound or 0) * 10, *(v * 2 for v in finite)])
+        self.top, self.height = top, height
+
+    def __call__(self, v: float) -> float:
+        v = min(max(v, self.lo), self.hi)
+        span = math.log10(self.hi) - math.log10(self.lo)
+        return self.top + self.height - (math.log10(v) - math.log10(self.lo)) / span * self.height
+
+
+def delta(values: Sequence[float | None], *, topk: Sequence[float | None] | None = None, bound: float | None = None,
+          prompt_len: int | None = None, judged: Sequence[Any] | None = None,
+          noise_bound: Sequence[float | None] | None = None, onset: dict | None = None, caption: str = "") -> dict:
+    """|Δlogprob| per position on a log scale: a bar per scored position (red above the bound;
+    lighter where the noise-derived bound judged it instead of the family's), a dot for the shared
+    top-k, the family bound dashed, the noise bound as a tick over each position it judged, the
+    prompt/generated boundary and the onset. ``values[i]`` scores position i + 1."""
+    n = len(values)
+    w, h, left, right, top, bottom = 640, 160, 46, 58, 12, 30
+    pw, ph = w - left - right, h - top - bottom
+    y = _LogScale([*values, *(topk or []), *(noise_bound or [])], bound, top, ph)
+    band = pw / max(n, 1)
+    chart: dict[str, Any] = {"w": w, "h": h, "left": left, "top": top, "pw": pw, "ph": ph, "caption": caption,
+                             "bars": [], "dots": [], "noise": [], "bound": None, "split": None, "onset": None}
+    chart["grid"] = [{"y": y(10.0 ** e), "label": f"1e{e}"}
+                     for e in range(int(math.floor(math.log10(y.lo))), int(math.floor(math.log10(y.hi))) + 1) if not e % 2]
+    if prompt_len is not None and 0 < prompt_len - 1 < n:
+        chart["split"] = left + (prompt_len - 1) * band  # positions >= prompt_len are generated tokens
+    for i, v in enumerate(values):
+        noise = _judged(judged, i) == "noise"
+        limit = (noise_bound[i] if noise_bound and i < len(noise_bound) else None) if noise else bound
+        chart["bars"].append(_bar(i, v, y, limit, noise, band, left, top, ph))
+    for i, v in enumerate(topk or []):
+        if v is not None and math.isfinite(v) and v > 0:
+            chart["dots"].append({"x": left + i * band + band / 2, "y": y(v),
+                                  "title": f"position {i + 1}: shared top-k max |Δ| {fmt(v)}"})
+    for i, nb in enumerate(noise_bound or []):
+        if nb is not None and math.isfinite(nb) and nb > 0 and _judged(judged, i) == "noise":
+            chart["noise"].append({"x1": left + i * band, "x2": left + (i + 1) * band, "y": y(nb),
+                                   "title": f"position {i + 1}: noise bound {fmt(nb)}"})
+    if bound:
+        chart["bound"] = {"y": y(bound), "label": fmt(bound)}
+    if isinstance(onset, dict) and isinstance(onset.get("position"), int) and 0 < onset["position"] <= n:
+        chart["onset"] = {"x": left + (onset["position"] - 1) * band + band / 2, "position": onset["position"]}
+    step = max(1, math.ceil(n / 12))
+    chart["xticks"] = [{"x": left + i * band + band / 2, "label": i + 1} for i in range(0, n, step)]
+    return chart
+
+
+def _judged(judged: Sequence[Any] | None, i: int) -> str | None:
+    return judged[i] if isinstance(judged, list) and i < len(judged) and isinstance(judged[i], str) else None
+
+
+def _bar(i: int, v: float | None, y: _LogScale, limit: float | None, by_noise: bool, band: float, left: float,
+         top: float, ph: float) -> dict:
+    """One position's bar; ``limit``: the bound that judged it (the noise-derived one when ``by_noise``)."""
+    pos, x0, bw = i + 1, left + i * band + band * 0.15, max(band * 0.7, 1.0)
+    if v is None or not math.isfinite(v):
+        return {"x": x0, "y": top, "w": bw, "h": ph, "cls": "bar inf", "title": f"position {pos}: |Δ| not finite"}
+    over = limit is not None and v > limit
+    yy = y(v) if v > 0 else top + ph - 1
+    which = "noise-derived bound" if by_noise else "bound"
+    title = f"position {pos}: |Δlogprob| {fmt(v)}" + (f" (judged by the noise-derived bound {fmt(limit)})" if by_noise else "")
+    if over:
+        title += f" (above the {which})"
+    cls = "bar" + (" noise" if by_noise else "") + (" over" if over else "")
+    return {"x": x0, "y": yy, "w": bw, "h": top + ph - yy, "cls": cls, "title": title}
+
+
+def load_bars(seconds: float, baseline: float | None, ratio: float | None, bound: float | None) -> dict:
+    """This run's load time against the baseline's, as two horizontal bars."""
+    w, left, bar_h = 420, 90, 16
+    rows = [("this run", seconds)] + ([("baseline", baseline)] if baseline is not None else [])
+    top = max(v for _, v in rows) or 1.0
+    bars = []
+    for i, (name, v) in enumerate(rows):
+        cls = "lt-run" if i == 0 else "lt-base"
+        if i == 0 and ratio is not None and bound is not None and ratio > bound:
+            cls += " over"
+        bars.append({"name": name, "y": 6 + i * (bar_h + 8), "w": max((w - left - 80) * (v / top), 1),
+                     "cls": cls, "label": f"{fmt(v)} s"})
+    return {"w": w, "h": 12 + len(rows) * (bar_h + 8), "left": left, "bar_h": bar_h, "bars": bars}
+
+
+def trend(points: Sequence[tuple[str, float, str, str]]) -> dict | None:
+    """Load time across result sets: (result set, seconds, state, started_at) per point, oldest first."""
+    if len(points) < 2:
+        return None
+    w, h, left, right, top, bottom = 460, 120, 50, 50, 12, 34
+    pw, ph = w - left - right, h - top - bottom
+    hi = max(v for _, v, _, _ in points) * 1.15 or 1.0
+    step = pw / (len(points) - 1)
+    pts = []
+    for i, (source, v, state, started) in enumerate(points):
+        name = source.rstrip("/").rsplit("/", 1)[-1] or source
+        pts.append({"x": left + i * step, "y": top + ph - v / hi * ph, "state": state, "seconds": fmt(v, 2),
+                    "label": name if len(name) <= 14 else "…" + name[-13:],
+                    "title": f"{source}: {fmt(v)} s, {state}, {started}"})
+    return {"w": w, "h": h, "left": left, "top": top, "pw": pw, "ph": ph, "hi": fmt(hi, 2), "points": pts,
+            "polyline": " ".join(f"{p['x']:.1f},{p['y']:.1f}" for p in pts)}

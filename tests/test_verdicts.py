@@ -1,0 +1,105 @@
+"""The verdict table (harness.verdicts) and every output that follows it: `harness run`'s exit
+status, `harness report --strict`, the pytest plugin, JUnit XML, the Buildkite annotation and the
+HTML report agree with it for every verdict (and the report's state "missing")."""
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
+
+import pytest
+import report_scenario as rs
+from _pytest.outcomes import Failed, Skipped, XFailed
+
+from harness import baselines as B
+from harness import records as R
+from harness import verdicts as V
+from harness.pytest_plugin import check
+from harness.report import annotation_style, write_reports
+from harness.runner import CellResult, summary_text
+
+T = datetime(2026, 1, 2, tzinfo=timezone.utc)
+CELL_OF = {kind: cid for cid, kind in rs.ALL_KINDS.items()}
+
+
+def test_the_table_is_the_one_list_of_verdicts():
+    assert R.VERDICTS == V.VERDICTS and set(V.ROWS) == {*V.VERDICTS, V.MISSING}
+    assert [r.verdict for r in V.ROWS.values()].count(False) == 1 and not V.ROWS[V.MISSING].verdict
+    assert sorted(r.severity for r in V.ROWS.values()) == list(range(len(V.ROWS)))  # a strict order
+    assert V.SEVERITY[0] == "error" and V.SEVERITY[-1] == "pass"
+    # the baselines module refuses and writes obtained files exactly as the table says
+    assert B.REFUSED_VERDICTS == V.REFUSED_BASELINE == {"failed", "error", "unsupported", "waived"}
+    assert B.OBTAINED_VERDICTS == V.WRITES_OBTAINED
+
+
+def test_the_policy():
+    """A missing or stale baseline and an unexpected pass cannot pass CI, and neither can anything wrong."""
+    assert V.FAILING == {"regressed", "failed", "error", "unexpected-pass", "stale-baseline", "missing-baseline",
+                         V.MISSING}
+    for name, row in V.ROWS.items():
+        assert row.fails_run == (row.junit in ("failure", "error")), name
+        assert row.pytest is None or row.fails_run == (row.pytest == "failed"), name
+        assert not (row.fails_run and row.annotation in ("success", "info")), name
+    assert V.pytest_outcome("unsupported") == "skipped" and V.pytest_outcome("unsupported", known_failure=True) == "xfailed"
+    assert V.pytest_outcome("waived") == "xfailed" and V.pytest_outcome("no-such-verdict") == "failed"
+
+
+def test_summary_and_exit_code():
+    s = V.summarize(["pass", "pass", "unsupported", "waived", "improved"])
+    assert s.counts["pass"] == 2 and s.total == 5 and s.exit_code == 0
+    assert list(s.counts) == list(R.VERDICTS)
+    for bad in ("regressed", "failed", "error", "stale-baseline", "missing-baseline", "unexpected-pass"):
+        assert V.summarize(["pass", bad]).exit_code == 1
+    assert V.summarize([rs.build("llama.unquantized.reference", "pass", started=T), None]).counts["error"] == 1
+    assert V.summarize([R.Record.model_construct(verdict=None)]).counts["error"] == 1  # never judged counts as error
+    assert "pass" in s.table() and "total" in s.table()
+    assert V.exit_code_for(["pass"]) == 0 and V.exit_code_for({"failed": 1}) == 1 and V.exit_code_for({"waived": 3}) == 0
+
+
+def _pytest_outcome(result: CellResult) -> str:
+    try:
+        check(result)
+    except XFailed:  # a subclass of Failed
+        return "xfailed"
+    except Failed:
+        return "failed"
+    except Skipped:
+        return "skipped"
+    return "passed"
+
+
+@pytest.mark.parametrize("verdict", V.VERDICTS)
+def test_every_output_follows_the_table(verdict, tmp_path):
+    row = V.ROWS[verdict]
+    cid = CELL_OF[verdict]
+    rec = rs.build(cid, verdict, started=T)
+    assert rec.verdict == verdict
+    result = CellResult(rs.CELLS[cid], rec)
+    # harness run's exit status, and the pytest plugin's outcome
+    assert summary_text([result])[1] == int(row.fails_run)
+    assert _pytest_outcome(result) == V.pytest_outcome(verdict, rec.known_failure is not None)
+    assert (_pytest_outcome(result) == "failed") == row.fails_run
+    # harness report: --strict, JUnit, the annotation, the HTML page
+    R.save(tmp_path / "results" / f"{cid}.json", rec)
+    w = write_reports([tmp_path / "results"], tmp_path / "out", matrix=rs.MATRIX)
+    assert w.bad == row.fails_run
+    (case,) = ET.parse(w.junit).getroot().iter("testcase")
+    kind = next((ch.tag for ch in case if ch.tag in ("failure", "error", "skipped")), "passed")
+    assert kind == row.junit and (kind in ("failure", "error")) == row.fails_run
+    assert w.style == annotation_style([verdict]) == row.annotation
+    text = w.annotation.read_text()
+    assert f"{row.emoji} {verdict} **1**" in text
+    assert ("**Needs attention**" in text) == V.needs_attention(verdict)
+    page = w.html.read_text()
+    assert f".v-{verdict}{{background:{row.colour};color:{row.text};" in page
+    assert f'data-verdict="{verdict}" title="{row.meaning}">{verdict}<span class="n">1</span>' in page
+    assert (f"<code>{cid}</code> <span class=\"why\">" in page) == V.needs_attention(verdict)
+
+
+def test_a_missing_cell_follows_the_table(tmp_path):
+    row = V.ROWS[V.MISSING]
+    (tmp_path / "results").mkdir()
+    w = write_reports([tmp_path / "results"], tmp_path / "out", expected=[rs.MISSING_CELL], matrix=rs.MATRIX)
+    assert w.bad and w.style == row.annotation == "error"
+    (case,) = ET.parse(w.junit).getroot().iter("testcase")
+    assert [ch.tag for ch in case if ch.tag in ("failure", "error", "skipped")] == [row.junit]
+    assert f"{row.emoji} `{rs.MISSING_CELL}` **missing**" in w.annotation.read_text()
