@@ -214,3 +214,13 @@ def with_noise_judgement(record: Record, onset_position: int = 9) -> Record:
                                               "family_share": share}})
         checks.append(c)
     return record.model_copy(update={"checks": checks})
+
+
+NOISE_KEYS = ("judged", "onsets", "noise_bound", "family_share")
+
+
+def without_noise_judgement(record: Record) -> Record:
+    """The record as a harness without the noise-aware comparison wrote it."""
+    checks = [c.model_copy(update={"data": {k: v for k, v in c.data.items() if k not in NOISE_KEYS}}) if c.data else c
+              for c in record.checks]
+    return record.model_copy(update={"checks": checks})

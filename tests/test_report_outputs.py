@@ -220,7 +220,7 @@ def test_noise_judgement_and_onset_are_shown(tmp_path):
     assert ("onset at position 9: quantizer model.layers.3.mlp.down_proj, value 0.0123, distance 4.5, "
             "noise 0.0021") in page
     # an older record without any of it renders as before
-    save(tmp_path / "old" / f"{cid}.json", rs.build(cid, "pass", started=T1))
+    save(tmp_path / "old" / f"{cid}.json", rs.without_noise_judgement(rs.build(cid, "pass", started=T1)))
     old = write_reports([tmp_path / "old"], tmp_path / "out2", matrix=rs.MATRIX).html.read_text()
     assert "family bound protects" not in old and 'class="bar noise"' not in old and 'class="onset"' not in old
 

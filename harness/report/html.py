@@ -30,7 +30,7 @@ from harness.matrix import TIERS
 from harness.records import Record
 from harness.report import charts, counts_of, state_of
 from harness.report.merge import Entry, Merged
-from harness.verdicts import MISSING, ROWS, SEVERITY, STATES, needs_attention, worst
+from harness.verdicts import ROWS, SEVERITY, STATES, needs_attention, worst
 
 LOG_LINES = 60  # lines of an engine log shown
 MAX_PROMPTS = 6  # charts per check
@@ -89,9 +89,12 @@ def _orders(matrix, slots: Sequence[_Slot]) -> tuple[list[str], list[str], list[
 # -------------------------------------------------------------------------------------- details
 
 
-def _against(name: str) -> tuple[str, str]:
-    kind, _, against = name.partition(":")
-    return kind, against
+def _checks_of(rec: Record, kind: str):
+    """(check, against) for each check of ``kind`` that carries data, e.g. ``teacher-forced:baseline``."""
+    for c in rec.checks:
+        k, _, against = c.name.partition(":")
+        if k == kind and c.data:
+            yield c, against
 
 
 def _family_share(rec: Record) -> float | None:
@@ -108,10 +111,7 @@ def _dict(data: dict, key: str) -> dict:
 
 def _teacher_forced(rec: Record) -> list[dict]:
     out = []
-    for c in rec.checks:
-        kind, against = _against(c.name)
-        if kind != "teacher-forced" or not c.data:
-            continue
+    for c, against in _checks_of(rec, "teacher-forced"):
         per, bound = _dict(c.data, "per_position"), _dict(c.data, "bound").get("logprob")
         bound = bound if isinstance(bound, (int, float)) else None
         figures = []
@@ -143,10 +143,7 @@ def _figure(data: dict, prompt: str, values: list, bound: float | None, against:
 
 def _greedy(rec: Record) -> list[dict]:
     out = []
-    for c in rec.checks:
-        kind, against = _against(c.name)
-        if kind != "greedy" or not c.data:
-            continue
+    for c, against in _checks_of(rec, "greedy"):
         divs = [d for d in (c.data.get("divergences") or []) if isinstance(d, dict)]
         item: dict[str, Any] = {"against": against, "ok": c.ok, "detail": c.detail, "divergence": None}
         if divs:
@@ -327,5 +324,5 @@ def render(merged: Merged, *, matrix=None, title: str | None = None, now: dateti
         worst=worst(s.state for s in slots) or "unsupported",
         summary=", ".join(f"{n} {s}" for s, n in bad) or ("all pass" if slots else "no cells"),
         states=STATES, rows=ROWS, counts=counts, tiers=tiers, attention=_attention(slots, ids),
-        problems=merged.problems, notes=merged.notes, missing=MISSING,
+        problems=merged.problems, notes=merged.notes,
     )
