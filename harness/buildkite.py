@@ -119,7 +119,7 @@ DOCKER_PLUGIN = "docker#v5.12.0"
 VENV = ".venv-buildkite"
 PIP = ("python3", "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off")
 # What the harness itself imports beyond an engine image's own packages (pytest: -k expressions).
-HARNESS_RUNTIME = ("pydantic>=2", "pyyaml", "packaging", "filelock", "pytest")
+HARNESS_RUNTIME = ("pydantic>=2", "pyyaml", "packaging", "filelock", "pytest", "jinja2", "junitparser")
 # Secrets and caches an agent may provide, passed into containers by name (never by value).
 PASS_THROUGH_ENV = ("HF_TOKEN", "HF_HOME")
 

@@ -472,7 +472,8 @@ def test_harness_cli_pipeline_subcommand(capsys):
 
 def test_report_and_pipeline_need_only_the_light_runtime():
     """The bootstrap and report steps install only bk.HARNESS_RUNTIME (pydantic, pyyaml,
-    packaging, filelock, pytest), never torch: what they import must come from those."""
+    packaging, filelock, pytest, jinja2 for the HTML report, junitparser for JUnit), never torch:
+    what they import must come from those."""
     code = ("import sys, harness.report, harness.report.html, harness.report.junit, harness.report.annotation, "
             "harness.report.merge, harness.buildkite\n"
             "from harness.matrix import load, select\n"
@@ -480,7 +481,8 @@ def test_report_and_pipeline_need_only_the_light_runtime():
             "print(' '.join(sorted({n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
     allowed = {"harness", "pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection",
-               "yaml", "packaging", "filelock", "pytest", "pluggy", "iniconfig", "py", "pygments", "cython_runtime"}
+               "yaml", "packaging", "filelock", "pytest", "pluggy", "iniconfig", "py", "pygments", "cython_runtime",
+               "jinja2", "markupsafe", "junitparser"}
     assert {m for m in out if not m.startswith("_")} <= allowed
     constraints = (ROOT / "constraints.txt").read_text().lower()
     for req in bk.HARNESS_RUNTIME:
