@@ -10,6 +10,7 @@ from harness import baselines as B
 from harness import compare as C
 from harness import matrix as M
 from harness import records as R
+from harness import verdicts as V
 
 ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = M.Bounds(logprob=1e-3, topk=1e-3, load_time=1.5)
@@ -48,9 +49,9 @@ def test_new_baseline_is_reviewable_text_and_reads_back(tmp_path):
     assert '        {"pos": 2, "token": 3, "logprob": -2.0, "topk": [[3, -2.0], [9, -3.0]]},' in lines
     assert '        {"step": 1, "token": 6, "topk": [[6, -0.1], [7, -2.0]]}' in lines
     data = json.loads(text)
-    assert list(data) == ["schema_version", "cell", "tier", "provenance", "fixture", "source", "load", "sequences"]
+    assert list(data) == ["schema_version", "cell", "tier", "provenance", "fixture", "source", "load", "noise", "sequences"]
     assert data["provenance"] == {"engine": "transformers", "engine_version": "5.19.0", "environment": "core",
-                                  "torch": "2.13.0+cpu", "platform": "cpu-x86_64-avx2",
+                                  "torch": "2.13.0+cpu", "platform": "cpu-x86_64-avx2", "cpu": None,
                                   "date": "2026-01-02T03:04:05Z", "commit": "abc"}
     assert data["fixture"] == {"name": "whisper-bnb-nf4", "identity": "1d"}
     b = B.read(tmp_path, TIER, CELL)
@@ -197,7 +198,7 @@ def test_hand_altered_baseline_file_makes_the_cell_regressed(tmp_path):
     path.write_text(altered)
     j = C.verdict(record(verdict=None), B.read(tmp_path, TIER, CELL), bounds=BOUNDS)
     assert j.verdict == "regressed" and "position 2" in j.reason
-    assert C.summarize([j.verdict]).exit_code == 1
+    assert V.summarize([j.verdict]).exit_code == 1
 
 
 def test_corrupt_or_foreign_baseline_is_a_clear_error(tmp_path):
