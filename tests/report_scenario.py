@@ -196,10 +196,11 @@ CPU = {"vendor": "GenuineIntel", "model": "Intel(R) Xeon(R) Platinum 8488C", "fl
        "capability": "avx512"}
 
 
-def with_noise_judgement(record: Record, onset_position: int = 9) -> Record:
+def with_noise_judgement(record: Record, onset_index: int = 8) -> Record:
     """The record with what the noise-aware comparison adds to its teacher-forced:baseline check:
     which bound judged each position, the noise bound there, each prompt's onset and the share of
-    positions the family bound judged."""
+    positions the family bound judged. The onset, like ``judged``, is a logprob index (shown as
+    position index + 1)."""
     checks = []
     for c in record.checks:
         if c.name == "teacher-forced:baseline" and c.data:
@@ -207,7 +208,7 @@ def with_noise_judgement(record: Record, onset_position: int = 9) -> Record:
             judged = {p: ["noise" if i % 4 == 3 else "family" for i in range(len(v))] for p, v in per.items()}
             noise = {p: [2e-3 if j == "noise" else None for j in js] for p, js in judged.items()}
             onsets = {p: None for p in per}
-            onsets[next(iter(per))] = {"position": onset_position, "quantizer": "model.layers.3.mlp.down_proj",
+            onsets[next(iter(per))] = {"position": onset_index, "quantizer": "model.layers.3.mlp.down_proj",
                                        "value": 0.0123, "distance": 4.5, "noise": 0.0021}
             share = sum(j == "family" for js in judged.values() for j in js) / sum(len(js) for js in judged.values())
             c = c.model_copy(update={"data": {**c.data, "judged": judged, "noise_bound": noise, "onsets": onsets,

@@ -49,7 +49,8 @@ def delta(values: Sequence[float | None], *, topk: Sequence[float | None] | None
     """|Δlogprob| per position on a log scale: a bar per scored position (red above the bound;
     lighter where the noise-derived bound judged it instead of the family's), a dot for the shared
     top-k, the family bound dashed, the noise bound as a tick over each position it judged, the
-    prompt/generated boundary and the onset. ``values[i]`` scores position i + 1."""
+    prompt/generated boundary and the onset. ``values[i]`` scores position i + 1; ``judged``,
+    ``noise_bound`` and the onset's ``position`` index the same way (i)."""
     n = len(values)
     w, h, left, right, top, bottom = 640, 160, 46, 58, 12, 30
     pw, ph = w - left - right, h - top - bottom
@@ -75,8 +76,9 @@ def delta(values: Sequence[float | None], *, topk: Sequence[float | None] | None
                                    "title": f"position {i + 1}: noise bound {fmt(nb)}"})
     if bound:
         chart["bound"] = {"y": y(bound), "label": fmt(bound)}
-    if isinstance(onset, dict) and isinstance(onset.get("position"), int) and 0 < onset["position"] <= n:
-        chart["onset"] = {"x": left + (onset["position"] - 1) * band + band / 2, "position": onset["position"]}
+    at = onset.get("position") if isinstance(onset, dict) else None
+    if isinstance(at, int) and 0 <= at < n:
+        chart["onset"] = {"x": left + at * band + band / 2, "position": at + 1}
     step = max(1, math.ceil(n / 12))
     chart["xticks"] = [{"x": left + i * band + band / 2, "label": i + 1} for i in range(0, n, step)]
     return chart
