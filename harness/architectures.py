@@ -20,7 +20,7 @@ docs/design.md for why each kind of knowledge has one home.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 Pairs = tuple[tuple[str, str], ...]
@@ -98,7 +98,7 @@ class Architecture:
     vllm_substring_renames: Pairs = ()
     vllm_needs: tuple[str, ...] = ()  # Python modules vLLM needs for it beyond its own requirements
     vllm_sources: tuple[str, ...] = ()  # module stems under vllm/model_executor/models/
-    transformers_sources: tuple[str, ...] = field(default=())  # dirs under src/transformers/models/
+    transformers_sources: tuple[str, ...] = ()  # dirs under src/transformers/models/
 
 
 _QKV = ["q_proj", "k_proj", "v_proj"]
