@@ -124,8 +124,7 @@ class ErrorInfo(_Strict):
 
 class LoadInfo(_Strict):
     """``seconds``: the load time (median of ``samples`` when repeated). ``phases``: named phase
-    timings; the reserved phase ``calibration`` is an in-run calibration number (not part of
-    ``seconds``) that load-time ratios are normalised by."""
+    timings (the engine's own: read, decode, fuse, ...)."""
 
     seconds: float = Field(ge=0)
     phases: dict[str, float] = {}
