@@ -19,13 +19,17 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from harness import verdicts
+from harness.noise import Noise, NoiseError
 from harness.records import (
+    CpuInfo,
     FixtureRef,
     Greedy,
     LoadInfo,
@@ -41,10 +45,6 @@ from harness.records import (
 
 BASELINE_VERSION = 1
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent / "baselines"
-# Verdicts whose record must never become a baseline.
-REFUSED_VERDICTS = frozenset({"failed", "error", "unsupported", "waived"})
-# Verdicts after which the obtained result is written beside the baseline (when not updating).
-OBTAINED_VERDICTS = frozenset({"regressed", "improved", "waived", "stale-baseline", "missing-baseline", "failed"})
 
 
 class BaselineError(Exception):
@@ -65,6 +65,7 @@ class Provenance(_Strict):
     environment: str | None = None
     torch: str | None = None
     platform: str
+    cpu: CpuInfo | None = None  # the kernels' CPU; None for baselines from before it was recorded
     date: str  # when the recorded run started (ISO 8601 UTC)
     commit: str | None = None  # git rev-parse HEAD of the harness checkout, when available
 
@@ -136,6 +137,7 @@ class Baseline(_Strict):
     fixture: FixtureRef | None = None
     source: SourceRef | None = None
     load: LoadInfo | None = None
+    noise: Noise | None = None  # measured when the baseline was written (harness.noise)
     sequences: list[BaselineSequence]
 
     def record_sequences(self) -> list[SequenceResult]:
@@ -156,6 +158,7 @@ class Baseline(_Strict):
                 environment=info.environment,
                 torch=info.torch,
                 platform=info.platform,
+                cpu=info.cpu,
                 date=record.started_at,
                 commit=commit,
             ),
@@ -328,7 +331,22 @@ def describe_changes(old: Baseline | None, new: Baseline) -> tuple[list[str], bo
     return msgs, material
 
 
-def update(root: str | Path, record: Record, verdict: str | None = None, *, commit: str | None = None) -> Change:
+def refusal_of(record: Record, verdict: str | None = None) -> str | None:
+    """Why ``record`` (judged ``verdict``, by default its own) must not become a baseline; None when it may."""
+    verdict = verdict if verdict is not None else record.verdict
+    if verdict is None:
+        return f"{record.cell}: refusing to update the baseline of a record that was never compared (no verdict)"
+    if verdict in verdicts.REFUSED_BASELINE:
+        why = record.verdict_reason or (record.error.message if record.error else "")
+        return (f"{record.cell}: refusing to update the baseline: verdict is {verdict}" + (f" ({why})" if why else "")
+                + "; fix the cell (or record a known failure) first")
+    if record.status != "ok":
+        return f"{record.cell}: refusing to update the baseline: status is {record.status}, nothing to store"
+    return None
+
+
+def update(root: str | Path, record: Record, verdict: str | None = None, *, commit: str | None = None,
+           noise: Noise | None = None) -> Change:
     """Store ``record`` as its cell's baseline and return what changed.
 
     ``verdict`` defaults to ``record.verdict``; a record that was never judged, or whose verdict
@@ -336,16 +354,9 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
     changed (only the date, commit or load time) and the verdict is not about load time, the
     file is left untouched and the change is ``unchanged``. Any obtained file is removed."""
     verdict = verdict if verdict is not None else record.verdict
-    if verdict is None:
-        raise BaselineRefused(f"{record.cell}: refusing to update the baseline of a record that was never compared (no verdict)")
-    if verdict in REFUSED_VERDICTS:
-        why = record.verdict_reason or (record.error.message if record.error else "")
-        raise BaselineRefused(
-            f"{record.cell}: refusing to update the baseline: verdict is {verdict}" + (f" ({why})" if why else "")
-            + "; fix the cell (or record a known failure) first"
-        )
-    if record.status != "ok":
-        raise BaselineRefused(f"{record.cell}: refusing to update the baseline: status is {record.status}, nothing to store")
+    refusal = refusal_of(record, verdict)
+    if refusal:
+        raise BaselineRefused(refusal)
     path = path_for(root, record.tier, record.cell)
     try:
         old = read(root, record.tier, record.cell)
@@ -355,7 +366,11 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
     else:
         unreadable = None
     new = Baseline.from_record(record, commit=commit if commit is not None else git_commit())
+    new.noise = noise
     messages, material = describe_changes(old, new)
+    if old is not None and old.noise != noise:
+        messages.append("measured noise recorded" if old.noise is None else "measured noise changed")
+        material = True
     if unreadable:
         messages.insert(0, f"old baseline unreadable, replaced: {unreadable}")
         material = True
@@ -377,19 +392,32 @@ def clear_obtained(root: str | Path, tier: str, cell_id: str) -> None:
     obtained_path_for(root, tier, cell_id).unlink(missing_ok=True)
 
 
-def handle(root: str | Path, record: Record, *, update_baselines: bool = False) -> Outcome:
+def handle(root: str | Path, record: Record, *, update_baselines: bool = False,
+           measure_noise: Callable[[Record], Noise | None] | None = None) -> Outcome:
     """The step after a verdict, for the CLI and the pytest plugin: with ``update_baselines``,
-    update (a refusal is returned, not raised); otherwise write the obtained file when the
-    record is ok and its verdict is a mismatch, and clear a stale obtained file on pass."""
+    update (a refusal is returned, not raised), with the noise ``measure_noise`` gives for the
+    record; otherwise write the obtained file when the record is ok and its verdict is a
+    mismatch, and clear a stale obtained file on pass."""
     if update_baselines:
         try:
-            return Outcome(change=update(root, record))
+            refusal = refusal_of(record)
+            if refusal:
+                raise BaselineRefused(refusal)
+            noise, problem = None, None
+            try:
+                noise = measure_noise(record) if measure_noise else None
+            except NoiseError as e:
+                problem = f"noise not measured, so another CPU is judged by the family bound alone: {e}"
+            change = update(root, record, noise=noise)
+            if problem:
+                change.messages.append(problem)
+            return Outcome(change=change)
         except BaselineRefused as e:
             out = Outcome(refused=str(e))
             if record.status == "ok":
                 out.obtained = write_obtained(root, record)
             return out
-    if record.status == "ok" and record.verdict in OBTAINED_VERDICTS:
+    if record.status == "ok" and record.verdict in verdicts.WRITES_OBTAINED:
         return Outcome(obtained=write_obtained(root, record))
     if record.verdict == "pass":
         clear_obtained(root, record.tier, record.cell)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform as _platform
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from harness.cpu import platform as cpu_platform  # noqa: F401  (the engines' platform string)
 from harness.verdicts import VERDICTS
 
 if TYPE_CHECKING:
@@ -108,12 +108,22 @@ class SourceRef(_Strict):
     path: str | None = None
 
 
+class CpuInfo(_Strict):
+    """The CPU a result was computed on (harness.cpu.describe): what selects its kernels."""
+
+    vendor: str
+    model: str
+    flags: list[str]
+    capability: str | None = None  # torch's effective ATEN CPU capability: default, avx2, avx512
+
+
 class EngineInfo(_Strict):
     name: EngineName
     version: str | None = None
     environment: str | None = None
     torch: str | None = None
     platform: str | None = None  # "cpu-x86_64-avx2", "cuda-sm90"
+    cpu: CpuInfo | None = None
 
 
 class ErrorInfo(_Strict):
@@ -343,32 +353,6 @@ def atomic_write_text(path: Path, text: str) -> None:
 def utc_now() -> str:
     """Now, ISO 8601 UTC with a Z, to the millisecond."""
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def cpu_platform() -> str:
-    """``cpu-<arch>-<widest vector ISA>``, e.g. ``cpu-x86_64-avx2``, from /proc/cpuinfo where present."""
-    arch = _platform.machine().lower() or "unknown"
-    isa = None
-    try:
-        flags: set[str] = set()
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-        if "amx_tile" in flags:
-            isa = "amx"
-        elif "avx512f" in flags:
-            isa = "avx512"
-        elif "avx2" in flags:
-            isa = "avx2"
-        elif "sve" in flags:
-            isa = "sve"
-        elif "asimd" in flags:
-            isa = "neon"
-    except OSError:
-        pass
-    return f"cpu-{arch}-{isa}" if isa else f"cpu-{arch}"
 
 
 def cuda_platform(major: int, minor: int) -> str:

@@ -29,6 +29,7 @@ from filelock import FileLock
 
 from harness import baselines as B
 from harness import compare as C
+from harness import noise
 from harness import records as R
 from harness import supervise, verdicts
 from harness.engines.base import fuses_shards
@@ -186,7 +187,8 @@ class Runner:
             return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", checks).apply(record))
         j = self._judge(cell, record, baseline, raws)
         result = CellResult(cell, j.apply(record))
-        outcome = B.handle(self.baselines_root, result.record, update_baselines=self.update_baselines)
+        outcome = B.handle(self.baselines_root, result.record, update_baselines=self.update_baselines,
+                           measure_noise=noise.for_cell(cell))
         result.outcome = outcome
         if outcome.refused:
             result.messages.append(f"baseline refused: {outcome.refused}")

@@ -49,9 +49,9 @@ def test_new_baseline_is_reviewable_text_and_reads_back(tmp_path):
     assert '        {"pos": 2, "token": 3, "logprob": -2.0, "topk": [[3, -2.0], [9, -3.0]]},' in lines
     assert '        {"step": 1, "token": 6, "topk": [[6, -0.1], [7, -2.0]]}' in lines
     data = json.loads(text)
-    assert list(data) == ["schema_version", "cell", "tier", "provenance", "fixture", "source", "load", "sequences"]
+    assert list(data) == ["schema_version", "cell", "tier", "provenance", "fixture", "source", "load", "noise", "sequences"]
     assert data["provenance"] == {"engine": "transformers", "engine_version": "5.19.0", "environment": "core",
-                                  "torch": "2.13.0+cpu", "platform": "cpu-x86_64-avx2",
+                                  "torch": "2.13.0+cpu", "platform": "cpu-x86_64-avx2", "cpu": None,
                                   "date": "2026-01-02T03:04:05Z", "commit": "abc"}
     assert data["fixture"] == {"name": "whisper-bnb-nf4", "identity": "1d"}
     b = B.read(tmp_path, TIER, CELL)

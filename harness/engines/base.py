@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from harness import cpu
 from harness import records as R
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class Engine(abc.ABC):
 
     def info(self) -> R.EngineInfo:
         return R.EngineInfo(name=self.name, version=self.version(), environment=self.cell.environment,
-                            torch=self.torch_version(), platform=self.platform())
+                            torch=self.torch_version(), platform=self.platform(), cpu=R.CpuInfo(**cpu.describe()))
 
     # ---- the five steps ------------------------------------------------------------------
     def probe(self, checkpoint: Checkpoint) -> str | None:

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import architectures
+from harness import architectures, cpu
 from harness import records as R
 from harness.dialects.names import to_vllm
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem
@@ -115,17 +115,6 @@ def installed_version() -> str:
     import vllm
 
     return vllm.__version__
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def bind_core() -> str:
@@ -327,7 +316,7 @@ class VllmEngine(Engine):
         on_cpu = not torch.cuda.is_available()
         qc = checkpoint.quantization_config or {}
         method = qc.get("quant_method")
-        flags = cpu_flags()
+        flags = cpu.flags()
         if method == "bitsandbytes":
             import importlib.util
 

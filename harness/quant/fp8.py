@@ -115,9 +115,18 @@ def decode(src: TensorSource, weight: str) -> Decoded:
 # numerics
 
 
+# A function every scaled activation passes through before rounding, or None. harness.noise sets
+# it to find activations that lie within kernel noise of a rounding boundary, and to simulate
+# another CPU's kernels (docs/design.md, "Portability across CPUs").
+scaled_observer = None
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """float8_e4m3fn codes of x / scale: round to nearest even, saturating at +-448."""
-    return torch.clamp(x / scale, -FP8_MAX, FP8_MAX).to(FP8)
+    scaled = x / scale
+    if scaled_observer is not None:
+        scaled = scaled_observer(scaled)
+    return torch.clamp(scaled, -FP8_MAX, FP8_MAX).to(FP8)
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""The CPU this process runs on: the one reader of /proc/cpuinfo.
+
+Results on CPUs differ in their last bits between kernel sets (docs/design.md, "Portability across
+CPUs"): torch picks AVX2, AVX512 or AMX kernels from the CPU's flags and from the
+``ATEN_CPU_CAPABILITY`` variable, and bitsandbytes and vLLM pick theirs from the flags. ``describe()``
+is what records and baselines carry, so a difference can be explained; ``same_kernels`` says
+whether two descriptions select the same kernels.
+"""
+from __future__ import annotations
+
+import functools
+import platform as _platform
+
+# The flags that select different kernels in torch, bitsandbytes or vLLM.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+@functools.lru_cache(maxsize=None)
+def _cpuinfo() -> tuple[str, str, frozenset[str]]:
+    """(vendor, model name, all flags) of the first processor in /proc/cpuinfo; empty where absent."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = fields.get("flags") or fields.get("Features") or ""
+    return fields.get("vendor_id", ""), fields.get("model name", ""), frozenset(flags.split())
+
+
+def flags() -> frozenset[str]:
+    return _cpuinfo()[2]
+
+
+def kernel_flags() -> list[str]:
+    have = flags()
+    return [f for f in KERNEL_FLAGS if f in have]
+
+
+def torch_capability() -> str | None:
+    """The kernel set torch dispatches to (``default``, ``avx2``, ``avx512``), which
+    ``ATEN_CPU_CAPABILITY`` lowers; None where torch is not imported (nothing ran on it)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    return torch.backends.cpu.get_cpu_capability().lower()
+
+
+def describe() -> dict:
+    """``{"vendor", "model", "flags", "capability"}`` for records and baselines."""
+    vendor, model, _ = _cpuinfo()
+    return {"vendor": vendor, "model": model, "flags": kernel_flags(), "capability": torch_capability()}
+
+
+def same_kernels(a: dict | None, b: dict | None) -> bool:
+    """Whether two ``describe()`` results select the same kernels: same vendor, model, kernel flags
+    and torch capability. Unknown (None) is never the same."""
+    if not a or not b:
+        return False
+    keys = ("vendor", "model", "flags", "capability")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def platform() -> str:
+    """``cpu-<arch>-<widest vector ISA>``, e.g. ``cpu-x86_64-avx512``."""
+    arch = _platform.machine().lower() or "unknown"
+    have = flags()
+    isa = next((name for flag, name in (("amx_tile", "amx"), ("avx512f", "avx512"), ("avx2", "avx2"),
+                                         ("sve", "sve"), ("asimd", "neon")) if flag in have), None)
+    return f"cpu-{arch}-{isa}" if isa else f"cpu-{arch}"

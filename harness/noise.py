@@ -1,0 +1,382 @@
+"""Each cell's own numerical noise, measured when its baseline is written (docs/design.md,
+"Portability across CPUs").
+
+A float32 forward pass sums in an order that the CPU's kernels choose, so two CPUs give logprobs
+that differ in their last bits. Where a scheme quantizes activations to FP8 (dynamic or static
+input scales, the FP8 KV cache), such a difference can move one scaled activation across an FP8
+rounding boundary; attention then carries the flip to every later position. So the measurement
+has two parts, both made by the reference (the semantics every engine of the cell computes):
+
+1. **Kernel noise.** The reference scores the baseline's sequences twice, each in a fresh
+   interpreter: under this machine's kernels (run A, the baseline's own) and under another kernel
+   set (run B, ``ATEN_CPU_CAPABILITY`` lowered; it only takes effect before torch is imported).
+   ``logprob_noise`` is |A - B| per position; the noise of each scaled activation is
+   ``NOISE_FACTOR`` x its own |A - B| (another CPU deviates from the exact value about as much as
+   these two do, possibly the other way). ``activation_noise`` reports the largest |A - B| over
+   the quantizer calls whose inputs no flip has reached yet (up to the first call whose FP8 codes
+   differ).
+2. **Fragile onset.** Per prompt, the first position at which one of A's scaled activations lies
+   within its noise of an FP8 rounding boundary. An activation of an encoder (audio, vision) or of
+   a cross-attention key/value is seen by every decoder position, so it places the onset at 0.
+   Where A and B really flipped, the deviations after the flip are large, so the onset is at that
+   flip at the latest. The onset carries its evidence: the quantizer call, the activation, its
+   distance to the boundary and the noise it was compared with.
+
+Past the onset, the comparison applies ``bound_after_onset``: the largest |Δlogprob| (scored
+token or shared top-k) at or after the onset, over run B and ``SIMULATED_RUNS`` runs of A in
+which every scaled activation is moved by uniform noise within its own noise before rounding
+(each seeded): the flips another CPU can make, made on purpose. A baseline from the same CPU and
+kernel set is compared with the family bound everywhere; nothing is loosened there.
+
+``python -m harness.noise JOB OUT`` is the child that runs A or B.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from harness.matrix import Cell
+    from harness.records import Record
+
+NOISE_FACTOR = 2.0
+SIMULATED_RUNS = 8
+# Lowered capabilities to measure against, in order of preference: the first one that differs
+# from this process's own.
+CAPABILITIES = ("default", "avx2")
+PROBE_TIMEOUT_S = 600
+
+# Quantizer calls whose activations every decoder position depends on: encoders, vision towers,
+# projectors, and the key/value side of cross-attention (its k/v projections and its KV cache).
+_SEEN_BY_ALL_POSITIONS = re.compile(
+    r"(^|\.)(encoder|vision_model|visual|vision_tower|multi_modal_projector|audio_tower)(\.|$)"
+    r"|(^|\.)(encoder_attn|cross_attn)(\.(k_proj|v_proj|kv_proj))?$"
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Onset(_Strict):
+    """The first fragile position of a prompt and the activation that makes it fragile."""
+
+    position: int  # logprob index (scores token position + 1) from which the prompt is judged by the noise bound
+    quantizer: str  # "<module>#<call within that module's forward>"
+    value: float  # the scaled activation (x / scale) before rounding
+    distance: float  # to the nearest FP8 rounding boundary
+    noise: float  # NOISE_FACTOR x activation_noise, what the distance was compared with
+
+
+class PromptNoise(_Strict):
+    onset: Onset | None = None
+    bound_after_onset: float | None = None
+    logprob_noise: list[float]  # |A - B| per logprob index, max of the scored token and the shared top-k
+
+
+class Noise(_Strict):
+    measured_by: str = "reference"
+    kernels: list[str]  # [A's capability, B's capability]
+    activation_noise: float | None = None  # ν; None where the cell quantizes no activation
+    noise_factor: float = NOISE_FACTOR
+    simulated_runs: int = 0
+    note: str | None = None
+    prompts: dict[str, PromptNoise]
+
+    def bounds_for(self, prompt_id: str) -> tuple[int | None, float | None]:
+        """(onset index, bound past it) of one prompt; (None, None) when it has no fragile onset."""
+        p = self.prompts.get(prompt_id)
+        if p is None or p.onset is None:
+            return None, None
+        return p.onset.position, p.bound_after_onset
+
+
+class NoiseError(Exception):
+    """The noise of a cell could not be measured. ``str()`` is one line."""
+
+
+# ----------------------------------------------------------------------------------- parent side
+
+
+_measured: dict[tuple, Noise] = {}
+
+
+def for_cell(cell: Cell):
+    """The ``measure_noise`` step of baselines.handle for ``cell``: measures on CPU records only
+    (the kernel variable means nothing to a GPU), once per model, scheme, fixture and sequences,
+    since every engine of a cell scores the same sequences of the same checkpoint."""
+    def measure_record(record: Record) -> Noise | None:
+        if not (record.engine_info.platform or "").startswith("cpu-"):
+            return None
+        key = (cell.model, cell.scheme, record.fixture.identity if record.fixture else None,
+               json.dumps({s.prompt.id: s.scored.tokens for s in record.sequences}))
+        if key not in _measured:
+            _measured[key] = measure(cell, record)
+        return _measured[key]
+    return measure_record
+
+
+def other_capability(own: str | None) -> str | None:
+    return next((c for c in CAPABILITIES if c != own), None)
+
+
+def measure(cell: Cell, record: Record) -> Noise:
+    """The noise of ``cell`` on the sequences ``record`` scored, from two reference children."""
+    own = record.engine_info.cpu.capability if record.engine_info.cpu else None
+    other = other_capability(own)
+    sequences = {s.prompt.id: s.scored.tokens for s in record.sequences}
+    with tempfile.TemporaryDirectory(prefix="harness-noise-") as tmp:
+        job = {"cell": cell.model_dump(mode="json"), "sequences": sequences}
+        b_out = Path(tmp) / "b.pt"
+        _child({**job, "role": "record"}, b_out, tmp, capability=other)
+        a_out = Path(tmp) / "a.json"
+        _child({**job, "role": "analyse", "other": str(b_out)}, a_out, tmp, capability=own)
+        return Noise.model_validate_json(a_out.read_text())
+
+
+def _child(job: dict, out: Path, tmp: str, capability: str | None) -> None:
+    job_path = Path(tmp) / f"{out.stem}.job.json"
+    job_path.write_text(json.dumps(job))
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if capability:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        p = subprocess.run([sys.executable, "-m", "harness.noise", str(job_path), str(out)], env=env,
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise NoiseError(f"noise probe ({job['role']}) timed out after {PROBE_TIMEOUT_S} s") from None
+    if p.returncode != 0 or not out.exists():
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise NoiseError(f"noise probe ({job['role']}, capability {capability or 'native'}) failed: {last}")
+
+
+# ------------------------------------------------------------------------------------ child side
+
+
+def _boundaries():
+    """The FP8 (e4m3fn) rounding boundaries: midpoints between adjacent finite values, float64."""
+    import torch
+
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    values = torch.unique(values[torch.isfinite(values)])
+    return (values[1:] + values[:-1]) / 2
+
+
+def distance_to_boundary(scaled, boundaries):
+    """|x - nearest rounding boundary| for every element of the scaled activation (float64)."""
+    import torch
+
+    from harness.quant.fp8 import FP8_MAX
+
+    u = scaled.double().clamp(-FP8_MAX, FP8_MAX)
+    i = torch.searchsorted(boundaries, u)
+    below = boundaries[(i - 1).clamp(min=0)]
+    above = boundaries[i.clamp(max=len(boundaries) - 1)]
+    return torch.minimum((u - below).abs(), (u - above).abs())
+
+
+class _Recorder:
+    """Sees every scaled activation of one forward pass (through ``fp8.scaled_observer``), names it
+    by the module whose forward made the call, and optionally adds simulated kernel noise."""
+
+    def __init__(self, model, decoder_len: int, amplitudes: list | None = None, seed: int = 0):
+        import torch
+
+        self.decoder_len = decoder_len
+        self.amplitudes = amplitudes  # per call, the [positions, features] bound of the simulated noise
+        self.generator = torch.Generator().manual_seed(seed)
+        self.calls: list[tuple[str, bool, Any]] = []  # (quantizer, positional, scaled [positions, features])
+        self._stack: list[str] = []
+        self._counts: dict[str, int] = {}
+        self._handles = []
+        for name, module in model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(lambda _m, _a, name=name: self._enter(name)))
+            self._handles.append(module.register_forward_hook(lambda *_: self._leave()))
+
+    def _enter(self, name: str) -> None:
+        self._stack.append(name)
+
+    def _leave(self) -> None:
+        self._stack.pop()
+
+    def __call__(self, scaled):
+        import torch
+
+        module = self._stack[-1] if self._stack else ""
+        n = self._counts.get(module, 0)
+        self._counts[module] = n + 1
+        positional = (scaled.dim() >= 3 and scaled.shape[-2] == self.decoder_len
+                      and not _SEEN_BY_ALL_POSITIONS.search(module))
+        rows = _rows(scaled.detach())
+        if self.amplitudes is not None:
+            bound = self.amplitudes[len(self.calls)]
+            uniform = torch.rand(rows.shape, generator=self.generator, dtype=torch.float64) * 2 - 1
+            rows = (rows.double() + uniform * bound).to(rows.dtype)
+            scaled = _unrows(rows, scaled)
+        self.calls.append((f"{module}#{n}", positional, rows.clone()))
+        return scaled
+
+    def close(self):
+        for h in self._handles:
+            h.remove()
+
+
+def _rows(scaled):
+    """[positions, features]: the position axis of a scaled activation is its second last."""
+    return scaled.movedim(-2, 0).reshape(scaled.shape[-2], -1) if scaled.dim() >= 2 else scaled.reshape(1, -1)
+
+
+def _unrows(rows, like):
+    if like.dim() < 2:
+        return rows.reshape(like.shape)
+    moved = like.movedim(-2, 0)
+    return rows.reshape(moved.shape).movedim(0, -2)
+
+
+def _score(engine, prompt, tokens: list[int], top_k: int, amplitudes: list | None = None, seed: int = 0):
+    from harness import scoring
+    from harness.quant import fp8
+
+    recorder = _Recorder(engine.model, len(tokens), amplitudes, seed)
+    fp8.scaled_observer = recorder
+    try:
+        scored = scoring.teacher_forced(engine.model, engine._prompt(prompt), tokens, top_k)
+    finally:
+        fp8.scaled_observer = None
+        recorder.close()
+    return scored, recorder.calls
+
+
+def _deltas(a, b) -> list[float]:
+    """Per logprob index, the larger of |Δ| of the scored token and max |Δ| over the shared top-k."""
+    out = []
+    for la, lb, ka, kb in zip(a.logprobs, b.logprobs, a.topk, b.topk):
+        d = 0.0 if la == lb else abs(la - lb)
+        kb_map = dict(kb)
+        d = max([d, *(abs(x - kb_map[t]) for t, x in ka if t in kb_map)])
+        out.append(d if d == d else float("inf"))
+    return out
+
+
+def _first_flip(calls_a, calls_b) -> int:
+    """Index of the first call whose FP8 codes differ between the runs (len(calls) when none)."""
+    import torch
+
+    from harness.quant.fp8 import FP8, FP8_MAX
+
+    if len(calls_a) != len(calls_b):
+        raise NoiseError(f"the runs made {len(calls_a)} and {len(calls_b)} quantizer calls")
+    for i, ((la, _, ua), (lb, _, ub)) in enumerate(zip(calls_a, calls_b)):
+        if la != lb or ua.shape != ub.shape:
+            raise NoiseError(f"the runs made different quantizer calls at #{i}: {la} {tuple(ua.shape)} vs {lb} {tuple(ub.shape)}")
+        qa = torch.clamp(ua, -FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+        qb = torch.clamp(ub, -FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+        if not torch.equal(qa, qb):
+            return i
+    return len(calls_a)
+
+
+def _onset(calls, noises, boundaries) -> Onset | None:
+    """The earliest position at which a scaled activation lies within its noise of a boundary."""
+    import torch
+
+    best: Onset | None = None
+    for (label, positional, rows), noise in zip(calls, noises):
+        d = distance_to_boundary(rows, boundaries)
+        fragile = d <= noise
+        if not fragile.any():
+            continue
+        # A row is one position of a positional call; a fragile row of another call is seen by all.
+        position = int(fragile.any(dim=1).nonzero()[0, 0]) if positional else 0
+        if best is not None and position >= best.position:
+            continue
+        where = slice(position, position + 1) if positional else slice(None)
+        candidates = torch.where(fragile[where], d[where], torch.full_like(d[where], float("inf"))).reshape(-1)
+        i = int(candidates.argmin())
+        best = Onset(position=position, quantizer=label, value=float(rows[where].reshape(-1)[i]),
+                     distance=float(candidates[i]), noise=float(noise[where].reshape(-1)[i]))
+    return best
+
+
+def _three(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
+def run(job: dict, out: Path) -> None:
+    import torch
+
+    from harness import cpu
+    from harness.engines import base
+    from harness.engines.reference import ReferenceEngine
+    from harness.matrix import Cell
+
+    torch.set_num_threads(1)
+    cell = Cell.model_validate(job["cell"])
+    engine = ReferenceEngine(cell)
+    checkpoint = base.resolve_checkpoint(cell)
+    engine.load(checkpoint)
+    prompts = {p.id: p for p in base.prompts_for(cell, checkpoint)}
+    sequences: dict[str, list[int]] = job["sequences"]
+    runs = {pid: _score(engine, prompts[pid], tokens, cell.top_k) for pid, tokens in sequences.items()}
+    if job["role"] == "record":
+        torch.save({"capability": cpu.torch_capability(), "runs": runs}, out)
+        return
+
+    other = torch.load(job["other"], weights_only=False)
+    boundaries = _boundaries()
+    quantizes = any(calls for _, calls in runs.values())
+    clean_max = 0.0
+    prompts_out = {}
+    for pid, (scored, calls) in runs.items():
+        other_scored, other_calls = other["runs"][pid]
+        # The noise of each scaled activation: NOISE_FACTOR x its measured deviation. After the runs'
+        # first flip the deviations are no longer noise but the flip's effect, which makes every
+        # later activation fragile: the onset is then at the flip at the latest.
+        noises = [NOISE_FACTOR * (a[2].double() - b[2].double()).abs() for a, b in zip(calls, other_calls)]
+        first = _first_flip(calls, other_calls)
+        clean_max = max([clean_max, *(float(n.max()) / NOISE_FACTOR for n in noises[: first + 1])])
+        measured = _deltas(scored, other_scored)
+        onset = _onset(calls, noises, boundaries)
+        bound = None
+        if onset is not None:
+            ensemble = [measured]
+            for k in range(SIMULATED_RUNS):
+                simulated, _ = _score(engine, prompts[pid], sequences[pid], cell.top_k, noises, seed=k)
+                ensemble.append(_deltas(scored, simulated))
+            bound = _three(max(max(d[onset.position:], default=0.0) for d in ensemble))
+        prompts_out[pid] = PromptNoise(onset=onset, bound_after_onset=bound, logprob_noise=[_three(x) for x in measured])
+    note = None
+    if quantizes and clean_max == 0.0:
+        note = (f"capability {other['capability']} gave bit-identical activations: kernel noise not measured here, "
+                "so no fragile onset is placed and the family bound applies everywhere")
+    noise = Noise(kernels=[cpu.torch_capability() or "?", other["capability"] or "?"],
+                  activation_noise=_three(clean_max) if quantizes else None,
+                  simulated_runs=SIMULATED_RUNS if any(p.onset for p in prompts_out.values()) else 0,
+                  note=note, prompts=prompts_out)
+    out.write_text(noise.model_dump_json())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m harness.noise JOB OUT", file=sys.stderr)
+        return 2
+    try:
+        run(json.loads(Path(args[0]).read_text()), Path(args[1]))
+    except NoiseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

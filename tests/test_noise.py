@@ -1,0 +1,102 @@
+"""Portable verdicts: FP8 rounding boundaries, fragile onsets, and the noise-aware comparison
+against a baseline from other kernels (docs/design.md, "Portability across CPUs")."""
+
+import pytest
+import torch
+
+from harness import compare as C
+from harness import noise as N
+from harness import records as R
+from harness.baselines import Baseline
+from tests.test_compare import BOUNDS, INFO, record, seq
+
+CPU_A = R.CpuInfo(vendor="AuthenticAMD", model="AMD EPYC", flags=["avx2", "avx512f", "avx512_bf16"], capability="avx512")
+CPU_B = R.CpuInfo(vendor="GenuineIntel", model="Intel Xeon", flags=["avx2", "avx512f"], capability="avx512")
+LPS = tuple(-1.0 - 0.1 * i for i in range(8))
+TOKENS = tuple(range(10, 19))  # none is the top-k filler id 9 of test_compare.seq
+
+
+def test_rounding_boundaries_are_the_midpoints_between_fp8_values():
+    b = N._boundaries()
+    d = N.distance_to_boundary(torch.tensor([34.0, 33.0, 448.0, 0.0]), b)
+    # 32 and 36 are neighbours (spacing 4 in [32, 64)): 34 is a boundary; 448 is 16 from 432.
+    assert d.tolist() == [0.0, 1.0, 16.0, pytest.approx(2.0 ** -10)]
+
+
+def test_onset_is_the_first_fragile_position_with_its_evidence():
+    b = N._boundaries()
+    rows = torch.full((6, 4), 20.0)
+    rows[3, 2] = 34.0 + 1e-4  # within its noise of the boundary at 34
+    rows[5, 0] = 34.5  # 0.5 away: not fragile at this noise
+    noise = torch.full((6, 4), 2e-4)
+    onset = N._onset([("model.layers.3.mlp.down_proj#0", True, rows)], [noise], b)
+    assert (onset.position, onset.quantizer) == (3, "model.layers.3.mlp.down_proj#0")
+    assert onset.value == pytest.approx(34.0001) and onset.distance == pytest.approx(1e-4, rel=1e-2)
+    assert onset.noise == pytest.approx(2e-4)
+    assert N._onset([("x#0", True, rows)], [torch.zeros(6, 4)], b) is None
+
+
+def test_an_encoder_activation_places_the_onset_at_the_first_position():
+    b = N._boundaries()
+    rows = torch.full((30, 4), 20.0)
+    rows[29, 1] = 34.0
+    onset = N._onset([("model.encoder.layers.0.fc1#0", False, rows)], [torch.full((30, 4), 1e-6)], b)
+    assert onset.position == 0
+    assert N._SEEN_BY_ALL_POSITIONS.search("model.decoder.layers.1.encoder_attn.k_proj")
+    assert N._SEEN_BY_ALL_POSITIONS.search("model.language_model.layers.3.cross_attn")
+    assert not N._SEEN_BY_ALL_POSITIONS.search("model.decoder.layers.1.encoder_attn.q_proj")
+    assert not N._SEEN_BY_ALL_POSITIONS.search("model.decoder.layers.1.self_attn")
+
+
+def _noisy_baseline(onset_at=4, bound_after=0.5) -> Baseline:
+    rec = record(engine_info=INFO.model_copy(update={"cpu": CPU_A}), sequences=[seq(lps=LPS, tokens=TOKENS)])
+    b = Baseline.from_record(rec, commit="c0ffee")
+    onset = N.Onset(position=onset_at, quantizer="model.layers.0.mlp.down_proj#0", value=34.0, distance=0.0, noise=1e-4)
+    b.noise = N.Noise(kernels=["avx512", "default"], activation_noise=1e-4, simulated_runs=8,
+                      prompts={"p0": N.PromptNoise(onset=onset, bound_after_onset=bound_after, logprob_noise=[1e-6] * 8)})
+    return b
+
+
+def _obtained(cpu: R.CpuInfo, shift_at: int, shift: float) -> R.Record:
+    lps = list(LPS)
+    lps[shift_at] += shift
+    return record(engine_info=INFO.model_copy(update={"cpu": cpu}), sequences=[seq(lps=tuple(lps), tokens=TOKENS)])
+
+
+def test_other_kernels_past_the_onset_are_held_to_the_measured_noise_bound():
+    j = C.verdict(_obtained(CPU_B, 6, 0.3), _noisy_baseline(), bounds=BOUNDS)
+    assert j.verdict == "pass", j.reason
+    (tf,) = [c for c in j.checks if c.name == "teacher-forced:baseline"]
+    assert tf.data["judged"]["p0"] == ["family"] * 4 + ["noise"] * 4
+    assert tf.data["family_share"] == 0.5
+    assert tf.data["onsets"]["p0"]["position"] == 4
+    assert tf.data["noise_bound"]["p0"] == [None] * 4 + [0.5] * 4
+    # Beyond the measured bound it is still regressed.
+    assert C.verdict(_obtained(CPU_B, 6, 0.6), _noisy_baseline(), bounds=BOUNDS).verdict == "regressed"
+
+
+def test_a_shift_before_the_onset_is_regressed_on_other_kernels():
+    j = C.verdict(_obtained(CPU_B, 2, -0.05), _noisy_baseline(), bounds=BOUNDS)
+    assert j.verdict == "regressed"
+    assert "prompt p0 position 3" in j.reason
+
+
+def test_the_same_kernels_loosen_nothing():
+    same = CPU_A.model_copy()
+    assert C.verdict(_obtained(same, 6, 0.3), _noisy_baseline(), bounds=BOUNDS).verdict == "regressed"
+    # A lowered torch capability on the same CPU is other kernels.
+    lowered = CPU_A.model_copy(update={"capability": "default"})
+    assert C.verdict(_obtained(lowered, 6, 0.3), _noisy_baseline(), bounds=BOUNDS).verdict == "pass"
+
+
+def test_a_baseline_without_measured_noise_is_judged_by_the_family_bound():
+    b = _noisy_baseline()
+    b.noise = None
+    assert C.verdict(_obtained(CPU_B, 6, 0.3), b, bounds=BOUNDS).verdict == "regressed"
+
+
+def test_a_changed_fixture_identity_is_stale_on_any_platform():
+    b = _noisy_baseline()
+    b = b.model_copy(update={"provenance": b.provenance.model_copy(update={"platform": "cpu-x86_64-avx2"})})
+    rec = _obtained(CPU_B, 0, 0.0).model_copy(update={"fixture": R.FixtureRef(name="llama-fp8-dynamic", identity="other")})
+    assert C.verdict(rec, b, bounds=BOUNDS).verdict == "stale-baseline"
