@@ -29,7 +29,7 @@ from filelock import FileLock
 
 from harness import baselines as B
 from harness import compare as C
-from harness import noise
+from harness import noise, probes
 from harness import records as R
 from harness import supervise, verdicts
 from harness.engines.base import fuses_shards
@@ -73,6 +73,7 @@ class Runner:
         self.echo = echo or (lambda s: None)
         self._echo_lock = threading.Lock()
         self.supervisor = supervise.Supervisor()
+        self._decided: dict[str, R.Record | None] = {}
         self.groups: dict[str, list[Cell]] = {}
         for c in self.cells:
             self.groups.setdefault(group_key(c), []).append(c)
@@ -97,8 +98,31 @@ class Runner:
         with self._echo_lock:
             self.echo(line)
 
+    # ---- probes before fetching -----------------------------------------------------------------
+    def decided(self, cell: Cell) -> R.Record | None:
+        """The record harness.probes.preflight decided for the cell before any child starts, any
+        fixture is built or any checkpoint fetched: ``error`` for a misconfigured cell,
+        ``unsupported`` for hardware or an engine environment this machine cannot provide. None
+        when the cell runs."""
+        if cell.id not in self._decided:
+            d = probes.preflight(cell, self.matrix_dir)
+            rec = None
+            if not d.runs:
+                have = probes.installed(cell.engine)
+                info = R.EngineInfo(name=cell.engine, version=have[1] if have else None,
+                                    environment=cell.environment, platform=R.cpu_platform())
+                if d.status == "unsupported":
+                    rec = R.Record.for_cell(cell, engine_info=info, status="unsupported", unsupported_reason=d.reason)
+                else:
+                    rec = R.Record.for_cell(cell, engine_info=info, status="error",
+                                            error=R.ErrorInfo(type="ConfigurationError", message=d.reason))
+            self._decided[cell.id] = rec
+        return self._decided[cell.id]
+
     # ---- engine children ---------------------------------------------------------------------
     def scored_sequences(self, key: str) -> tuple[dict[str, list[int]] | None, str]:
+        if all(self.decided(c) is not None for c in self.groups[key]):
+            return None, "none (no engine of this group runs here)"
         return self.sequences.get(key, self.groups[key])
 
     def _compute_sequences(self, cells: list[Cell], path: Path) -> None:
@@ -122,6 +146,8 @@ class Runner:
         raw = self.layout.raw(cell.id)
         if raw.exists():
             return R.load(raw)
+        if self.decided(cell) is not None:
+            return self._ensure_raw(cell, None, None)
         seqs, _ = self.scored_sequences(group_key(cell))
         return self._ensure_raw(cell, seqs, None)
 
@@ -130,11 +156,13 @@ class Runner:
         with FileLock(str(raw) + ".lock"):
             if raw.exists():
                 return R.load(raw)
-            wants_witness = cell.engine == "reference" and any(not fuses_shards(c.engine)
-                                                               for c in self.groups[group_key(cell)])
-            rec = self._run_child(cell, mode="cell", sequences=sequences, record_path=raw,
-                                  sequences_out=sequences_out, log=self.layout.log(cell.id),
-                                  witness=self.layout.witness(cell.id) if wants_witness else None)
+            rec = self.decided(cell)
+            if rec is None:
+                wants_witness = cell.engine == "reference" and any(not fuses_shards(c.engine)
+                                                                   for c in self.groups[group_key(cell)])
+                rec = self._run_child(cell, mode="cell", sequences=sequences, record_path=raw,
+                                      sequences_out=sequences_out, log=self.layout.log(cell.id),
+                                      witness=self.layout.witness(cell.id) if wants_witness else None)
             R.save(raw, rec)
             return rec
 

@@ -185,29 +185,11 @@ def fuses_shards(name: str) -> bool:
 
 
 def hardware_problem(cell: Cell) -> str | None:
-    """The cell's hardware needs against this machine: GPUs, GPU memory, compute capability."""
-    hw = cell.hardware
-    if not hw.gpus:
-        return None
-    try:
-        import torch
+    """The cell's hardware needs against this machine: GPUs, GPU memory, compute capability
+    (harness.probes, which reads the GPUs without importing torch)."""
+    from harness import probes
 
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        count = 0
-    if count < hw.gpus:
-        return f"needs {hw.gpus} GPU(s); this machine has {count}"
-    import torch
-
-    props = torch.cuda.get_device_properties(0)
-    if hw.gpu_memory_gb and props.total_memory / 2**30 < hw.gpu_memory_gb:
-        return f"needs {hw.gpu_memory_gb:g} GiB of GPU memory; {props.name} has {props.total_memory / 2**30:.1f} GiB"
-    if hw.compute_capability:
-        need = tuple(int(x) for x in hw.compute_capability.split("."))
-        have = (props.major, props.minor)
-        if have < need:
-            return f"needs compute capability {hw.compute_capability}; {props.name} is {have[0]}.{have[1]}"
-    return None
+    return probes.hardware_problem(cell.hardware)
 
 
 def online_quantization(cell: Cell) -> dict | None:
