@@ -168,6 +168,14 @@ def torchao_quant_type(quantization_config: Mapping[str, Any]) -> tuple[str | No
 # ---------------------------------------------------------------------------------------------
 
 
+def read_unmapped(reading: Reading, reads_mtnc: bool) -> None:
+    """``modules_to_not_convert`` as written (honoured only when ``reads_mtnc``), then the
+    ``FqnToConfig`` keys: torchao and vLLM, which never rename entries."""
+    mtnc = reading.config.get("modules_to_not_convert")
+    reading.entries.extend(SkipEntry(k, "modules_to_not_convert", (k,), honoured=reads_mtnc) for k in mtnc or [])
+    read_fqn_to_config(reading)
+
+
 def read_fqn_to_config(reading: Reading) -> None:
     """The ``FqnToConfig`` keys as entries (a None value skips, any other selects), after a
     reader's own ``modules_to_not_convert`` entries."""
@@ -248,9 +256,7 @@ class Torchao(Dialect):
     exact_containers = True
 
     def read(self, reading: Reading) -> None:
-        mtnc = reading.config.get("modules_to_not_convert")
-        reading.entries.extend(SkipEntry(k, "modules_to_not_convert", (k,), honoured=False) for k in mtnc or [])
-        read_fqn_to_config(reading)
+        read_unmapped(reading, reads_mtnc=False)  # torchao never reads modules_to_not_convert
 
     def decide(self, policy, fqn: str, module_class: Any) -> Decision:
         linear = is_linear(module_class, False)

@@ -72,9 +72,7 @@ class VllmTorchao(Dialect):
     vllm = True
 
     def read(self, reading: Reading) -> None:
-        mtnc = reading.config.get("modules_to_not_convert")
-        reading.entries.extend(SkipEntry(k, "modules_to_not_convert", reading.spell(k)) for k in mtnc or [])
-        torchao.read_fqn_to_config(reading)
+        torchao.read_unmapped(reading, reads_mtnc=True)  # TorchAOConfig never remaps names
 
     def decide(self, policy, fqn: str, module_class: Any) -> Decision:
         res = vllm_torchao_resolve(fqn, torchao.renamed_config(policy), is_linear=is_linear(module_class, True))
