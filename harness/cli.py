@@ -113,6 +113,10 @@ def _run(args) -> int:
         raise UsageError("--jobs must be >= 1")
     for w in matrix.warnings(cells):
         print(w, file=sys.stderr)
+    if args.dry_run:
+        from harness import dryrun
+
+        return dryrun.report(m, cells, matrix_path=args.matrix, baselines_root=args.baselines, tier=args.tier)
     results = Path(args.results or runner.default_results_dir())
     progress = Progress(len(cells))
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
@@ -202,6 +206,9 @@ def parser() -> argparse.ArgumentParser:
                      help="baselines root (default: baselines/ of this checkout)")
     run.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
                      help="run N (model, scheme) groups at once, each engine in its own child process (default: 1)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="check everything the run needs (matrix, environments, images, prompts, baselines) and print "
+                          "what would run where, without loading a model; exit 1 when a cell is misconfigured")
     run.set_defaults(func=_run)
 
     # report and pipeline: their arguments and logic live in harness.report and harness.buildkite

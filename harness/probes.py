@@ -4,7 +4,8 @@ The runner asks :func:`preflight` about every selected cell before it starts an 
 builds a fixture or resolves a hub checkpoint. Three questions, in this order:
 
 1. **Configuration** (an ``error`` record, on any machine): the engine is implemented, the
-   cell's local checkpoint directory and its prompt files exist. A misconfigured cell is an
+   cell's fixture is one of harness.fixtures, its local checkpoint directory and its prompt files
+   exist. A misconfigured cell is an
    error everywhere, never hidden behind an ``unsupported``.
 2. **Hardware** (``unsupported``): the cell's ``hardware`` (GPU count, per-GPU memory, compute
    capability) against this machine's GPUs, read without importing torch or any engine:
@@ -218,6 +219,12 @@ def configuration_problems(cell: Cell, matrix_dir: Path) -> list[str]:
     problems = []
     if cell.engine not in ENGINE_CLASSES:
         problems.append(f"the {cell.engine} engine is not implemented in this harness version")
+    if cell.source_kind == "fixture":
+        from harness import fixtures
+
+        if cell.fixture_name not in fixtures.names():
+            problems.append(f"models.{cell.model}: fixture {cell.fixture_name} is not one of harness.fixtures "
+                            "(`harness fixtures` lists them)")
     if cell.source_kind == "path":
         p = Path(cell.path)
         p = p if p.is_absolute() else matrix_dir / p
