@@ -510,7 +510,15 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
                          f"{record.engine_info.version}: {k.reason}; remove or narrow it in models.yaml", checks, k)
     if load_check is not None and load_check.data and load_check.data.get("improved"):
         return Judgement("improved", f"{load_check.name}: {load_check.detail}", checks)
-    return Judgement("pass", "matches the baseline", checks)
+    return Judgement("pass", "matches the baseline" + _kernels_note(base_checks), checks)
+
+
+def _kernels_note(checks: list[Check]) -> str:
+    """How a baseline from other kernels was judged, for a pass's reason."""
+    tf = next((c for c in checks if c.name == "teacher-forced:baseline" and c.data), None)
+    if tf is None or not any(j == "noise" for labels in tf.data.get("judged", {}).values() for j in labels):
+        return ""
+    return f" (from other kernels: family bound on {tf.data['family_share']:.0%} of positions, measured noise bound after each fragile onset)"
 
 
 def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = (), *,

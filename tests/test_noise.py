@@ -66,6 +66,7 @@ def _obtained(cpu: R.CpuInfo, shift_at: int, shift: float) -> R.Record:
 def test_other_kernels_past_the_onset_are_held_to_the_measured_noise_bound():
     j = C.verdict(_obtained(CPU_B, 6, 0.3), _noisy_baseline(), bounds=BOUNDS)
     assert j.verdict == "pass", j.reason
+    assert "from other kernels: family bound on 50% of positions" in j.reason
     (tf,) = [c for c in j.checks if c.name == "teacher-forced:baseline"]
     assert tf.data["judged"]["p0"] == ["family"] * 4 + ["noise"] * 4
     assert tf.data["family_share"] == 0.5

@@ -1,4 +1,4 @@
-"""On-disk quantization formats: one module per format, plus the skip rules every format shares.
+"""On-disk quantization formats: one module per format (the skip rules they share are harness/dialects/).
 
 Each format module decodes its layout in plain torch. The libraries that produce the layouts are
 used only as oracles in the tests.
