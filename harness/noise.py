@@ -24,8 +24,9 @@ has two parts, both made by the reference (the semantics every engine of the cel
 
 Past the onset, the comparison applies ``bound_after_onset``: the largest |Δlogprob| (scored
 token or shared top-k) at or after the onset, over run B and ``SIMULATED_RUNS`` runs of A in
-which every scaled activation is moved by uniform noise within its own noise before rounding
-(each seeded): the flips another CPU can make, made on purpose. A baseline from the same CPU and
+which the fragile activations (within their noise of a boundary) are moved just across it before
+rounding: all of them in the first run, each with probability 1/2 in the others (seeded). These
+are the flips another CPU can make, made on purpose. A baseline from the same CPU and
 kernel set is compared with the family bound everywhere; nothing is loosened there.
 
 ``python -m harness.noise JOB OUT`` is the child that runs A or B.
@@ -171,8 +172,9 @@ def _boundaries():
     return (values[1:] + values[:-1]) / 2
 
 
-def distance_to_boundary(scaled, boundaries):
-    """|x - nearest rounding boundary| for every element of the scaled activation (float64)."""
+def nearest_boundary(scaled, boundaries):
+    """(|x - b|, b) for the rounding boundary b nearest to each element of the scaled activation,
+    in float64."""
     import torch
 
     from harness.quant.fp8 import FP8_MAX
@@ -181,19 +183,44 @@ def distance_to_boundary(scaled, boundaries):
     i = torch.searchsorted(boundaries, u)
     below = boundaries[(i - 1).clamp(min=0)]
     above = boundaries[i.clamp(max=len(boundaries) - 1)]
-    return torch.minimum((u - below).abs(), (u - above).abs())
+    nearer_below = (u - below).abs() <= (u - above).abs()
+    boundary = torch.where(nearer_below, below, above)
+    return (u - boundary).abs(), boundary
+
+
+def distance_to_boundary(scaled, boundaries):
+    return nearest_boundary(scaled, boundaries)[0]
+
+
+def flip_across(rows, noise, boundaries, chosen):
+    """``rows`` with each chosen activation that lies within its ``noise`` of a rounding boundary
+    moved just across that boundary, so that it rounds to the other FP8 neighbour: a flip another
+    CPU's kernels can make."""
+    import torch
+
+    from harness.quant.fp8 import FP8
+
+    distance, boundary = nearest_boundary(rows, boundaries)
+    flip = chosen & (distance <= noise)
+    here = rows.to(FP8).double()  # where the activation rounds to now; the other neighbour is across
+    b32 = boundary.float()
+    ulp = (torch.nextafter(b32, torch.full_like(b32, float("inf"))) - b32).double()
+    across = boundary + torch.sign(boundary - here) * torch.maximum(distance, ulp)
+    return torch.where(flip, across, rows.double()).to(rows.dtype)
 
 
 class _Recorder:
     """Sees every scaled activation of one forward pass (through ``fp8.scaled_observer``), names it
     by the module whose forward made the call, and optionally adds simulated kernel noise."""
 
-    def __init__(self, model, decoder_len: int, amplitudes: list | None = None, seed: int = 0):
+    def __init__(self, model, decoder_len: int, noises: list | None = None, seed: int = 0):
         import torch
 
         self.decoder_len = decoder_len
-        self.amplitudes = amplitudes  # per call, the [positions, features] bound of the simulated noise
+        self.noises = noises  # per call, [positions, features]: flip what lies within it of a boundary
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self.boundaries = _boundaries() if noises is not None else None
         self.calls: list[tuple[str, bool, Any]] = []  # (quantizer, positional, scaled [positions, features])
         self._stack: list[str] = []
         self._counts: dict[str, int] = {}
@@ -217,10 +244,10 @@ class _Recorder:
         positional = (scaled.dim() >= 3 and scaled.shape[-2] == self.decoder_len
                       and not _SEEN_BY_ALL_POSITIONS.search(module))
         rows = _rows(scaled.detach())
-        if self.amplitudes is not None:
-            bound = self.amplitudes[len(self.calls)]
-            uniform = torch.rand(rows.shape, generator=self.generator, dtype=torch.float64) * 2 - 1
-            rows = (rows.double() + uniform * bound).to(rows.dtype)
+        if self.noises is not None:
+            # Run 0 flips every fragile activation; the others each one with probability 1/2.
+            chosen = (torch.rand(rows.shape, generator=self.generator) < 0.5) if self.seed else torch.ones_like(rows, dtype=torch.bool)
+            rows = flip_across(rows, self.noises[len(self.calls)], self.boundaries, chosen)
             scaled = _unrows(rows, scaled)
         self.calls.append((f"{module}#{n}", positional, rows.clone()))
         return scaled
@@ -242,11 +269,11 @@ def _unrows(rows, like):
     return rows.reshape(moved.shape).movedim(0, -2)
 
 
-def _score(engine, prompt, tokens: list[int], top_k: int, amplitudes: list | None = None, seed: int = 0):
+def _score(engine, prompt, tokens: list[int], top_k: int, noises: list | None = None, seed: int = 0):
     from harness import scoring
     from harness.quant import fp8
 
-    recorder = _Recorder(engine.model, len(tokens), amplitudes, seed)
+    recorder = _Recorder(engine.model, len(tokens), noises, seed)
     fp8.scaled_observer = recorder
     try:
         scored = scoring.teacher_forced(engine.model, engine._prompt(prompt), tokens, top_k)

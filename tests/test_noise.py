@@ -101,3 +101,17 @@ def test_a_changed_fixture_identity_is_stale_on_any_platform():
     b = b.model_copy(update={"provenance": b.provenance.model_copy(update={"platform": "cpu-x86_64-avx2"})})
     rec = _obtained(CPU_B, 0, 0.0).model_copy(update={"fixture": R.FixtureRef(name="llama-fp8-dynamic", identity="other")})
     assert C.verdict(rec, b, bounds=BOUNDS).verdict == "stale-baseline"
+
+
+def test_a_simulated_flip_moves_a_fragile_activation_to_the_other_neighbour():
+    from harness.quant.fp8 import FP8
+
+    b = N._boundaries()
+    rows = torch.tensor([[34.0001, 34.0, 20.0, 34.5]])
+    noise = torch.full_like(rows, 2e-4, dtype=torch.float64)
+    before = rows.to(FP8).float().tolist()
+    after = N.flip_across(rows, noise, b, torch.ones_like(rows, dtype=torch.bool)).to(FP8).float().tolist()
+    assert before == [[36.0, 32.0, 20.0, 36.0]]  # an exact tie rounds to the even neighbour, 32
+    assert after == [[32.0, 36.0, 20.0, 36.0]]  # only the two within their noise of 34 flip
+    unchosen = N.flip_across(rows, noise, b, torch.zeros_like(rows, dtype=torch.bool))
+    assert torch.equal(unchosen, rows)
