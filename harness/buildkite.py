@@ -122,6 +122,14 @@ PIP = ("python3", "-m", "pip", "install", "--disable-pip-version-check", "--prog
 HARNESS_RUNTIME = ("pydantic>=2", "pyyaml", "packaging", "filelock", "pytest", "jinja2", "junitparser")
 # Secrets and caches an agent may provide, passed into containers by name (never by value).
 PASS_THROUGH_ENV = ("HF_TOKEN", "HF_HOME")
+# Prefetch (docs/README-buildkite.md, "Pinning and prefetch"): a step with hub cells first fetches
+# their checkpoints into the agent's own hub cache (HUB_CACHE, mounted into containers at the same
+# path), once per agent, each attempt under its own time limit; then the cells run offline.
+HUB_CACHE = "/var/cache/harness-hub"
+PREFETCH_ATTEMPTS = 3
+PREFETCH_TIMEOUT_S = 1200
+PREFETCH_BACKOFF_S = 30
+PREFETCH_FAILED = 75  # harness prefetch's exit status when a checkpoint could not be fetched (harness.hub.TEMPFAIL)
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$")
@@ -175,6 +183,7 @@ class Options:
     results_dir: str = "results"
     reports_dir: str = "reports"
     context: str | None = None  # annotation context; default: derived from the selection
+    hub_cache: str = HUB_CACHE  # the agents' hub cache for prefetched checkpoints
 
 
 def exact_k(cell: Cell, universe: Iterable[Cell]) -> str:
@@ -185,9 +194,19 @@ def exact_k(cell: Cell, universe: Iterable[Cell]) -> str:
     return " and ".join([cell.id, *(f"not {o}" for o in others)])
 
 
-def _retry() -> dict[str, Any]:
-    # Lost agents only. Never exit status 143 (SIGTERM): a cancel sends it too.
-    return {"automatic": [{"signal_reason": "agent_stop", "limit": 2}, {"exit_status": -1, "limit": 2}]}
+def _retry(prefetch: bool = False) -> dict[str, Any]:
+    # Lost agents, and a prefetch that failed every attempt (perhaps another agent fares better).
+    # Never exit status 143 (SIGTERM): a cancel sends it too.
+    rules: list[dict[str, Any]] = [{"signal_reason": "agent_stop", "limit": 2}, {"exit_status": -1, "limit": 2}]
+    if prefetch:
+        rules.append({"exit_status": PREFETCH_FAILED, "limit": 1})
+    return {"automatic": rules}
+
+
+def prefetch_minutes() -> int:
+    """The prefetch's own time: every attempt at its limit, and the back-offs between them."""
+    backoff = sum(PREFETCH_BACKOFF_S * 2**i for i in range(PREFETCH_ATTEMPTS - 1))
+    return math.ceil((PREFETCH_ATTEMPTS * PREFETCH_TIMEOUT_S + backoff) / 60)
 
 
 def units(cells: Sequence[Cell]) -> list[tuple[Cell, ...]]:
@@ -244,10 +263,13 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
     results = shlex.quote(opts.results_dir)
     # the results directory, absolute (the engine children run in another working directory)
     results_abs = results if opts.results_dir.startswith("/") else f'"$PWD"/{results}'
+    selection = ["-k", exact_k_many(unit, universe), "--tier", cell.tier, "--engine", ",".join(c.engine for c in unit)]
+    prefetch = any(c.source_kind == "hub" for c in unit)
     run = " ".join([
+        *(["HF_HUB_OFFLINE=1"] if prefetch else []),  # prefetched: the cells never reach the hub
         shlex.join(["python3", "-m", "harness.cli", "run", "--matrix", opts.matrix_path]),
         "--results", results_abs,
-        shlex.join(["-k", exact_k_many(unit, universe), "--tier", cell.tier, "--engine", ",".join(c.engine for c in unit)]),
+        shlex.join(selection),
     ])
     lines = ["set -o pipefail", f"mkdir -p {results}"]
     if image:
@@ -263,6 +285,15 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
         ]
     else:
         lines += _venv_setup([*pip_commands(cell.environment, env), shlex.join([*PIP, "--no-deps", "-e", "."])])
+    if prefetch:
+        lines += [
+            'echo "--- :arrow_down: prefetch the hub checkpoint(s) into this agent\'s cache"',
+            shlex.join(["env", "HF_HUB_OFFLINE=0", "python3", "-m", "harness.cli", "prefetch", "--matrix",
+                        opts.matrix_path, *selection, "--attempts", str(PREFETCH_ATTEMPTS),
+                        "--timeout-s", str(PREFETCH_TIMEOUT_S), "--backoff-s", str(PREFETCH_BACKOFF_S)])
+            + " || exit $?",
+            'echo "+++ :test_tube: harness run"',
+        ]
     lines += [
         "status=0",
         f"{run} || status=$?",
@@ -278,9 +309,10 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
         "key": unit_key(unit),
         "command": "\n".join(lines),
         "agents": {"queue": q.name},
-        "env": {"HARNESS_CELLS": " ".join(c.id for c in unit), "PYTHONUNBUFFERED": "1", **dict(env.env)},
-        "timeout_in_minutes": _timeout_minutes(unit, image),
-        "retry": _retry(),
+        "env": {"HARNESS_CELLS": " ".join(c.id for c in unit), "PYTHONUNBUFFERED": "1", **dict(env.env),
+                **({"HF_HUB_CACHE": opts.hub_cache} if prefetch else {})},
+        "timeout_in_minutes": _timeout_minutes(unit, image) + (prefetch_minutes() if prefetch else 0),
+        "retry": _retry(prefetch),
         "artifact_paths": artifacts,
     }
     if image:
@@ -295,6 +327,8 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
         if q.gpus:
             plugin["gpus"] = "all"
             plugin["shm-size"] = "16gb"
+        if prefetch:
+            plugin["volumes"] = [f"{opts.hub_cache}:{opts.hub_cache}"]
         step["plugins"] = [{DOCKER_PLUGIN: plugin}]
     if any(c.known_failures for c in unit):
         # Exit 1 is the harness's "a cell needs attention"; a crash (other codes) still fails hard.
@@ -626,6 +660,8 @@ def add_arguments(p) -> None:
     p.add_argument("--results-dir", default="results", metavar="DIR", help="where the steps write records (default: results)")
     p.add_argument("--reports-dir", default="reports", metavar="DIR", help="where the final step writes the report (default: reports)")
     p.add_argument("--context", help="the annotation context (default: harness-<tiers>-<hash of the cell list>)")
+    p.add_argument("--hub-cache", default=HUB_CACHE, metavar="DIR",
+                   help=f"the agents' hub cache that steps with hub checkpoints prefetch into (default: {HUB_CACHE})")
     p.add_argument("-o", "--output", metavar="FILE", help="write the YAML here instead of stdout")
 
 
@@ -685,7 +721,10 @@ def run(args) -> int:
             notes += why + [f"change-based selection: {len(cells)} cell(s) to run"]
         elif args.all:
             notes.append("--all: every selected cell runs, whatever changed")
-        opts = Options(matrix_path=mrel, results_dir=args.results_dir, reports_dir=args.reports_dir, context=args.context)
+        if not args.hub_cache.startswith("/") or not _IMAGE.match(args.hub_cache.lstrip("/")):
+            raise MatrixError(f"--hub-cache {args.hub_cache!r}: expected an absolute path of letters, digits, '._/-'")
+        opts = Options(matrix_path=mrel, results_dir=args.results_dir, reports_dir=args.reports_dir, context=args.context,
+                       hub_cache=args.hub_cache)
         text = to_yaml(generate(m, cells, opts, universe=universe), comments=notes)
     except (MatrixError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

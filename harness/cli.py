@@ -144,6 +144,19 @@ def _run(args) -> int:
     return _finish(args, m, cells, r, results_list, time.perf_counter() - t0)
 
 
+def _prefetch(args) -> int:
+    from harness import hub
+
+    _, cells = _selected_cells(args)
+    return hub.run_prefetch(args, cells)
+
+
+def _pin(args) -> int:
+    from harness import pin
+
+    return pin.run(args)
+
+
 def _finish(args, m, cells, r, results_list, wall: float) -> int:
     """The verdict table, the baseline changes, the report; the exit status (harness.verdicts)."""
     from harness import runner
@@ -210,6 +223,18 @@ def parser() -> argparse.ArgumentParser:
                      help="check everything the run needs (matrix, environments, images, prompts, baselines) and print "
                           "what would run where, without loading a model; exit 1 when a cell is misconfigured")
     run.set_defaults(func=_run)
+
+    pf = sub.add_parser("prefetch", help="fetch the hub checkpoints of the selected cells into this machine's hub "
+                                         "cache, once, with a timeout and retries per checkpoint (exit 75 on failure)")
+    selection(pf)
+    from harness import hub, pin
+
+    hub.add_prefetch_arguments(pf)
+    pf.set_defaults(func=_prefetch)
+
+    pn = sub.add_parser("pin", help="resolve every unpinned hub revision in models.yaml to its commit and write it in place")
+    pin.add_arguments(pn)
+    pn.set_defaults(func=_pin)
 
     # report and pipeline: their arguments and logic live in harness.report and harness.buildkite
     from harness import buildkite, report

@@ -207,7 +207,8 @@ def online_quantization(cell: Cell) -> dict | None:
 
 def resolve_checkpoint(cell: Cell, path: str | None = None) -> Checkpoint:
     """The checkpoint of a cell: a fixture (built or cached), a local directory (``path``, already
-    resolved against models.yaml by the runner) or a pinned hub snapshot."""
+    resolved against models.yaml by the runner) or a pinned hub snapshot (the one ``harness
+    prefetch`` left in this machine's hub cache, else snapshot_download's)."""
     if cell.source_kind == "fixture":
         from harness import fixtures
 
@@ -216,6 +217,11 @@ def resolve_checkpoint(cell: Cell, path: str | None = None) -> Checkpoint:
         return Checkpoint(p, fixture=cell.fixture_name, identity=manifest.get("identity"), manifest=manifest)
     if cell.source_kind == "path":
         return Checkpoint(Path(path or cell.path))
+    from harness import hub
+
+    snapshot = hub.prefetched(cell.hub.id, cell.hub.revision)  # a prefetch on this agent: no hub call
+    if snapshot is not None:
+        return Checkpoint(snapshot)
     from huggingface_hub import snapshot_download
 
     revision = None if cell.hub.revision == "unpinned" else cell.hub.revision
