@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import harness.fixtures as F
+from harness.fixtures import inputs as I
 from harness.fixtures import models as M
 from harness.fixtures.identity import read_safetensors_header
 
@@ -97,7 +98,7 @@ def test_assets_without_torchvision():
     bt = AutoTokenizer.from_pretrained(M.tokenizer_dir("bart"))
     assert bt.convert_tokens_to_ids(["<s>", "<pad>", "</s>", "<unk>", "<mask>"]) == [0, 1, 2, 3, 511]
     for model in ("mllama", "qwen2_5_vl"):
-        ip = M.image_processor(model)
+        ip = I.image_processor(model)
         assert type(ip).__name__.endswith("Pil")
         cfg = json.loads((M.processor_dir(model) / "preprocessor_config.json").read_text())
         assert cfg["processor_class"] == {"mllama": "MllamaProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[model]
@@ -111,14 +112,14 @@ def test_assets_without_torchvision():
 def test_images_platform_independent():
     # golden values: PCG64 integer draws, integer arithmetic only
     digests = {
-        m: hashlib.sha256(b"".join(a.tobytes() for a in M.synth_images(M.IMAGES[m]))).hexdigest()
+        m: hashlib.sha256(b"".join(a.tobytes() for a in I.synth_images(I.IMAGES[m]))).hexdigest()
         for m in ("mllama", "qwen2_5_vl")
     }
     assert digests == {
         "mllama": GOLDEN_IMAGES["mllama"],
         "qwen2_5_vl": GOLDEN_IMAGES["qwen2_5_vl"],
     }
-    a = M.synth_images(M.IMAGES["mllama"])
+    a = I.synth_images(I.IMAGES["mllama"])
     assert [x.shape for x in a] == [(56, 56, 3), (56, 112, 3), (112, 56, 3)] and a[0].dtype == np.uint8
 
 
@@ -140,10 +141,10 @@ def _eq(a, b) -> bool:
 def test_mllama_inputs_are_what_the_processor_returns():
     """prompt_batches (ids + images -> image processor + the processor's own cross-attention-mask
     helpers) equals MllamaProcessor(images, text) on the original texts, every key and value."""
-    proc = M.mllama_processor()
-    ours = M.prompt_batches("mllama")
-    for text, img, mine in zip(M.VLM_TEXTS, M.synth_images(M.IMAGES["mllama"]), ours, strict=True):
-        theirs = proc(images=[[M._pil(img)]], text=["<|image|>" + text], return_tensors="pt")
+    proc = I.mllama_processor()
+    ours = I.prompt_batches("mllama")
+    for text, img, mine in zip(I.VLM_TEXTS, I.synth_images(I.IMAGES["mllama"]), ours, strict=True):
+        theirs = proc(images=[[I._pil(img)]], text=["<|image|>" + text], return_tensors="pt")
         assert set(theirs) == set(mine)
         for k in theirs:
             assert _eq(theirs[k], mine[k]), k
@@ -163,16 +164,16 @@ def test_qwen_inputs_are_what_the_processor_returns():
     mm_token_type_ids."""
     from transformers import Qwen2_5_VLProcessor
 
-    ip, tok = M.image_processor("qwen2_5_vl"), M.load_tokenizer("qwen2_5_vl")
+    ip, tok = I.image_processor("qwen2_5_vl"), M.load_tokenizer("qwen2_5_vl")
     proc = Qwen2_5_VLProcessor.__new__(Qwen2_5_VLProcessor)
     proc.image_processor, proc.tokenizer, proc.video_processor, proc.chat_template = ip, tok, None, None
     proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
     proc.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>")
     proc.video_token_id = tok.convert_tokens_to_ids("<|video_pad|>")
-    ours = M.prompt_batches("qwen2_5_vl")
-    for text, img, mine in zip(M.VLM_TEXTS, M.synth_images(M.IMAGES["qwen2_5_vl"]), ours, strict=True):
+    ours = I.prompt_batches("qwen2_5_vl")
+    for text, img, mine in zip(I.VLM_TEXTS, I.synth_images(I.IMAGES["qwen2_5_vl"]), ours, strict=True):
         try:
-            theirs = proc(images=[M._pil(img)], text=["<|vision_start|><|image_pad|><|vision_end|>" + text],
+            theirs = proc(images=[I._pil(img)], text=["<|vision_start|><|image_pad|><|vision_end|>" + text],
                           return_tensors="pt")
         except (AttributeError, TypeError) as e:  # pragma: no cover - a transformers change
             pytest.skip(f"Qwen2_5_VLProcessor.__call__ without __init__ no longer works: {e}")
@@ -188,7 +189,7 @@ def test_prompt_inputs_from_manifest(built):
 
     for model in NEW_MODELS:
         man = F.manifest(built[f"{model}-unquantized"])
-        again, direct = F.prompt_inputs(man), M.prompt_batches(model)
+        again, direct = F.prompt_inputs(man), I.prompt_batches(model)
         assert len(again) == len(direct) == len(man["prompts"]) == 3
         for a, b in zip(again, direct):
             assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -227,7 +228,7 @@ def test_mllama_gates_nonzero_and_image_changes_logits(built):
             assert 0.4 < g.tanh().item() < 0.8
     man = F.manifest(path)
     ins = F.prompt_inputs(man)
-    other = M.prompt_batches("mllama", {"prompts": man["prompts"], "images": _other_images(man["images"])})
+    other = I.prompt_batches("mllama", {"prompts": man["prompts"], "images": _other_images(man["images"])})
     with torch.no_grad():
         for a, b in zip(ins, other):
             la, lb = model(**a).logits[0], model(**b).logits[0]
@@ -253,10 +254,10 @@ def test_qwen_image_changes_logits(built):
     man = F.manifest(built["qwen2_5_vl-unquantized"])
     model = _reload(built["qwen2_5_vl-unquantized"], "qwen2_5_vl")
     ins = F.prompt_inputs(man)
-    other = M.prompt_batches("qwen2_5_vl", {"prompts": man["prompts"], "images": _other_images(man["images"])})
+    other = I.prompt_batches("qwen2_5_vl", {"prompts": man["prompts"], "images": _other_images(man["images"])})
     with torch.no_grad():
         la, lb = model(**ins[1]).logits[0], model(**other[1]).logits[0]
-    first_image = man["prompts"][1].index(M.make_config_ids("qwen2_5_vl")["image_token_id"])
+    first_image = man["prompts"][1].index(I.make_config_ids("qwen2_5_vl")["image_token_id"])
     assert torch.equal(la[:first_image], lb[:first_image])
     assert (la[first_image:] - lb[first_image:]).abs().amax(-1).min() > 0.05
 
