@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from harness import cpu
+from harness.accuracy import gates as accuracy_gates
 from harness.engines.base import fuses_shards
 from harness.records import Check, KnownFailureRef, Record, SequenceResult, platform_key
 
@@ -119,6 +120,35 @@ def _position_bounds(noise: Noise | None, prompt_id: str, n: int, logprob_bound:
             [topk_bound if j == "family" else max(topk_bound, after) for j in judged])
 
 
+def _token_difference(pid: str, e: SequenceResult, o: SequenceResult, against: str) -> dict:
+    et, ot = e.scored.tokens, o.scored.tokens
+    pos = next((i for i, (x, y) in enumerate(zip(et, ot)) if x != y), min(len(et), len(ot)))
+    return {"prompt": pid, "position": pos, against: et[pos] if pos < len(et) else None,
+            "obtained": ot[pos] if pos < len(ot) else None, "lengths": [len(et), len(ot)]}
+
+
+def _scored_tokens_check(differing: list[dict], against: str) -> Check:
+    first = differing[0]
+    return Check(
+        name=f"scored-tokens:{against}",
+        ok=False,
+        detail=(f"scored tokens differ from {against}'s in {len(differing)} sequence(s); first: prompt "
+                f"{first['prompt']} position {first['position']}: {against} {first[against]} vs obtained "
+                f"{first['obtained']} (the runs scored different sequences; logprobs not comparable)"),
+        data={"sequences": differing},
+    )
+
+
+def _deltas(e: SequenceResult, o: SequenceResult) -> tuple[list[float], list[float]]:
+    """Per logprob index: |Δ| of the scored token, and max |Δ| over the top-k ids both runs share."""
+    tokens, topk = [], []
+    for la, lb, ka, kb in zip(e.scored.logprobs, o.scored.logprobs, e.scored.topk, o.scored.topk):
+        tokens.append(_delta(la, lb))
+        kb_map = dict(kb)
+        topk.append(max((_delta(x, kb_map[t]) for t, x in ka if t in kb_map), default=0.0))
+    return tokens, topk
+
+
 def check_teacher_forced(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], *,
                          logprob_bound: float, topk_bound: float, against: str,
                          noise: Noise | None = None) -> list[Check]:
@@ -129,101 +159,64 @@ def check_teacher_forced(expected: Sequence[SequenceResult], obtained: Sequence[
     kernels), positions past each prompt's fragile onset are held to the noise-derived bound; the
     check's data says which positions were judged how."""
     pairs, _, _ = _pair(expected, obtained)
-    checks: list[Check] = []
-    differing = []
-    per_position: dict[str, list[float | None]] = {}
-    topk_per_position: dict[str, list[float | None]] = {}
-    prompt_len: dict[str, int] = {}
+    differing = [_token_difference(pid, e, o, against) for pid, e, o in pairs if e.scored.tokens != o.scored.tokens]
+    same = [(pid, e, o) for pid, e, o in pairs if e.scored.tokens == o.scored.tokens]
+    checks = [_scored_tokens_check(differing, against)] if differing else []
+    if not same:
+        return checks
+    per_position, topk_per_position, judged, noise_bound = {}, {}, {}, {}
     worst = {"delta": 0.0, "prompt": None, "position": None, "what": None}
-    worst_tok = 0.0
-    worst_topk = 0.0
-    compared = 0
-    judged: dict[str, list[str]] = {}
-    noise_bound: dict[str, list[float | None]] = {}
     excess = []  # (|Δ| / bound, prompt, position, what) where a position exceeds its bound
-    for pid, e, o in pairs:
-        et, ot = e.scored.tokens, o.scored.tokens
-        if et != ot:
-            pos = next((i for i, (x, y) in enumerate(zip(et, ot)) if x != y), min(len(et), len(ot)))
-            differing.append({
-                "prompt": pid,
-                "position": pos,
-                against: et[pos] if pos < len(et) else None,
-                "obtained": ot[pos] if pos < len(ot) else None,
-                "lengths": [len(et), len(ot)],
-            })
-            continue
-        compared += 1
-        prompt_len[pid] = len(e.prompt_tokens)
-        labels, tok_bounds, topk_bounds = _position_bounds(noise, pid, len(e.scored.logprobs), logprob_bound, topk_bound)
+    for pid, e, o in same:
+        tokens, topk = _deltas(e, o)
+        labels, tok_bounds, topk_bounds = _position_bounds(noise, pid, len(tokens), logprob_bound, topk_bound)
         judged[pid] = labels
         noise_bound[pid] = [b if j == "noise" else None for j, b in zip(labels, tok_bounds)]
-        tok_deltas, topk_deltas = [], []
-        for i, (la, lb, ka, kb) in enumerate(zip(e.scored.logprobs, o.scored.logprobs, e.scored.topk, o.scored.topk)):
+        per_position[pid], topk_per_position[pid] = tokens, topk
+        for i, cases in enumerate(zip((("token", d) for d in tokens), (("topk", d) for d in topk))):
             pos = i + 1  # logprobs[i] scores tokens[i + 1]
-            d = _delta(la, lb)
-            if not d <= tok_bounds[i]:
-                excess.append((d / tok_bounds[i], pid, pos, "token"))
-            tok_deltas.append(d)
-            if d > worst_tok:
-                worst_tok = d
-            if d > worst["delta"]:
-                worst = {"delta": d, "prompt": pid, "position": pos, "what": "token"}
-            kb_map = dict(kb)
-            shared = [(t, lp, kb_map[t]) for t, lp in ka if t in kb_map]
-            dk = max((_delta(x, y) for _, x, y in shared), default=0.0)
-            topk_deltas.append(dk)
-            if not dk <= topk_bounds[i]:
-                excess.append((dk / topk_bounds[i], pid, pos, "topk"))
-            if dk > worst_topk:
-                worst_topk = dk
-            if dk > worst["delta"]:
-                worst = {"delta": dk, "prompt": pid, "position": pos, "what": "topk"}
-        per_position[pid] = [_safe(x) for x in tok_deltas]
-        topk_per_position[pid] = [_safe(x) for x in topk_deltas]
-    if differing:
-        first = differing[0]
-        checks.append(Check(
-            name=f"scored-tokens:{against}",
-            ok=False,
-            detail=(f"scored tokens differ from {against}'s in {len(differing)} sequence(s); first: prompt "
-                    f"{first['prompt']} position {first['position']}: {against} {first[against]} vs obtained "
-                    f"{first['obtained']} (the runs scored different sequences; logprobs not comparable)"),
-            data={"sequences": differing},
-        ))
-    if compared:
-        ok = not excess
-        where = f" at prompt {worst['prompt']} position {worst['position']} ({worst['what']})" if worst["prompt"] is not None else ""
-        detail = (f"max |Δlogprob| vs {against} {_fmt(worst['delta'])}{where}; scored tokens {_fmt(worst_tok)} "
-                  f"(bound {_fmt(logprob_bound)}), shared top-k {_fmt(worst_topk)} (bound {_fmt(topk_bound)})")
-        positions = [j for labels in judged.values() for j in labels]
-        family_share = positions.count("family") / len(positions) if positions else 1.0
-        if noise is not None:
-            detail += (f"; {against} from other kernels: family bound on {family_share:.0%} of positions, "
-                       "the measured noise bound past each fragile onset")
-            if excess:
-                _, pid, pos, what = max(excess)
-                detail += f"; worst against its position's bound: prompt {pid} position {pos} ({what})"
-        checks.append(Check(
-            name=f"teacher-forced:{against}",
-            ok=ok,
-            detail=detail if ok else "exceeds bound: " + detail,
-            data={
-                "max_abs_delta": _safe(worst["delta"]),
-                "max_abs_delta_tokens": _safe(worst_tok),
-                "max_abs_delta_topk": _safe(worst_topk),
-                "worst": {**worst, "delta": _safe(worst["delta"])},
-                "bound": {"logprob": logprob_bound, "topk": topk_bound},
-                "per_position": per_position,  # |Δ| of the scored token, index i = position i + 1
-                "topk_per_position": topk_per_position,
-                "prompt_len": prompt_len,  # positions >= prompt_len are generated tokens
-                "judged": judged,  # per prompt and index: "family" or "noise" (the bound that applied)
-                "onsets": {pid: _onset_data(noise, pid) for pid in judged},
-                "noise_bound": noise_bound,  # the bound applied where judged "noise", else null
-                "family_share": family_share,
-            },
-        ))
+            for (what, d), bound in zip(cases, (tok_bounds[i], topk_bounds[i])):
+                if d > worst["delta"]:
+                    worst = {"delta": d, "prompt": pid, "position": pos, "what": what}
+                if not d <= bound:
+                    excess.append((d / bound, pid, pos, what))
+    worst_tok = max((x for deltas in per_position.values() for x in deltas), default=0.0)
+    worst_topk = max((x for deltas in topk_per_position.values() for x in deltas), default=0.0)
+    positions = [j for labels in judged.values() for j in labels]
+    family_share = positions.count("family") / len(positions) if positions else 1.0
+    where = f" at prompt {worst['prompt']} position {worst['position']} ({worst['what']})" if worst["prompt"] is not None else ""
+    detail = (f"max |Δlogprob| vs {against} {_fmt(worst['delta'])}{where}; scored tokens {_fmt(worst_tok)} "
+              f"(bound {_fmt(logprob_bound)}), shared top-k {_fmt(worst_topk)} (bound {_fmt(topk_bound)})")
+    if noise is not None:
+        detail += (f"; {against} from other kernels: family bound on {family_share:.0%} of positions, "
+                   "the measured noise bound past each fragile onset")
+        if excess:
+            _, pid, pos, what = max(excess)
+            detail += f"; worst against its position's bound: prompt {pid} position {pos} ({what})"
+    checks.append(Check(
+        name=f"teacher-forced:{against}",
+        ok=not excess,
+        detail=detail if not excess else "exceeds bound: " + detail,
+        data={
+            "max_abs_delta": _safe(worst["delta"]),
+            "max_abs_delta_tokens": _safe(worst_tok),
+            "max_abs_delta_topk": _safe(worst_topk),
+            "worst": {**worst, "delta": _safe(worst["delta"])},
+            "bound": {"logprob": logprob_bound, "topk": topk_bound},
+            "per_position": _safe_lists(per_position),  # |Δ| of the scored token, index i = position i + 1
+            "topk_per_position": _safe_lists(topk_per_position),
+            "prompt_len": {pid: len(e.prompt_tokens) for pid, e, _ in same},  # positions >= it are generated
+            "judged": judged,  # per prompt and index: "family" or "noise" (the bound that applied)
+            "onsets": {pid: _onset_data(noise, pid) for pid in judged},
+            "noise_bound": noise_bound,  # the bound applied where judged "noise", else null
+            "family_share": family_share,
+        },
+    ))
     return checks
+
+
+def _safe_lists(values: dict[str, list[float]]) -> dict[str, list[float | None]]:
+    return {k: [_safe(x) for x in v] for k, v in values.items()}
 
 
 def _onset_data(noise: Noise | None, prompt_id: str) -> dict | None:
@@ -324,6 +317,9 @@ def cross_engine(record: Record, others: Iterable[Record], bounds: Bounds, *,
       results executed unfused (the runner's witness), which replaces the reference's side; the
       check's detail says so when it differs. Without it (a merge of separate runs) such a pair is
       not compared, and two non-reference engines that differ in fusion never are.
+    - Accuracy results (harness.accuracy.gates, ``accuracy/<task>:<engine>``) are compared with the
+      other engine's directly, and across fusion only when the witness shows that fusing changed
+      nothing on the cell's prompts.
     """
     checks: list[Check] = []
     if record.status != "ok":
@@ -335,15 +331,20 @@ def cross_engine(record: Record, others: Iterable[Record], bounds: Bounds, *,
         if applicable(known, other.engine, other.engine_info.version):
             continue
         mine, theirs, note = record, other, ""
+        accuracy = accuracy_gates.cross_engine(record, other, against=other.engine)
         if fuses_shards(record.engine) != fuses_shards(other.engine):
             if unfused is None or "reference" not in (record.engine, other.engine):
                 continue
             reference, executes = (record, other.engine) if record.engine == "reference" else (other, record.engine)
             if unfused.sequences != reference.sequences:
                 note = f" [reference executed unfused, as {executes} executes]"
+                # fusing changes the numerics here and the witness runs no accuracy tasks: the two
+                # engines' accuracy is compared only with their own baselines (docs/design.md, "Accuracy")
+                accuracy = []
             mine, theirs = (unfused, other) if record.engine == "reference" else (record, unfused)
         for c in compare_sequences(theirs.sequences, mine.sequences, bounds, against=other.engine):
             checks.append(c.model_copy(update={"detail": c.detail + note}) if note else c)
+        checks += accuracy
     return checks
 
 
@@ -450,7 +451,7 @@ def disagreement(record: Record, checks: Iterable[Check], known_failures: Iterab
 def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
             known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
             expected_engine_version: str | None = None, platform: str | None = None,
-            gate_load_time: bool = False) -> Judgement:
+            gate_load_time: bool = False, accuracy_baseline=None) -> Judgement:
     """The verdict of one record, in the order of docs/design.md, "Verdicts":
 
     1. status unsupported (a capability probe) -> unsupported
@@ -464,6 +465,9 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
     6. a baseline check fails -> regressed, or waived when known failures match every failing check
     7. gated tier and load-time ratio > bound -> regressed (same waiver rule)
     8. a known failure covers this engine version, yet all passed -> unexpected-pass
+    (accuracy results, docs/design.md "Accuracy", join in: their checks against other engines at 3,
+    a task with no value in ``accuracy_baseline`` at 4, a changed task at 5, their checks against
+    the baseline at 6)
     9. gated tier and load-time ratio < 1/bound -> improved
     10. otherwise pass
     """
@@ -490,12 +494,19 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
     if baseline is None:
         return Judgement("missing-baseline", "no baseline stored for this cell; run with --update-baselines to create one", checks)
 
+    acc = accuracy_gates.against_baseline(record, accuracy_baseline)
     base_checks = compare_sequences(baseline.record_sequences(), record.sequences, bounds, against="baseline",
-                                    noise=noise_for(record, baseline))
+                                    noise=noise_for(record, baseline)) + acc.checks
     load_check = check_load_time(record, baseline, bound=bounds.load_time, gated=gate_load_time)
     checks += base_checks + ([load_check] if load_check is not None else [])
 
+    if acc.missing:
+        return Judgement("missing-baseline", f"no accuracy baseline for {', '.join(acc.missing)}; run with "
+                         "--update-baselines to create one", checks)
     stale = baseline_key_problems(record, baseline, expected_engine_version=expected_engine_version, platform=platform)
+    if acc.checks:
+        stale += [f"accuracy baseline: {p}" for p in baseline_key_problems(
+            record, accuracy_baseline, expected_engine_version=expected_engine_version, platform=platform)] + acc.stale
     if stale:
         return Judgement("stale-baseline", "; ".join(stale), checks)
 
@@ -522,11 +533,13 @@ def _kernels_note(checks: list[Check]) -> str:
 
 
 def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = (), *,
-          known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None) -> Judgement:
+          known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None,
+          accuracy_baseline=None) -> Judgement:
     """verdict() with every setting taken from the cell (bounds, known failures, the pinned engine
     version, load-time gating) and the cross-engine checks against ``others``, the other engines'
     records of its (model, scheme) in this run, by cross_engine()'s rule (``known_failures``: the
-    group's; ``unfused``: the reference executed unfused)."""
+    group's; ``unfused``: the reference executed unfused), and the cell's accuracy baseline
+    (``accuracy_baseline``, harness.accuracy.store)."""
     return verdict(
         record,
         baseline,
@@ -535,4 +548,5 @@ def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterabl
         cross_engine_checks=cross_engine(record, others, cell.bounds, known_failures=known_failures, unfused=unfused),
         expected_engine_version=cell.engine_version,
         gate_load_time=cell.gate_load_time,
+        accuracy_baseline=accuracy_baseline,
     )
