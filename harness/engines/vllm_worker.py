@@ -378,111 +378,126 @@ def _torchao_label(weight) -> str:
     return f"torchao-{name}"
 
 
-def effective_shards(name: str, layer, packed: dict[str, list[str]]) -> dict:
-    """One vLLM linear module: its quant method and, per checkpoint shard, the label and the
-    effective weight (float32 unless the module holds the model dtype), with the bias rows."""
-    import torch
+class _Shards:
+    """The checkpoint shards one vLLM linear holds (e.g. q, k, v of a qkv_proj), their output rows
+    and bias rows, and the per-shard readings taken so far."""
 
-    qm = layer.quant_method
-    qm_name = type(qm).__name__
-    scheme = getattr(layer, "scheme", None)
-    leaf = name.rsplit(".", 1)[-1]
-    shard_names = list(packed.get(leaf, [leaf]))
-    sizes = list(getattr(layer, "output_partition_sizes", None) or [])
-    if len(sizes) != len(shard_names):
-        sizes = [None] * len(shard_names)
-    bias = getattr(layer, "bias", None)
-    bias = bias.detach() if isinstance(bias, torch.Tensor) and bias.numel() else None
-    out: dict[str, Any] = {"module": name, "class": type(layer).__name__, "quant_method": qm_name,
-                           "scheme": type(scheme).__name__ if scheme is not None else None,
-                           "shards": [], "note": ""}
+    def __init__(self, name: str, layer, packed: dict[str, list[str]]):
+        import torch
 
-    def rows(i):
-        if sizes[i] is None:
+        leaf = name.rsplit(".", 1)[-1]
+        self.names = list(packed.get(leaf, [leaf]))
+        sizes = list(getattr(layer, "output_partition_sizes", None) or [])
+        self.sizes = sizes if len(sizes) == len(self.names) else [None] * len(self.names)
+        bias = getattr(layer, "bias", None)
+        self.bias = bias.detach() if isinstance(bias, torch.Tensor) and bias.numel() else None
+        self.readings: list[dict] = []
+
+    def rows(self, i: int) -> tuple[int, int] | None:
+        if self.sizes[i] is None:
             return None
-        start = sum(sizes[:i])
-        return start, start + sizes[i]
+        start = sum(self.sizes[:i])
+        return start, start + self.sizes[i]
 
-    def add(i, label, weight, note=""):
-        r = rows(i)
-        b = None
-        if bias is not None and r is not None:
-            b = bias[r[0]:r[1]].clone()
-        out["shards"].append({"shard": shard_names[i], "index": i, "label": label,
+    def add(self, i: int, label: str, weight, note: str = "") -> None:
+        r = self.rows(i)
+        b = self.bias[r[0]:r[1]].clone() if self.bias is not None and r is not None else None
+        self.readings.append({"shard": self.names[i], "index": i, "label": label,
                               "weight": None if weight is None else weight.detach().clone(),
                               "dtype": None if weight is None else str(weight.dtype).replace("torch.", ""),
                               "bias": b, "bias_dtype": None if b is None else str(b.dtype).replace("torch.", ""),
                               "note": note})
 
-    def split(full, label, note=""):
-        for i in range(len(shard_names)):
-            r = rows(i)
+    def split(self, full, label: str, note: str = "") -> None:
+        """One reading per shard from the module's whole effective weight, cut at the shards' rows."""
+        for i in range(len(self.names)):
+            r = self.rows(i)
             if r is None:
-                if len(shard_names) == 1:
-                    add(i, label, full, note)
+                if len(self.names) == 1:
+                    self.add(i, label, full, note)
                 else:
-                    add(i, label, None, note or "shard sizes unknown")
+                    self.add(i, label, None, note or "shard sizes unknown")
                 continue
-            add(i, label, full[r[0]:r[1]] if full is not None and full.shape[0] >= r[1] else None,
-                note or ("" if full is not None and full.shape[0] >= r[1] else f"weight has {None if full is None else tuple(full.shape)} rows"))
+            fits = full is not None and full.shape[0] >= r[1]
+            self.add(i, label, full[r[0]:r[1]] if fits else None,
+                     note or ("" if fits else f"weight has {None if full is None else tuple(full.shape)} rows"))
 
+
+def _read_unquantized(layer, qm_name: str, shards: _Shards) -> None:
+    w = getattr(layer, "_harness_effective_weight", None)
+    if w is None:
+        w = layer.weight
+    label = "unquantized"
+    note = ""
+    if qm_name == "UnquantizedLinearMethod" and _on_cpu() and not hasattr(layer, "cpu_linear"):
+        label, note = "unquantized [unprocessed]", "no CPU GEMM dispatched: process_weights_after_loading did not run"
+    if w.numel() == 0:
+        shards.split(None, label, "weight removed and not captured")
+    else:
+        shards.split(w, label, note)
+
+
+def _read_bnb(weight, shards: _Shards) -> str:
+    """Each shard dequantized from its own quant state; returns the module's note (which shards
+    vLLM holds a quant state for)."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    states = getattr(weight, "bnb_quant_state", None) or {}
+    offsets = getattr(weight, "bnb_shard_offsets", None)
+    if not isinstance(states, dict):
+        states = {0: states}
+    kept = sorted(states)
+    for i in range(len(shards.names)):
+        qs = states.get(i)
+        if qs is None:
+            shards.add(i, "bnb-missing", None, f"vLLM holds no quant state for shard {i} ({shards.names[i]}); "
+                                              f"quant states held: {kept}")
+            continue
+        pos = kept.index(i)
+        if offsets is not None and len(offsets) > pos + 1:
+            packed_rows = weight.data[int(offsets[pos]):int(offsets[pos + 1])]
+        else:
+            packed_rows = weight.data
+        try:
+            deq = dequantize_4bit(packed_rows, qs)
+            shards.add(i, f"bnb-{qs.quant_type}", deq.reshape(tuple(qs.shape)))
+        except Exception as e:  # a wrong offset or state is a finding, not a reader crash
+            shards.add(i, f"bnb-{getattr(qs, 'quant_type', '?')}", None,
+                       f"dequantize_4bit failed: {type(e).__name__}: {e}")
+    return f"quant states held for shards {kept} of {len(shards.names)}"
+
+
+def _read_torchao(weight, shards: _Shards) -> None:
+    if hasattr(weight, "dequantize") and type(weight).__name__ not in ("Parameter", "Tensor"):
+        shards.split(weight.dequantize().float(), _torchao_label(weight))
+    else:
+        shards.split(weight.detach(), "unquantized", "TorchAOLinearMethod holding a plain tensor")
+
+
+def effective_shards(name: str, layer, packed: dict[str, list[str]]) -> dict:
+    """One vLLM linear module: its quant method and, per checkpoint shard, the label and the
+    effective weight (float32 unless the module holds the model dtype), with the bias rows."""
+    import torch
+
+    qm_name = type(layer.quant_method).__name__
+    scheme = getattr(layer, "scheme", None)
+    shards = _Shards(name, layer, packed)
+    note = ""
     if qm_name in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
-        w = getattr(layer, "_harness_effective_weight", None)
-        if w is None:
-            w = layer.weight
-        label = "unquantized"
-        note = ""
-        if qm_name == "UnquantizedLinearMethod" and _on_cpu() and not hasattr(layer, "cpu_linear"):
-            label, note = "unquantized [unprocessed]", "no CPU GEMM dispatched: process_weights_after_loading did not run"
-        if w.numel() == 0:
-            split(None, label, "weight removed and not captured")
-        else:
-            split(w, label, note)
-        return out
-
-    weight = layer.weight
-    if qm_name == "BitsAndBytesLinearMethod":
-        from bitsandbytes.functional import dequantize_4bit
-
-        states = getattr(weight, "bnb_quant_state", None) or {}
-        offsets = getattr(weight, "bnb_shard_offsets", None)
-        if not isinstance(states, dict):
-            states = {0: states}
-        kept = sorted(states)
-        out["note"] = f"quant states held for shards {kept} of {len(shard_names)}"
-        for i in range(len(shard_names)):
-            qs = states.get(i)
-            if qs is None:
-                add(i, "bnb-missing", None, f"vLLM holds no quant state for shard {i} ({shard_names[i]}); "
-                                             f"quant states held: {kept}")
-                continue
-            pos = kept.index(i)
-            if offsets is not None and len(offsets) > pos + 1:
-                packed_rows = weight.data[int(offsets[pos]):int(offsets[pos + 1])]
-            else:
-                packed_rows = weight.data
-            try:
-                deq = dequantize_4bit(packed_rows, qs)
-                add(i, f"bnb-{qs.quant_type}", deq.reshape(tuple(qs.shape)))
-            except Exception as e:  # a wrong offset or state is a finding, not a reader crash
-                add(i, f"bnb-{getattr(qs, 'quant_type', '?')}", None, f"dequantize_4bit failed: {type(e).__name__}: {e}")
-        return out
-
-    if qm_name == "TorchAOLinearMethod":
-        if hasattr(weight, "dequantize") and type(weight).__name__ not in ("Parameter", "Tensor"):
-            split(weight.dequantize().float(), _torchao_label(weight))
-        else:
-            split(weight.detach(), "unquantized", "TorchAOLinearMethod holding a plain tensor")
-        return out
-
-    if weight.dtype in (torch.float8_e4m3fn, getattr(torch, "float8_e4m3fnuz", None)):
-        w, label, note = _fp8_effective(layer, weight)
-        split(w, label, note)
-        return out
-
-    split(weight.detach() if weight.dtype.is_floating_point else None, f"unknown:{qm_name}",
-          f"no reader for {qm_name} ({weight.dtype})")
-    return out
+        _read_unquantized(layer, qm_name, shards)
+    elif qm_name == "BitsAndBytesLinearMethod":
+        note = _read_bnb(layer.weight, shards)
+    elif qm_name == "TorchAOLinearMethod":
+        _read_torchao(layer.weight, shards)
+    elif layer.weight.dtype in (torch.float8_e4m3fn, getattr(torch, "float8_e4m3fnuz", None)):
+        shards.split(*_fp8_effective(layer, layer.weight))
+    else:
+        weight = layer.weight
+        shards.split(weight.detach() if weight.dtype.is_floating_point else None, f"unknown:{qm_name}",
+                     f"no reader for {qm_name} ({weight.dtype})")
+    return {"module": name, "class": type(layer).__name__, "quant_method": qm_name,
+            "scheme": type(scheme).__name__ if scheme is not None else None,
+            "shards": shards.readings, "note": note}
 
 
 def read_modules(model) -> dict:
