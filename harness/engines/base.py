@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import json
+import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -123,6 +124,10 @@ class Engine(abc.ABC):
             return None
 
     def platform(self) -> str:
+        if device().startswith("cuda"):
+            import torch
+
+            return R.cuda_platform(*torch.cuda.get_device_capability(torch.device(device())))
         return R.cpu_platform()
 
     def info(self) -> R.EngineInfo:
@@ -132,8 +137,15 @@ class Engine(abc.ABC):
     # ---- the five steps ------------------------------------------------------------------
     def probe(self, checkpoint: Checkpoint) -> str | None:
         """Why this engine cannot run the cell here, decided before loading; None when it can.
-        The default checks the cell's hardware needs against this machine."""
-        return hardware_problem(self.cell)
+        The default checks the cell's hardware needs against this machine, and that torch sees
+        the CUDA device ``HARNESS_DEVICE`` names."""
+        reason = hardware_problem(self.cell)
+        if reason is None and device().startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                reason = f"{DEVICE_ENV}={device()}, but torch {torch.__version__} sees no CUDA device"
+        return reason
 
     @abc.abstractmethod
     def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
@@ -182,6 +194,27 @@ def fuses_shards(name: str) -> bool:
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+DEVICE_ENV = "HARNESS_DEVICE"
+
+
+def device() -> str:
+    """Where the in-process engines (reference, transformers) run: ``cpu`` (the default) or
+    ``cuda`` / ``cuda:N``, from ``HARNESS_DEVICE``, which an environment's ``env`` sets
+    (models.yaml's ``cuda-check``, scripts/gpu-check)."""
+    return os.environ.get(DEVICE_ENV) or "cpu"
+
+
+class OnDevice:
+    """Calls a model with its tensor inputs moved to ``device`` (prompts are built on the CPU)."""
+
+    def __init__(self, model, device: str):
+        self.model = model
+        self.device = device
+
+    def __call__(self, **kwargs):
+        return self.model(**{k: v.to(self.device) if hasattr(v, "to") else v for k, v in kwargs.items()})
 
 
 def hardware_problem(cell: Cell) -> str | None:
@@ -349,6 +382,17 @@ class InProcessEngine(Engine):
     two such engines is a difference in loading, never in how they were driven."""
 
     model: Any = None
+
+    def on_device(self, model):
+        """The model as harness.scoring calls it. On CUDA: inputs moved to the device, and TF32
+        off, so that float32 means float32 on a GPU too."""
+        if device() == "cpu":
+            return model
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return OnDevice(model, device())
 
     def _prompt(self, p: EnginePrompt):
         from harness import scoring

@@ -5,13 +5,14 @@ the load report's total, with its phases (skeleton, read, decode, fuse, assign).
 follow docs/design.md, "Fusion rule" (``fuse=True``, as an inference engine executes them); the runner may also ask for
 the unfused variant, the witness that engines which do not fuse (transformers) are compared with.
 Online schemes (``online-*``) pass their quantization config to ``reference.load(quantization=)``.
+On ``HARNESS_DEVICE=cuda`` (harness.engines.base.device) the model is loaded onto that device.
 """
 from __future__ import annotations
 
 import time
 
 from harness import records as R
-from harness.engines.base import Checkpoint, InProcessEngine, online_quantization
+from harness.engines.base import Checkpoint, InProcessEngine, device, online_quantization
 
 
 def harness_version() -> str:
@@ -43,9 +44,10 @@ class ReferenceEngine(InProcessEngine):
         from harness import reference
 
         t0 = time.perf_counter()
-        loaded = reference.load(checkpoint.path, fuse=self.fuse, quantization=online_quantization(self.cell))
+        loaded = reference.load(checkpoint.path, device=device(), fuse=self.fuse,
+                                quantization=online_quantization(self.cell))
         wall = time.perf_counter() - t0
-        self.model, self.report = loaded.model, loaded.report
+        self.model, self.report = self.on_device(loaded.model), loaded.report
         phases = {k: float(v) for k, v in loaded.report.timings.items() if k != "total"}
         return R.LoadInfo(seconds=float(loaded.report.timings.get("total", wall)), phases=phases)
 

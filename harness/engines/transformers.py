@@ -15,6 +15,9 @@ Load time: the wall time of ``from_pretrained`` (its only phase). How it is driv
 - transformers executes every projection unfused (``fuses_shards = False``): the runner compares it
   with the reference executed unfused.
 
+On ``HARNESS_DEVICE=cuda`` (harness.engines.base.device; models.yaml's ``cuda-check``
+environment) ``device_map`` is that device: bitsandbytes then runs its CUDA kernels.
+
 Online schemes (``online-*``): ``from_pretrained(unquantized, quantization_config=<the scheme's
 config>)``, the library quantizing while loading; the load time then includes quantization.
 
@@ -28,7 +31,7 @@ import json
 import time
 
 from harness import records as R
-from harness.engines.base import Checkpoint, InProcessEngine, online_quantization
+from harness.engines.base import Checkpoint, InProcessEngine, device, online_quantization
 
 
 class _NoCache:
@@ -96,9 +99,9 @@ class TransformersEngine(InProcessEngine):
 
             kwargs["quantization_config"] = AutoQuantizationConfig.from_dict(online)
         t0 = time.perf_counter()
-        model = cls.from_pretrained(checkpoint.path, device_map="cpu", dtype=torch.float32, **kwargs)
+        model = cls.from_pretrained(checkpoint.path, device_map=device(), dtype=torch.float32, **kwargs)
         seconds = time.perf_counter() - t0
         model.eval()
         bnb_float_compute(model)
-        self.model = _NoCache(model)
+        self.model = self.on_device(_NoCache(model))
         return R.LoadInfo(seconds=seconds, phases={"from_pretrained": seconds})

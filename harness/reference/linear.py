@@ -19,7 +19,7 @@ class InputQuant:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.static_scale is not None:
-            return fp8.fake_quant(x, self.static_scale)
+            return fp8.fake_quant(x, self.static_scale.to(x.device))
         return fp8.quantize_dynamic_per_token(x)
 
     def __repr__(self) -> str:

@@ -1,0 +1,106 @@
+"""scripts/gpu-check, as far as a machine without a GPU can take it: the carried folder (fixtures,
+the bitsandbytes wheel's pruning), the CPU smoke run of the cuda-check cells end to end (records,
+report, machine description and archive in one folder, the carried fixture installed under this
+machine's cache key instead of being rebuilt), and the dry run. The CUDA run itself has not run
+anywhere yet (README, "The device check")."""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+from harness import matrix as M
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu-check"
+
+
+def gpu_check_module():
+    loader = importlib.machinery.SourceFileLoader("gpu_check", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("gpu_check", loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def script(*args, env_extra=None, timeout=600) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_cuda_check_cells_are_their_own_environments():
+    gc = gpu_check_module()
+    data = gc.matrix_data(ROOT / "models.yaml")
+    models = gc.cuda_models(data)
+    assert models == ["llama-cuda", "whisper-cuda"]
+    cells = [c for c in M.load(ROOT / "models.yaml").cells() if c.model in models]
+    assert cells and all(c.environment == gc.ENVIRONMENT and c.tier == "gpu-tiny" and c.hardware.gpus == 1 for c in cells)
+    assert {c.engine for c in cells} == {"reference", "transformers"}
+    env = M.load(ROOT / "models.yaml").environments[gc.ENVIRONMENT]
+    assert env.env == {"HARNESS_DEVICE": "cuda"} and env.engines["transformers"] == "5.17.0"
+    # the selection names exactly those cells
+    assert {c.id for c in M.select(M.load(ROOT / "models.yaml").cells(), gc.selection(models, None))} == {c.id for c in cells}
+
+
+def test_wheel_unpacking_keeps_only_the_cpu_and_chosen_cuda_libraries(tmp_path):
+    gc = gpu_check_module()
+    wheel = tmp_path / "bitsandbytes-0-py3-none-manylinux_2_24_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in ("cpu", "cuda118", "cuda128", "cuda130", "cuda132", "rocm64", "xpu2025"):
+            z.writestr(f"bitsandbytes/libbitsandbytes_{name}.so", b"x" * 10)
+        z.writestr("bitsandbytes/__init__.py", b"")
+        z.writestr("bitsandbytes-0.dist-info/METADATA", b"Name: bitsandbytes\n")
+        z.writestr("pkg-0.data/purelib/extra.py", b"")
+        z.writestr("pkg-0.data/scripts/tool", b"")
+    site = tmp_path / "site"
+    gc._unpack(wheel, site, ("130", "132"))
+    kept = sorted(p.relative_to(site).as_posix() for p in site.rglob("*") if p.is_file())
+    assert kept == ["bitsandbytes-0.dist-info/METADATA", "bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cpu.so",
+                    "bitsandbytes/libbitsandbytes_cuda130.so", "bitsandbytes/libbitsandbytes_cuda132.so", "extra.py"]
+
+
+def test_smoke_run_carries_a_fixture_and_writes_everything_into_one_folder(tmp_path, cache_dir):
+    carried = tmp_path / "carried"
+    out = script("prepare", "--skip-wheels", "--dir", carried, "-k", "llama-bnb-nf4")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (carried / "fixtures" / "llama-bnb-nf4" / "manifest.json").exists()
+    assert "MiB would travel with a device command" in out.stdout
+    # a fresh fixture cache (another machine's): the carried copy is installed, not rebuilt
+    fresh = tmp_path / "fixture-cache"
+    res = tmp_path / "out"
+    out = script("run", "--smoke-cpu", "--dir", carried, "--out", res, "--fixture-cache", fresh, "-k", "llama-cuda.bnb-nf4.",
+                 "--archive", tmp_path / "gpu-check.tar.gz")
+    assert "fixture llama-bnb-nf4: installed the carried copy" in out.stdout, out.stdout + out.stderr
+    assert "building llama-bnb-nf4" not in (res / "results" / "logs" / "llama-cuda.bnb-nf4.reference.log").read_text()
+    # no baselines for these cells: missing-baseline (exit 1), after both engines ran and agreed
+    assert out.returncode == 1, out.stdout + out.stderr
+    summary = json.loads((res / "gpu-check.json").read_text())
+    assert summary["verdicts"] == {"llama-cuda.bnb-nf4.reference": "missing-baseline",
+                                   "llama-cuda.bnb-nf4.transformers": "missing-baseline"}
+    tf = json.loads((res / "results" / "llama-cuda.bnb-nf4.transformers.json").read_text())
+    assert tf["status"] == "ok" and tf["engine_info"]["environment"] == "cuda-check"
+    assert {c["name"]: c["ok"] for c in tf["checks"]}["teacher-forced:reference"] is True
+    assert (res / "results" / "report" / "report.html").exists() and (res / "results" / "summary.txt").exists()
+    machine = json.loads((res / "environment.json").read_text())
+    assert machine["torch"] and machine["python"] == sys.version.split()[0]
+    with tarfile.open(tmp_path / "gpu-check.tar.gz") as tar:
+        names = tar.getnames()
+    assert "out/gpu-check.json" in names and "out/results/llama-cuda.bnb-nf4.transformers.json" in names
+    # never a baseline of the repository: the smoke run's obtained files stay in its own folder
+    assert not list((ROOT / "baselines").rglob("*-cuda.*"))
+
+
+def test_dry_run_lists_the_cuda_cells_without_loading(tmp_path):
+    out = script("run", "--dry-run", "--out", tmp_path / "out", env_extra={"HARNESS_GPUS": "none"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "llama-cuda.fp8-static-kv.transformers" in out.stdout and "whisper-cuda.bnb-nf4.reference" in out.stdout
+    assert "here: unsupported: needs 1 GPU(s); this machine has 0" in out.stdout
+    assert not (tmp_path / "out" / "results").exists()
