@@ -246,6 +246,12 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("pipeline", help="write the Buildkite pipeline (YAML) for the matrix to stdout")
     buildkite.add_arguments(pl)
     pl.set_defaults(func=buildkite.run)
+
+    from harness.accuracy import build as accuracy_build
+
+    acc = sub.add_parser("accuracy", help="list the offline tiny accuracy tasks, or rebuild them on purpose")
+    accuracy_build.add_arguments(acc)
+    acc.set_defaults(func=accuracy_build.run)
     return p
 
 

@@ -29,6 +29,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, field_validator, model_validator
 
 from harness import architectures
+from harness.accuracy.spec import AccuracyTask, CellAccuracyTask
 
 ENGINES: tuple[str, ...] = ("reference", "transformers", "vllm")
 TIERS: tuple[str, ...] = ("cpu-tiny", "gpu-tiny", "gpu-full")
@@ -194,6 +195,7 @@ class _CellSettings(_Strict):
     timeout_s: float | None = Field(default=None, gt=0)
     bounds: BoundsOverride | None = None
     hardware: Hardware | None = None
+    accuracy: list[Name] | None = None  # names under accuracy_tasks; a scheme's list replaces its model's
 
 
 class Scheme(_CellSettings):
@@ -218,9 +220,11 @@ class Matrix(_Strict):
     environments: dict[EnvName, Environment] = Field(min_length=1)
     defaults: Defaults
     prompt_sets: dict[Name, Annotated[list[Prompt], Field(min_length=1)]] = {}
+    accuracy_tasks: dict[Name, AccuracyTask] = {}  # docs/design.md, "Accuracy"
     models: dict[Name, Model] = Field(min_length=1)
 
     _file: str = PrivateAttr(default="models.yaml")
+    _dir: Path = PrivateAttr(default=DEFAULT_PATH.parent)  # what paths in the file are relative to
 
     @property
     def file(self) -> str:
@@ -262,6 +266,7 @@ class Cell(_Strict):
     bounds: Bounds
     hardware: Hardware
     known_failures: tuple[KnownFailure, ...] = ()  # those for this engine only
+    accuracy: tuple[CellAccuracyTask, ...] = ()  # accuracy tasks run in the same engine child
 
     @property
     def fixture_name(self) -> str | None:
@@ -281,8 +286,10 @@ class Cell(_Strict):
 
     @property
     def markers(self) -> tuple[str, ...]:
-        """pytest marker names for this cell: the tier (``cpu_tiny``...) and ``cpu`` or ``gpu``."""
-        return (self.tier.replace("-", "_"), "gpu" if (self.hardware.gpus or 0) > 0 else "cpu")
+        """pytest marker names for this cell: the tier (``cpu_tiny``...), ``cpu`` or ``gpu``, and
+        ``accuracy`` when it runs accuracy tasks."""
+        return (self.tier.replace("-", "_"), "gpu" if (self.hardware.gpus or 0) > 0 else "cpu",
+                *(("accuracy",) if self.accuracy else ()))
 
     @property
     def keywords(self) -> tuple[str, ...]:
@@ -324,10 +331,10 @@ def load(path: str | Path = DEFAULT_PATH) -> Matrix:
         shown = str(path.resolve().relative_to(Path.cwd()))
     except ValueError:
         shown = str(path)
-    return loads(text, filename=shown)
+    return loads(text, filename=shown, base_dir=path.resolve().parent)
 
 
-def loads(text: str, filename: str = "models.yaml") -> Matrix:
+def loads(text: str, filename: str = "models.yaml", base_dir: str | Path | None = None) -> Matrix:
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
@@ -342,6 +349,7 @@ def loads(text: str, filename: str = "models.yaml") -> Matrix:
     except ValidationError as e:
         raise MatrixError(f"{filename}: {_first_error(e)}") from None
     matrix._file = filename
+    matrix._dir = Path(base_dir) if base_dir is not None else DEFAULT_PATH.parent
     _check_references(matrix, filename)
     return matrix
 
@@ -450,8 +458,16 @@ def _check_references(m: Matrix, filename: str) -> None:
             if p.id in seen:
                 fail(f"prompt_sets.{pname}[{i}].id", f"duplicate prompt id {p.id!r}")
             seen.add(p.id)
+    for tname, task in m.accuracy_tasks.items():
+        if task.local:
+            problem = _task_yaml_problem(m._dir / task.task)
+            if problem:
+                fail(f"accuracy_tasks.{tname}.task", problem)
     for mname, model in m.models.items():
         mpath = f"models.{mname}"
+        for i, tname in enumerate(model.accuracy or ()):
+            if tname not in m.accuracy_tasks:
+                fail(f"{mpath}.accuracy[{i}]", f"accuracy task {tname!r} is not defined under accuracy_tasks{_defined(m.accuracy_tasks)}")
         sources = [k for k in ("fixture", "path", "hub") if getattr(model, k) is not None]
         if len(sources) != 1:
             found = ", ".join(sources) if sources else "none"
@@ -488,6 +504,23 @@ def _check_references(m: Matrix, filename: str) -> None:
                 fail(f"{spath}.hardware.gpus" if s.hardware and s.hardware.gpus is not None else f"{mpath}.hardware.gpus", f"{tier} cells need at least one GPU")
             if s.fixture_scheme is not None and model.fixture is None:
                 fail(f"{spath}.fixture_scheme", "only fixture models load a fixture")
+            for i, tname in enumerate(s.accuracy or ()):
+                if tname not in m.accuracy_tasks:
+                    fail(f"{spath}.accuracy[{i}]", f"accuracy task {tname!r} is not defined under accuracy_tasks{_defined(m.accuracy_tasks)}")
+
+
+def _task_yaml_problem(path: Path) -> str | None:
+    """Why a task YAML in the repo cannot be an lm-eval task (None when it can): it must exist and
+    be a mapping naming its ``task``."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        return f"cannot read the task YAML {path}: {e.strerror or e}"
+    except yaml.YAMLError as e:
+        return f"the task YAML {path} is not YAML: {str(e).splitlines()[0]}"
+    if not isinstance(data, dict) or not isinstance(data.get("task"), str):
+        return f"the task YAML {path} must be a mapping with a `task` name"
+    return None
 
 
 def _defined(d: dict) -> str:
@@ -545,6 +578,12 @@ def expand(matrix: Matrix, tier: str | Iterable[str] | None = None, engines: str
             if hw.gpus is None:
                 hw = hw.model_copy(update={"gpus": 0 if cell_tier == "cpu-tiny" else 1})
             engine_envs = s.engines if s.engines is not None else model.engines
+            task_names = s.accuracy if s.accuracy is not None else model.accuracy or []
+            accuracy = tuple(
+                CellAccuracyTask(**matrix.accuracy_tasks[t].model_dump(), name=t,
+                                 path=str((matrix._dir / matrix.accuracy_tasks[t].task).resolve())
+                                 if matrix.accuracy_tasks[t].local else None)
+                for t in task_names)
             for engine, env in (engine_envs or {}).items():
                 if engine_set is not None and engine not in engine_set:
                     continue
@@ -573,6 +612,7 @@ def expand(matrix: Matrix, tier: str | Iterable[str] | None = None, engines: str
                         bounds=Bounds(**bounds),
                         hardware=hw,
                         known_failures=tuple(k for k in s.known_failures if k.engine == engine),
+                        accuracy=accuracy,
                     )
                 )
     cells.sort(key=lambda c: c.id)

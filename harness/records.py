@@ -146,6 +146,31 @@ class ModuleDiff(_Strict):
     detail: str
 
 
+class Accuracy(_Strict):
+    """One accuracy task run through lm-eval on the cell's engine (harness.accuracy; docs/design.md,
+    "Accuracy"). ``value`` is lm-eval's ``<metric>,<filter>`` result (None when lm-eval gave none),
+    ``stderr`` its standard error, ``samples`` the number of samples evaluated, ``task_hash`` a
+    sha256 of what lm-eval evaluated (the task's resolved config, few-shot count, limit, and a
+    local task's data), ``gate`` the rule as models.yaml declares it, ``items`` the metric per
+    sample in lm-eval's doc order (for a paired look at which samples moved; null for corpus-level
+    metrics such as perplexities)."""
+
+    task: str  # the name under models.yaml's accuracy_tasks
+    lm_eval_task: str  # lm-eval's own task name
+    metric: str
+    filter: str
+    value: float | None
+    stderr: float | None = None
+    samples: int = Field(ge=0)
+    task_hash: str
+    num_fewshot: int | None = None
+    limit: int | None = None
+    higher_is_better: bool | None = None
+    gate: dict[str, Any]
+    items: list[float] | None = None
+    seconds: float = Field(ge=0)
+
+
 class Check(_Strict):
     """One comparison. ``name`` is ``<kind>:<against>``, e.g. ``teacher-forced:baseline`` or
     ``greedy:transformers``; ``data`` carries numbers for the report (JSON-safe)."""
@@ -180,6 +205,7 @@ class Record(_Strict):
     sequences: list[SequenceResult] = []
     load: LoadInfo | None = None
     module_diff: ModuleDiff | None = None
+    accuracy: list[Accuracy] = []  # the cell's accuracy tasks, run in the same engine child
     started_at: str
     duration_s: float = Field(ge=0)
     verdict: Verdict | None = None

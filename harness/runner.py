@@ -32,6 +32,7 @@ from harness import compare as C
 from harness import noise, probes
 from harness import records as R
 from harness import supervise, verdicts
+from harness.accuracy import store as accuracy_store
 from harness.engines.base import fuses_shards
 from harness.layout import Layout, default_results_dir, group_key
 from harness.matrix import ENGINES, Cell, Matrix, expand
@@ -202,31 +203,38 @@ class Runner:
             return None
         return w if w.status == "ok" else None
 
-    def _judge(self, cell: Cell, record: R.Record, baseline, raws: dict[str, R.Record]) -> C.Judgement:
+    def _judge(self, cell: Cell, record: R.Record, baseline, raws: dict[str, R.Record],
+               accuracy_baseline=None) -> C.Judgement:
         group = self.groups[group_key(cell)]
         return C.judge(cell, record, baseline, [r for e, r in raws.items() if e != cell.engine],
-                       known_failures=[k for c in group for k in c.known_failures], unfused=self.unfused(raws))
+                       known_failures=[k for c in group for k in c.known_failures], unfused=self.unfused(raws),
+                       accuracy_baseline=accuracy_baseline)
 
     def judge(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> CellResult:
         try:
             baseline = B.read(self.baselines_root, cell.tier, cell.id)
+            acc_baseline = accuracy_store.read(self.baselines_root, cell.tier, cell.id)
         except B.BaselineError as e:
             checks = self._judge(cell, record, None, raws).checks
             return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", checks).apply(record))
-        j = self._judge(cell, record, baseline, raws)
+        j = self._judge(cell, record, baseline, raws, acc_baseline)
         result = CellResult(cell, j.apply(record))
         outcome = B.handle(self.baselines_root, result.record, update_baselines=self.update_baselines,
                            measure_noise=noise.for_cell(cell))
         result.outcome = outcome
         if outcome.refused:
             result.messages.append(f"baseline refused: {outcome.refused}")
+        acc = accuracy_store.handle(self.baselines_root, result.record, update_baselines=self.update_baselines)
         if outcome.change is not None:
             result.messages.append(str(outcome.change))
-            if outcome.change.written:
-                j2 = self._judge(cell, record, B.read(self.baselines_root, cell.tier, cell.id), raws)
-                was = f"was {j.verdict}: {j.reason}"
-                result.record = j2.apply(record).model_copy(update={
-                    "verdict_reason": f"{j2.reason}; baseline {outcome.change.kind} by --update-baselines ({was})"})
+        result.messages += acc.messages
+        if (outcome.change is not None and outcome.change.written) or acc.written:
+            j2 = self._judge(cell, record, B.read(self.baselines_root, cell.tier, cell.id), raws,
+                             accuracy_store.read(self.baselines_root, cell.tier, cell.id))
+            was = f"was {j.verdict}: {j.reason}"
+            kind = outcome.change.kind if outcome.change is not None and outcome.change.written else "accuracy new or updated"
+            result.record = j2.apply(record).model_copy(update={
+                "verdict_reason": f"{j2.reason}; baseline {kind} by --update-baselines ({was})"})
         if outcome.obtained is not None:
             result.messages.append(f"obtained result written beside the baseline: {outcome.obtained}")
         return result

@@ -94,9 +94,11 @@ def teacher_forced(model, prompt: Prompt, tokens: list[int], k: int) -> Scored:
     )
 
 
-def greedy(model, prompt: Prompt, max_tokens: int, k: int) -> Greedy:
+def greedy(model, prompt: Prompt, max_tokens: int, k: int, stop=None) -> Greedy:
     """Free-running greedy decoding. Each step re-runs the whole sequence: the models are tiny,
-    and no cache means no cache code path can make two engines differ."""
+    and no cache means no cache code path can make two engines differ. ``stop``, called with the
+    tokens generated so far after each step, ends decoding when it returns True (the engines'
+    ``Stop``)."""
     tokens = list(prompt.tokens)
     out = Greedy([], [])
     for _ in range(max_tokens):
@@ -105,6 +107,8 @@ def greedy(model, prompt: Prompt, max_tokens: int, k: int) -> Greedy:
         out.tokens.append(top[0][0])
         out.topk.append(top)
         tokens.append(top[0][0])
+        if stop is not None and stop(out.tokens):
+            break
     return out
 
 

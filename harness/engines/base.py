@@ -12,9 +12,12 @@ every engine implements the same five steps and the driver :func:`execute` makes
 2. ``load(checkpoint) -> LoadInfo``: load the checkpoint and time it, with the engine's own phases
    (reference: its load report's timings; transformers: ``from_pretrained``; vLLM: the weight
    loading time it logs, without restarting the engine for repeats).
-3. ``greedy(prompts, max_tokens, top_k) -> [Greedy]``: free-running greedy decoding, generated tokens
-   and the top-k at every step (HfRunner/VllmRunner ``generate_greedy_logprobs``). EOS does not stop
-   decoding: every engine generates exactly ``max_tokens`` tokens (vLLM: ``ignore_eos=True``).
+3. ``greedy(prompts, max_tokens, top_k, stop=None) -> [Greedy]``: free-running greedy decoding,
+   generated tokens and the top-k at every step (HfRunner/VllmRunner ``generate_greedy_logprobs``).
+   EOS does not stop decoding: every engine generates exactly ``max_tokens`` tokens (vLLM:
+   ``ignore_eos=True``), unless a :class:`Stop` is given (the accuracy tasks' ``generate_until``):
+   then decoding ends after the step whose token is one of ``stop.token_ids`` or whose decoded
+   text contains one of ``stop.strings`` (vLLM: ``SamplingParams(stop=, stop_token_ids=)``).
 4. ``teacher_forced(prompts, sequences, top_k) -> [Scored]``: score given token sequences, the
    logprob of every token after the first and the top-k of the same distribution (one forward
    pass in-process; vLLM: ``prompt_logprobs`` with ``max_tokens=1``).
@@ -100,6 +103,26 @@ class EnginePrompt:
         return R.PromptRef(id=self.id, kind=self.kind)
 
 
+@dataclass(frozen=True)
+class Stop:
+    """Where greedy decoding ends early (docs/design.md, "Accuracy"): after a token of
+    ``token_ids``, or once the generated tokens, decoded by ``decode``, contain one of ``strings``.
+    The tokens up to and including that step are returned; the caller cuts the text at the stop
+    string, the same way for every engine."""
+
+    strings: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    decode: Callable[[list[int]], str] | None = None
+
+    def reached(self, generated: list[int]) -> bool:
+        if generated and generated[-1] in self.token_ids:
+            return True
+        if self.strings and self.decode is not None:
+            text = self.decode(generated)
+            return any(s in text for s in self.strings)
+        return False
+
+
 class Engine(abc.ABC):
     """One engine. Subclasses set ``name`` and ``fuses_shards`` and implement the abstract methods."""
 
@@ -152,7 +175,8 @@ class Engine(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def greedy(self, prompts: Sequence[EnginePrompt], max_tokens: int, top_k: int) -> list[R.Greedy]:
+    def greedy(self, prompts: Sequence[EnginePrompt], max_tokens: int, top_k: int,
+               stop: Stop | None = None) -> list[R.Greedy]:
         ...
 
     @abc.abstractmethod
@@ -303,7 +327,7 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
             sequences: dict[str, list[int]] | None = None,
             on_sequences: Callable[[dict[str, list[int]]], None] | None = None,
             witness: Callable[[Engine, Checkpoint, list[EnginePrompt], dict[str, list[int]]], None] | None = None,
-            log: Callable[[str], None] = lambda s: None) -> R.Record:
+            log: Callable[[str], None] = lambda s: None, accuracy: bool = True) -> R.Record:
     """Run one cell on one engine and return its (unjudged) record. Never raises for the engine's
     own failures: an exception becomes ``status: error`` with its traceback in ``log_tail``.
 
@@ -311,7 +335,9 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
     missing from it, or all prompts when it is None, is scored on prompt + this engine's own greedy
     tokens; ``on_sequences`` then receives the sequences that were scored (the runner caches the
     reference's as the scored sequences of the cell). ``witness`` runs after the record's results,
-    with the same prompts and sequences (the reference's unfused variant)."""
+    with the same prompts and sequences (the reference's unfused variant). With ``accuracy``, the
+    cell's accuracy tasks then run on the same loaded engine (harness.accuracy; docs/design.md,
+    "Accuracy")."""
     cell = engine.cell
     started = R.utc_now()
     t0 = time.perf_counter()
@@ -346,6 +372,11 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
             log(f"scored sequences: prompt + own greedy for {', '.join(own)}")
         scored = engine.teacher_forced(prompts, scored_seqs, cell.top_k)
         diff = engine.module_diff(ckpt)
+        acc = []
+        if accuracy and cell.accuracy:
+            from harness import accuracy as A
+
+            acc = A.evaluate(engine, ckpt, cell.accuracy, log=log)
         results = [
             R.SequenceResult(prompt=p.ref, prompt_tokens=p.tokens,
                              scored=R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=_lists(s.topk)),
@@ -353,7 +384,7 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
             for p, s, g in zip(prompts, scored, greedy)
         ]
         record = R.Record.for_cell(cell, engine_info=info, status="ok", fixture_identity=fixture_identity,
-                                   sequences=results, load=load, module_diff=diff, started_at=started,
+                                   sequences=results, load=load, module_diff=diff, accuracy=acc, started_at=started,
                                    duration_s=time.perf_counter() - t0)
         if on_sequences is not None:
             on_sequences({p.id: s for p, s in zip(prompts, scored_seqs)})
@@ -404,12 +435,13 @@ class InProcessEngine(Engine):
             kwargs["input_ids"] = torch.tensor([p.tokens])
         return scoring.Prompt.from_model_inputs(p.id, kwargs)
 
-    def greedy(self, prompts, max_tokens, top_k):
+    def greedy(self, prompts, max_tokens, top_k, stop=None):
         from harness import scoring
 
         out = []
         for p in prompts:
-            g = scoring.greedy(self.model, self._prompt(p), max_tokens, top_k)
+            g = scoring.greedy(self.model, self._prompt(p), max_tokens, top_k,
+                               stop=stop.reached if stop is not None else None)
             out.append(R.Greedy(tokens=g.tokens, topk=_lists(g.topk)))
         return out
 

@@ -449,10 +449,14 @@ class VllmEngine(Engine):
                          f"{md.detail}]")
             raise EngineStepError(text) from e
 
-    def greedy(self, prompts, max_tokens, top_k):
+    def greedy(self, prompts, max_tokens, top_k, stop=None):
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top_k, ignore_eos=True, detokenize=False)
+        if stop is not None:  # generate_until (harness.accuracy): vLLM's own stop strings and stop tokens
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top_k, ignore_eos=True,
+                                detokenize=bool(stop.strings), stop=list(stop.strings) or None,
+                                stop_token_ids=list(stop.token_ids) or None, include_stop_str_in_output=True)
         outs = self._run("greedy decoding",
                          lambda: self.llm.generate([self._prompt(p, p.tokens) for p in prompts], sp, use_tqdm=False))
         result = []

@@ -23,7 +23,10 @@ Test-only hooks (never set them outside tests): ``HARNESS_TEST_HOOK`` holds hook
 - ``raise=MESSAGE``: raise RuntimeError(MESSAGE) before loading;
 - ``break=MODULE:FUNCTION``: wrap a decode function (e.g. ``harness.quant.bnb:decode``) so that the
   weight it returns is halved, as a wrong absmax would make it: a deliberately broken decode of
-  one format.
+  one format;
+- ``fault=NAME[:ARG]``: a degradation of harness.accuracy.faults (a dropped scale, a double-quant
+  offset ignored, a skip list ignored, corrupted embedding rows after loading), which the accuracy
+  gate must catch.
 """
 from __future__ import annotations
 
@@ -71,7 +74,9 @@ def _halve(result):
     return result
 
 
-def apply_hooks(cell_id: str) -> None:
+def apply_hooks(cell_id: str) -> list:
+    """Apply the hooks before loading; returns what to run on the engine after loading (faults)."""
+    after_load = []
     for action, arg in parse_hooks(os.environ.get(HOOK_ENV), cell_id):
         log(f"test hook: {action}{'=' + arg if arg else ''}")
         if action == "sleep":
@@ -90,8 +95,15 @@ def apply_hooks(cell_id: str) -> None:
                 return _halve(__original(*a, **kw))
 
             setattr(module, func_name, broken)
+        elif action == "fault":
+            from harness.accuracy import faults
+
+            after = faults.install(arg or "")
+            if after is not None:
+                after_load.append(after)
         else:
             raise ValueError(f"{HOOK_ENV}: unknown test hook {action!r}")
+    return after_load
 
 
 class _HookedEngine:
@@ -104,8 +116,11 @@ class _HookedEngine:
         return getattr(self._engine, name)
 
     def load(self, checkpoint):
-        apply_hooks(self._engine.cell.id)
-        return self._engine.load(checkpoint)
+        after_load = apply_hooks(self._engine.cell.id)
+        info = self._engine.load(checkpoint)
+        for after in after_load:
+            after(self._engine)
+        return info
 
 
 def die_with_parent() -> None:
@@ -181,12 +196,15 @@ def run_job(job: dict) -> int:
     if job.get("witness") and cell.engine == "reference":
         def witness(_engine, ckpt, prompts, seqs):
             # Not hooked again: hooks that patch functions are already in place in this process.
-            w = base.execute(base.engine_class("reference")(cell, {"fuse": False}), ckpt, sequences=seqs, log=log)
+            # No accuracy tasks: compare.cross_engine compares accuracy across fusion only where the
+            # witness shows that fusing changes nothing (docs/design.md, "Accuracy").
+            w = base.execute(base.engine_class("reference")(cell, {"fuse": False}), ckpt, sequences=seqs, log=log,
+                             accuracy=False)
             R.save(job["witness"], w)
             log(f"witness: reference executed unfused: {w.status}")
 
     record = base.execute(_HookedEngine(engine), checkpoint, sequences=job.get("sequences"),
-                          on_sequences=on_sequences, witness=witness, log=log)
+                          on_sequences=on_sequences, witness=witness, log=log, accuracy=mode == "cell")
     if mode == "cell":
         R.save(job["record"], record)
     elif record.status != "ok":

@@ -16,6 +16,7 @@ import re
 from harness.matrix import TIERS
 from harness.report import counts_of, state_of
 from harness.report.merge import Merged
+from harness.report import accuracy
 from harness.verdicts import MISSING, SEVERITY, STATES, needs_attention, row
 
 ENGINE_SHORT = {"reference": "ref", "transformers": "tf", "vllm": "vllm"}
@@ -93,6 +94,8 @@ def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.ht
                 row.append(" ".join(f"{_emoji(s[5])}{md(ENGINE_SHORT.get(s[4], s[4]), 20)}" for s in members) or " ")
             lines.append(f"| {md(sc, 60)} | " + " | ".join(row) + " |")
         lines += ["", "</details>"]
+
+    lines += accuracy.annotation_lines([e.record for e in merged.current.values()], md, "✅", "❌")
 
     need = sorted((s for s in slots if needs_attention(s[5])), key=lambda s: (SEVERITY.index(s[5]), s[0]))
     if need:

@@ -1,0 +1,148 @@
+"""Accuracy baselines: ``baselines/<tier>/accuracy/<cell id>.json`` (docs/design.md, "Accuracy").
+
+One file per cell beside (not inside) its logprob baseline, so that accuracy results are added and
+updated without touching the logprob baselines. Same provenance as a logprob baseline (engine,
+version, platform, CPU, date, commit), the fixture or source, and per task: lm-eval's task name,
+metric and filter, value, stderr, sample count, the task's hash, few-shot count, limit and the
+per-sample values. Written only under ``--update-baselines``, with the same refusals as every
+baseline (harness.baselines.refusal_of); a mismatch writes ``<cell id>.obtained.json`` beside it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from harness import baselines as B
+from harness import verdicts
+from harness.records import Accuracy, FixtureRef, Record, SourceRef, atomic_write_text, render_json
+
+VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# What a baseline keeps of a record's accuracy entry (records.Accuracy): the result and what it
+# was measured on, not the wall time nor the gate (models.yaml's, which may change on purpose).
+STORED = ("lm_eval_task", "metric", "filter", "value", "stderr", "samples", "task_hash", "num_fewshot", "limit", "items")
+TaskBaseline = create_model("TaskBaseline", __base__=_Strict,
+                            **{f: (Accuracy.model_fields[f].annotation, Accuracy.model_fields[f]) for f in STORED})
+
+
+class AccuracyBaseline(_Strict):
+    schema_version: Literal[1] = VERSION
+    cell: str
+    tier: str
+    provenance: B.Provenance
+    fixture: FixtureRef | None = None
+    source: SourceRef | None = None
+    tasks: dict[str, TaskBaseline]  # type: ignore[valid-type]
+
+    @classmethod
+    def from_record(cls, record: Record, commit: str | None = None) -> AccuracyBaseline:
+        prov = B.Baseline.from_record(record, commit=commit).provenance
+        tasks = {a.task: TaskBaseline(**a.model_dump(include=set(STORED))) for a in record.accuracy}
+        return cls(cell=record.cell, tier=record.tier, provenance=prov, fixture=record.fixture, source=record.source,
+                   tasks=tasks)
+
+    def to_text(self) -> str:
+        return render_json(self.model_dump())
+
+
+def path_for(root: str | Path, tier: str, cell_id: str) -> Path:
+    return Path(root) / tier / "accuracy" / f"{cell_id}.json"
+
+
+def obtained_path_for(root: str | Path, tier: str, cell_id: str) -> Path:
+    return Path(root) / tier / "accuracy" / f"{cell_id}.obtained.json"
+
+
+def read(root: str | Path, tier: str, cell_id: str) -> AccuracyBaseline | None:
+    """The cell's accuracy baseline, or None. A corrupt file raises harness.baselines.BaselineError."""
+    path = path_for(root, tier, cell_id)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise B.BaselineError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise B.BaselineError(f"{path}: not JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(data, dict) or data.get("schema_version") != VERSION:
+        found = data.get("schema_version") if isinstance(data, dict) else None
+        raise B.BaselineError(f"{path}: accuracy baseline schema_version {found!r} is not supported (this harness reads {VERSION})")
+    try:
+        return AccuracyBaseline.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        raise B.BaselineError(f"{path}: {'.'.join(str(p) for p in err['loc'])}: {err['msg']}") from None
+
+
+def _material(old: AccuracyBaseline, new: AccuracyBaseline) -> list[str]:
+    """What changed, old -> new, leaving out the date and the commit."""
+    msgs = []
+    op, np_ = old.provenance, new.provenance
+    for key in ("engine_version", "platform", "torch", "environment"):
+        if getattr(op, key) != getattr(np_, key):
+            msgs.append(f"provenance: {key} {getattr(op, key)} -> {getattr(np_, key)}")
+    if old.fixture != new.fixture or old.source != new.source:
+        msgs.append("fixture or source changed")
+    for task in sorted(set(old.tasks) | set(new.tasks)):
+        a, b = old.tasks.get(task), new.tasks.get(task)
+        if a is None or b is None:
+            msgs.append(f"accuracy task {task}: {'added' if a is None else 'removed'}")
+        elif a != b:
+            what = f"{a.value} -> {b.value}" if a.value != b.value else "per-sample values, hash or settings changed"
+            msgs.append(f"accuracy task {task}: {b.metric},{b.filter} {what}")
+    return msgs
+
+
+@dataclass
+class Outcome:
+    messages: list[str] = field(default_factory=list)
+    written: bool = False
+
+
+def handle(root: str | Path, record: Record, *, update_baselines: bool = False) -> Outcome:
+    """The step after a verdict, for a record with accuracy results (nothing otherwise): with
+    ``update_baselines``, write the accuracy baseline when it is new or changed (refusals as for
+    any baseline); without, write the obtained file on a mismatch verdict and clear it on pass."""
+    out = Outcome()
+    if not record.accuracy:
+        return out
+    path = path_for(root, record.tier, record.cell)
+    obtained = obtained_path_for(root, record.tier, record.cell)
+    if update_baselines:
+        refusal = B.refusal_of(record)
+        if refusal:
+            out.messages.append(f"accuracy baseline refused: {refusal}")
+            return out
+        try:
+            old = read(root, record.tier, record.cell)
+        except B.BaselineError as e:
+            old, problem = None, str(e)
+        else:
+            problem = None
+        new = AccuracyBaseline.from_record(record, commit=B.git_commit())
+        changes = ["new accuracy baseline: " + ", ".join(f"{t} {v.metric} {v.value}" for t, v in new.tasks.items())] \
+            if old is None else _material(old, new)
+        if problem:
+            changes.insert(0, f"old accuracy baseline unreadable, replaced: {problem}")
+        if changes:
+            atomic_write_text(path, new.to_text())
+            obtained.unlink(missing_ok=True)
+            out.written = True
+            out.messages.append("\n".join([f"{path}: {'new' if old is None else 'updated'}", *(f"  - {m}" for m in changes)]))
+        return out
+    if record.status == "ok" and record.verdict in verdicts.WRITES_OBTAINED:
+        atomic_write_text(obtained, AccuracyBaseline.from_record(record, commit=B.git_commit()).to_text())
+    elif record.verdict == "pass":
+        obtained.unlink(missing_ok=True)
+    return out

@@ -1,0 +1,51 @@
+"""Accuracy results in the report and the annotation (docs/design.md, "Accuracy"): per task of a
+record, its value, stderr and sample count, and how each accuracy check (against the baseline and
+the other engines) came out."""
+from __future__ import annotations
+
+from harness.records import Record
+
+
+def rows(rec: Record) -> list[dict]:
+    """One row per accuracy task of ``rec``: the result and its checks (``against`` -> ok, detail)."""
+    out = []
+    for a in rec.accuracy:
+        checks = []
+        for c in rec.checks:
+            kind, _, against = c.name.partition(":")
+            if kind == f"accuracy/{a.task}":
+                checks.append({"against": against, "ok": c.ok, "detail": c.detail,
+                               "expected": (c.data or {}).get(against)})
+        out.append({"task": a.task, "lm_eval_task": a.lm_eval_task, "metric": f"{a.metric},{a.filter}",
+                    "value": a.value, "stderr": a.stderr, "samples": a.samples, "seconds": a.seconds,
+                    "gate": ", ".join(f"{k} {v}" for k, v in a.gate.items()), "checks": checks})
+    return out
+
+
+def value_text(row: dict) -> str:
+    if row["value"] is None:
+        return "none"
+    text = f"{row['value']:.4g}"
+    if row["stderr"] is not None:
+        text += f" ± {row['stderr']:.2g}"
+    return f"{text} (n={row['samples']})"
+
+
+def annotation_lines(records: list[Record], md, ok_emoji: str, bad_emoji: str) -> list[str]:
+    """A collapsed markdown table of every accuracy result, for the Buildkite annotation."""
+    body = []
+    failing = 0
+    for rec in sorted(records, key=lambda r: r.cell):
+        for row in rows(rec):
+            marks = []
+            for c in row["checks"]:
+                marks.append(f"{ok_emoji if c['ok'] else bad_emoji} {md(c['against'], 20)}")
+                failing += not c["ok"]
+            body.append(f"| `{md(rec.cell, 120)}` | {md(row['task'], 60)} | {md(row['metric'], 60)} | "
+                        f"{md(value_text(row), 60)} | {' '.join(marks) or 'no check'} |")
+    if not body:
+        return []
+    head = f"<details{' open' if failing else ''}><summary><b>accuracy</b>: {len(body)} task result(s)" \
+           f"{f', {failing} check(s) outside the gate' if failing else ''}</summary>"
+    return ["", head, "", "| cell | task | metric | value ± stderr (n) | checks |", "|---|---|---|---|---|",
+            *body, "", "</details>"]
