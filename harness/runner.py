@@ -6,6 +6,11 @@ is one (model, scheme): the cells of its engines score the same token sequence
 (harness.sequences) and are compared with each other. The engine children are harness.supervise's,
 the files they leave are where harness.layout says.
 
+**Probes before fetching.** Every cell first goes through harness.probes.preflight
+(:meth:`Runner.decided`): a misconfigured cell is an ``error`` record and a cell this machine
+cannot run (hardware, engine environment) an ``unsupported`` one, before any child starts, any
+fixture is built or any checkpoint is fetched (docs/design.md, "Probes before fetching").
+
 **Judging.** compare.judge() with the cell's settings, the group's other ok records of this run
 (compare.cross_engine's rule), the group's known failures (an engine one covers is no witness) and
 the reference executed unfused: the reference child writes that witness when an engine that does

@@ -468,7 +468,7 @@ def test_cli_since_and_all_override(tmp_path, monkeypatch, capsys, validator):
 def test_harness_cli_pipeline_subcommand(capsys):
     from harness import cli
 
-    assert cli.main(["pipeline", "--tier", "gpu-tiny", "-k", "whisper"]) == 0
+    assert cli.main(["pipeline", "--tier", "gpu-tiny", "-k", "whisper-gpu"]) == 0
     p = yaml.safe_load(capsys.readouterr()[0])
     assert list(by_cell(p)) == ["whisper-gpu.fp8-static-kv.vllm", "whisper-gpu.fp8-dynamic.vllm"]
 
