@@ -176,7 +176,8 @@ def test_quant_method_unknown(config):
         formats.quant_method(config)
     assert e.value.where == "config.json"
     if "awq" in json.dumps(config):
-        assert e.value.what == "unknown quant_method 'awq'"
+        assert e.value.what == ("quantization_config.quant_method: unknown quant_method 'awq' "
+                                "(known: bitsandbytes, compressed-tensors, fp8, torchao)")
 
 
 def test_decode_weight_dispatch_and_disk_is_truth():

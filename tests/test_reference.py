@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from harness import fixtures, reference
+from harness.quant.source import TensorSource
 from harness.reference import loader
 
 
@@ -16,7 +17,7 @@ def _load(name, **kw):
 
 def test_skeleton_allocates_no_weights():
     path = fixtures.build("llama-unquantized")
-    model = loader._skeleton(path, json.loads((path / "config.json").read_text()))
+    model = loader._skeleton(path, json.loads((path / "config.json").read_text()), TensorSource.open(path))
     assert all(p.is_meta for p in model.parameters())
 
 

@@ -110,6 +110,7 @@ class Dialect:
     class_targets: bool = False  # an entry may name a module class (compressed-tensors)
     exact_containers: bool = False  # an entry naming a container applies to that exact module only
     uses_default_keys: bool = False  # reads transformers' default keys (``Reading.default_keys``)
+    regex_owner: str = "re"  # the regex engine of the owner (harness.dialects.patterns): "re", or vLLM's "regex"
 
     def read(self, reading: Reading) -> None:
         """Append the config's entries (and notes) to ``reading``."""

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness.dialects import patterns
 from harness.dialects.base import Decision, Dialect, Reading, SkipEntry, class_names, register
 from harness.dialects.intent import EntryDisagreement
 
@@ -30,7 +31,7 @@ def ct_match_name(name: str, target: str, fused: Mapping[str, Sequence[str]] | N
                 stripped = name.removesuffix(fused_suffix)
                 return any(ct_match_name(stripped + shard, target) for shard in fused[fused_suffix])
     if target.startswith("re:"):
-        return re.match(target.removeprefix("re:"), name) is not None
+        return patterns.match(target.removeprefix("re:"), name) is not None
     return target == name
 
 

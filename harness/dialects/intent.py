@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness import architectures
 from harness.dialects import names as spelling_rules
+from harness.dialects import patterns
 
 if TYPE_CHECKING:
     from harness.dialects.base import SkipEntry
@@ -115,16 +116,17 @@ def _intent(entry: str, name: str) -> bool:
     if split is None:
         return True
     lead, core = split
+    rx = lead + literal_dots(core)
     try:
-        rx = re.compile(lead + literal_dots(core))
+        patterns.check(rx)
     except re.error:
         return False
     if entry.startswith("re:") or lead or body.startswith("^"):
-        return any(rx.fullmatch(p) for p in _prefixes(name))
+        return any(patterns.fullmatch(rx, p) for p in _prefixes(name))
     # a transformers key with regex syntax: anchored at the start, or a suffix run (endswith)
     parts = name.split(".")
-    return any(rx.fullmatch(".".join(parts[i:j])) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)
-               if i == 0 or j == len(parts))
+    return any(patterns.fullmatch(rx, ".".join(parts[i:j])) for i in range(len(parts))
+               for j in range(i + 1, len(parts) + 1) if i == 0 or j == len(parts))
 
 
 def _meant(policy: SkipPolicy, spelling: str, name: str) -> bool:

@@ -5,10 +5,13 @@ lives in that dialect's module (docs/design.md).
 """
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from harness import architectures
+from harness.dialects import patterns
 from harness.dialects.base import REGISTRY, Decision, Dialect, Reading, SkipEntry, producer_dialects, readers
 from harness.errors import CheckpointError
 
@@ -85,6 +88,28 @@ class SkipPolicy:
         reading = Reading(qc, arch, reader.vllm, normalise, default_keys, keep_in_fp32)
         reader.read(reading)
         return cls(method, dialect, reading.entries, qc, arch, fused_mapping, reading.notes)
+
+    @contextlib.contextmanager
+    def checked(self, where: str):
+        """Within: a skip entry its owner cannot compile, or one whose match runs past the time
+        limit (harness.dialects.patterns), is a ``CheckpointError(where, ...)`` naming the entry."""
+        try:
+            yield
+        except (re.error, patterns.PatternTimeout) as e:
+            pattern = getattr(e, "pattern", None)
+            entry = self.entry_for(pattern) if isinstance(pattern, str) else None
+            what = f"quantization_config.{entry.source}: entry {entry.raw!r}" if entry else f"pattern {pattern!r}"
+            raise CheckpointError(where, f"{what}: {getattr(e, 'reason', e)}") from None
+
+    def entry_for(self, pattern: str) -> SkipEntry | None:
+        """The entry a regular expression the dialect matched came from (a spelling, its ``re:``
+        body, or transformers' ``<key>\\.``), for naming it in an error; None if none."""
+        for e in self.entries:
+            for s in e.match_as:
+                body = s.removeprefix("re:")
+                if pattern in (s, body) or (body and pattern == body + "\\."):
+                    return e
+        return None
 
     def from_source(self, source: str) -> list[SkipEntry]:
         """The entries that came from one config key (``source`` prefix match for config groups)."""

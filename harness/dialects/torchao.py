@@ -6,11 +6,11 @@ entries, and the order-dependence check.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness.dialects import patterns
 from harness.dialects.base import Decision, Dialect, Reading, SkipEntry, is_linear, register
 from harness.dialects.intent import EntryDisagreement
 
@@ -41,11 +41,12 @@ class FqnResolution:
         return self.config is None
 
 
-def regex_or_default(fqn_to_config: Mapping[str, Any], module_fqn: str) -> FqnResolution:
+def regex_or_default(fqn_to_config: Mapping[str, Any], module_fqn: str, owner: str = "re") -> FqnResolution:
     """The first ``re:`` key matching the whole module name, else ``_default``, else unmatched:
-    the tail of the lookup that torchao and vLLM's torchao config share."""
+    the tail of the lookup that torchao and vLLM's torchao config share (``owner``: the regex
+    engine, ``re`` for torchao, ``regex`` for vLLM)."""
     for pattern in fqn_to_config:
-        if pattern.startswith("re:") and re.fullmatch(pattern[3:], module_fqn):
+        if pattern.startswith("re:") and patterns.fullmatch(pattern[3:], module_fqn, owner):
             return FqnResolution(pattern, fqn_to_config[pattern], "module-regex")
     if fqn_to_config.get("_default") is not None:
         return FqnResolution("_default", fqn_to_config["_default"], "default")
@@ -59,7 +60,7 @@ def torchao_fqn_matches(fqn: str, fqn_to_config: Mapping[str, Any]) -> bool:
         if fqn.startswith("re:"):
             raise AssertionError(f"Error: Exact match but regex {fqn} specified.")
         return True
-    return any(p.startswith("re:") and re.fullmatch(p[3:], fqn) for p in fqn_to_config)
+    return any(p.startswith("re:") and patterns.fullmatch(p[3:], fqn) for p in fqn_to_config)
 
 
 def torchao_resolve(
@@ -120,7 +121,7 @@ def torchao_resolve(
 
     for p in remaining:
         for pattern in cfg:
-            if pattern.startswith("re:") and re.fullmatch(pattern[3:], pfqn(p)):
+            if pattern.startswith("re:") and patterns.fullmatch(pattern[3:], pfqn(p)):
                 param_found = True
                 if cfg[pattern] is not None:
                     applied[p].append((pattern, "param-regex"))
@@ -239,9 +240,11 @@ def order_dependent(policy, names: list[str], param_names: bool) -> list[EntryDi
     ``param_names``: the reader also matches keys against ``<module>.weight``."""
     out = []
     regex = [e for e in policy.entries if e.source == "fqn_to_config" and e.raw.startswith("re:")]
+    owner = policy.reader.regex_owner
     for n in names:
         hits = [e for e in regex if any(
-            re.fullmatch(k[3:], n) or (param_names and re.fullmatch(k[3:], f"{n}.weight")) for k in e.match_as)]
+            patterns.fullmatch(k[3:], n, owner) or (param_names and patterns.fullmatch(k[3:], f"{n}.weight", owner))
+            for k in e.match_as)]
         if len({h.value is None for h in hits}) > 1:
             out.append(EntryDisagreement(
                 hits[0].raw, n, policy.dialect, "order-dependent",

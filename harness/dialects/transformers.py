@@ -11,6 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from harness.dialects import patterns
 from harness.dialects.base import Decision, Dialect, Reading, SkipEntry, is_linear, register
 
 NAME = "transformers"
@@ -25,7 +26,7 @@ def _key_matches(name: str, key: str) -> bool:
     The first clause is implied by the second; it is kept to mirror the source. An invalid regex
     raises ``re.error``, as it does inside transformers.
     """
-    return bool(re.match(f"{key}\\.", name) or re.match(f"{key}", name) or name.endswith(key))
+    return bool(patterns.match(f"{key}\\.", name) or patterns.match(f"{key}", name) or name.endswith(key))
 
 
 def transformers_should_convert(name: str, patterns: Sequence[str] | None) -> bool:
@@ -90,7 +91,7 @@ def keys_with_defaults(reading: Reading, user: Sequence[str] | None, source: str
         reading.entries.extend(SkipEntry(k, source, reading.spell(k)) for k in user)
         try:
             covers = any(_key_matches("lm_head", k) for k in user)
-        except re.error:
+        except (re.error, patterns.PatternTimeout):  # the decision itself will say so
             covers = True
         if "lm_head" in reading.default_keys and not covers:
             reading.notes.append(f"{source} replaces transformers' defaults and does not cover lm_head")

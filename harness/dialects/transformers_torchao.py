@@ -3,11 +3,10 @@
 ``TorchAoQuantize.convert`` resolves it."""
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from harness.dialects import torchao
+from harness.dialects import patterns, torchao
 from harness.dialects.base import Decision, Reading, SkipEntry, register
 from harness.dialects.torchao import FqnResolution
 from harness.dialects.transformers import TransformersKeys, keys_with_defaults
@@ -31,9 +30,9 @@ def transformers_torchao_resolve(fqn_to_config: Mapping[str, Any], param_fqn: st
     for pattern in cfg:
         if not pattern.startswith("re:"):
             continue
-        if re.fullmatch(pattern[3:], param_fqn):
+        if patterns.fullmatch(pattern[3:], param_fqn):
             return FqnResolution(pattern, cfg[pattern], "param-regex")
-        if re.fullmatch(pattern[3:], module_fqn):
+        if patterns.fullmatch(pattern[3:], module_fqn):
             return FqnResolution(pattern, cfg[pattern], "module-regex")
     if "_default" in cfg:
         return FqnResolution("_default", cfg["_default"], "default")

@@ -24,6 +24,7 @@ class VllmBnb(Dialect):
     name = NAME
     quant_method = "bitsandbytes"
     vllm = True
+    regex_owner = "regex"
 
     def read(self, reading: Reading) -> None:
         for k in reading.config.get("llm_int8_skip_modules") or []:

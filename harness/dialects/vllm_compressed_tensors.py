@@ -1,12 +1,12 @@
 """The ``vllm-compressed-tensors`` dialect: vLLM 0.32 ``CompressedTensorsConfig.get_scheme_dict``."""
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from fnmatch import fnmatch
 from typing import Any
 
 from harness.dialects import compressed_tensors as ct
+from harness.dialects import patterns
 from harness.dialects.base import Decision, Dialect, Reading, SkipEntry, class_names, register
 
 NAME = "vllm-compressed-tensors"
@@ -17,7 +17,7 @@ def _is_equal_or_regex_match(value: str, target: str, check_contains: bool = Fal
     ``re.match`` (vLLM uses the ``regex`` package; same semantics for these patterns); else, with
     ``check_contains``, a case-insensitive substring; else equality (or ``fnmatch``)."""
     if target.startswith("re:"):
-        if re.match(target[3:], value):
+        if patterns.match(target[3:], value, owner="regex"):
             return True
     elif check_contains:
         if target.lower() in value.lower():
@@ -140,6 +140,7 @@ class VllmCompressedTensors(Dialect):
     name = NAME
     quant_method = "compressed-tensors"
     vllm = True
+    regex_owner = "regex"
     class_targets = True
     exact_containers = True
 

@@ -73,6 +73,7 @@ class VllmFp8(Dialect):
     quant_method = "fp8"
     producer = True
     vllm = True
+    regex_owner = "regex"
     exact_containers = True
 
     def read(self, reading: Reading) -> None:

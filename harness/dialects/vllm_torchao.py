@@ -2,11 +2,10 @@
 ``should_skip``)."""
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from harness.dialects import torchao
+from harness.dialects import patterns, torchao
 from harness.dialects.base import Decision, Dialect, Reading, SkipEntry, is_linear, register
 from harness.dialects.torchao import FqnResolution
 
@@ -63,13 +62,14 @@ def vllm_torchao_resolve(prefix: str, quantization_config: Mapping[str, Any], is
         return FqnResolution("default", (quantization_config.get("quant_type") or {}).get("default"), "default")
     if prefix in fqn:
         return FqnResolution(prefix, fqn[prefix], "module")
-    return torchao.regex_or_default(fqn, prefix)
+    return torchao.regex_or_default(fqn, prefix, owner="regex")
 
 
 class VllmTorchao(Dialect):
     name = NAME
     quant_method = "torchao"
     vllm = True
+    regex_owner = "regex"
 
     def read(self, reading: Reading) -> None:
         torchao.read_unmapped(reading, reads_mtnc=True)  # TorchAOConfig never remaps names
@@ -86,7 +86,7 @@ class VllmTorchao(Dialect):
 
     def entry_hits(self, policy, entry: SkipEntry, spelling: str, name: str, module_class: Any) -> bool:
         if entry.source == "fqn_to_config":
-            exact_or_full = spelling == name or (spelling.startswith("re:") and re.fullmatch(spelling[3:], name) is not None)
+            exact_or_full = spelling == name or (spelling.startswith("re:") and patterns.fullmatch(spelling[3:], name, owner="regex") is not None)
             return exact_or_full or (entry.value is None and vllm_torchao_should_skip(name, [spelling]))
         return vllm_torchao_should_skip(name, [spelling])
 

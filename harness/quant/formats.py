@@ -8,12 +8,8 @@ from __future__ import annotations
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded, bnb, fp8, torchao
+from harness.quant import Decoded, bnb, fp8, schema, torchao
 from harness.quant.source import TensorSource
-
-KNOWN_METHODS = ("bitsandbytes", "compressed-tensors", "fp8", "torchao")
-_ALIASES = {"bitsandbytes_4bit": "bitsandbytes", "bitsandbytes_8bit": "bitsandbytes",
-            "compressed_tensors": "compressed-tensors"}
 
 # (name, module) in the order they are asked; their layouts do not overlap
 FORMATS = (("bnb", bnb), ("torchao", torchao), ("fp8", fp8))
@@ -29,22 +25,13 @@ def quantization_config(config: dict) -> dict | None:
 
 
 def quant_method(config: dict) -> str | None:
-    """The declared quant method of a config.json dict: one of KNOWN_METHODS, or None if unquantized."""
+    """The declared quant method of a config.json dict: one of schema.KNOWN_METHODS, or None if unquantized."""
     qc = quantization_config(config)
     if qc is None:
         return None
     if not isinstance(qc, dict):
         raise CheckpointError("config.json", f"quantization_config is a {type(qc).__name__}, not an object")
-    method = qc.get("quant_method")
-    if method is None:
-        # configs written before transformers recorded quant_method
-        if qc.get("load_in_4bit") or qc.get("load_in_8bit"):
-            return "bitsandbytes"
-        raise CheckpointError("config.json", "quantization_config has no quant_method")
-    method = _ALIASES.get(str(method).lower(), str(method).lower())
-    if method not in KNOWN_METHODS:
-        raise CheckpointError("config.json", f"unknown quant_method '{qc.get('quant_method')}'")
-    return method
+    return schema.method_of(qc, "config.json")
 
 
 def owner(src: TensorSource, weight: str) -> str | None:

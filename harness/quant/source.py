@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from harness import files
 from harness.errors import CheckpointError
+from harness.quant import schema
 
 # safetensors header dtype strings -> torch dtypes
 _ST_DTYPES = {
@@ -54,6 +56,38 @@ if hasattr(torch, "float8_e8m0fnu"):
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def _check_header(path: Path) -> None:
+    """What safetensors itself does not refuse: a shard that is not a regular file (a FIFO would
+    block its open), and a header that names a tensor twice (safetensors keeps the last one
+    without a word). The header's length and JSON are checked here; its dtypes, shapes and
+    offsets by safetensors."""
+    try:
+        size = files.check_regular(path)
+        head = files.read_range(path, 0, 8)
+    except files.Unreadable as e:
+        raise CheckpointError(str(path), e.reason) from None
+    if len(head) < 8:
+        raise CheckpointError(str(path), f"not a readable safetensors file: {size} bytes, shorter than its 8-byte header length")
+    n = int.from_bytes(head, "little")
+    if n > min(HEADER_LIMIT, size - 8):
+        raise CheckpointError(str(path), f"not a readable safetensors file: header length {n} exceeds the file "
+                                         f"({size} bytes) or safetensors' limit of {HEADER_LIMIT}")
+    try:
+        header = schema.unique_object(files.decode_utf8(path, files.read_range(path, 8, n)))
+    except schema.DuplicateKey as e:
+        raise CheckpointError(str(path), f"the header names the tensor {e.key!r} twice (safetensors would "
+                                         "silently keep the last one)") from None
+    except files.Unreadable as e:
+        raise CheckpointError(str(path), f"not a readable safetensors file: its header {e.reason}") from None
+    except ValueError as e:  # json.JSONDecodeError
+        raise CheckpointError(str(path), f"not a readable safetensors file: header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(str(path), "not a readable safetensors file: header is not a JSON object")
+
+
 def torchao_safe_globals() -> list:
     """The classes a legacy torchao .bin may name: torchao's own safetensors allow-list.
 
@@ -67,14 +101,18 @@ def torchao_safe_globals() -> list:
     return list(ALLOWED_CLASSES.values())
 
 
+_BOILERPLATE = ("Weights only load failed", "Check the documentation", "Re-running `torch.load`")
+
+
 def _refusal(e: Exception) -> str:
-    """The one line of torch's weights-only refusal that says what was refused."""
-    lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln).strip() for ln in str(e).splitlines()]
-    lines = [ln for ln in lines if ln]
-    detail = next((ln for ln in lines if "unsupported" in ln.lower() or "unpickler error" in ln.lower()),
-                  lines[-1] if lines else type(e).__name__)
-    detail = detail.removeprefix("WeightsUnpickler error:").strip()
-    detail = detail.split(". Please use", 1)[0]
+    """torch's own reason for refusing a pickle, without its boilerplate: the text after
+    ``WeightsUnpickler error:`` (which torch may put on the next line), else the paragraphs that
+    are not advice, whitespace collapsed."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    _, marker, rest = text.partition("WeightsUnpickler error:")
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", rest if marker else text)]
+    detail = " ".join(p for p in paragraphs if p and not p.startswith(_BOILERPLATE)) or type(e).__name__
+    detail = detail.split(" Please use `torch.serialization", 1)[0].split(". Please use", 1)[0]
     if "torchao" in detail:
         detail += " (only torchao's current tensor subclasses are allowed; older AffineQuantizedTensor checkpoints cannot be read)"
     return detail
@@ -140,6 +178,7 @@ class TensorSource:
         # checkpoint spelling (transformers' torchao saves of Qwen2.5-VL). The loader fills this
         # with {checkpoint spelling: metadata key} once it knows the architecture.
         self.metadata_aliases: dict[str, str] = {}
+        self._weight_map: tuple[str, dict[str, str]] | None = None  # (index file, tensor -> shard)
 
     # construction ---------------------------------------------------------------------------
 
@@ -154,6 +193,7 @@ class TensorSource:
             src._check_index(directory, st_files)
             for path in st_files:
                 src._open_safetensors(path)
+            src._check_weight_map()
         else:
             bins = sorted(directory.glob("pytorch_model*.bin"))
             if not bins:
@@ -175,21 +215,37 @@ class TensorSource:
         return src
 
     def _check_index(self, directory: Path, st_files: list[Path]) -> None:
+        """The index, validated (harness.quant.schema.index): every shard it names is present;
+        after the files are open, ``_check_weight_map`` checks that each holds its tensors."""
         index = directory / _SAFETENSORS_INDEX
-        if not index.exists():
+        if not os.path.lexists(index):
             return
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except Exception as e:
-            raise CheckpointError(str(index), f"unreadable index: {e}") from None
+            data = json.loads(files.read_text(index))
+        except files.Unreadable as e:
+            raise CheckpointError(str(index), e.reason) from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(str(index), f"invalid JSON: {e}") from None
+        self._weight_map = (str(index), schema.index(data, str(index)))
         present = {p.name for p in st_files}
-        for shard in sorted(set(weight_map.values())):
+        for shard in sorted(set(self._weight_map[1].values())):
             if shard not in present:
                 raise CheckpointError(str(directory / shard), "shard named in the index is missing")
+
+    def _check_weight_map(self) -> None:
+        if self._weight_map is None:
+            return
+        index, weight_map = self._weight_map
+        for name, shard in weight_map.items():
+            where = self._where.get(name)
+            if where is None or Path(where).name != shard:
+                held = f"it is in {Path(where).name}" if where else "no file holds it"
+                raise CheckpointError(index, f"weight_map names {name!r} in {shard}, but {held}")
 
     def _open_safetensors(self, path: Path) -> None:
         from safetensors import safe_open
 
+        _check_header(path)
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
             names = list(handle.keys())
@@ -202,6 +258,10 @@ class TensorSource:
             self._claim(n, str(path))
 
     def _open_bin(self, path: Path) -> None:
+        try:
+            files.check_regular(path)
+        except files.Unreadable as e:
+            raise CheckpointError(str(path), e.reason) from None
         kwargs = {"weights_only": True, "map_location": "cpu"}
         if zipfile.is_zipfile(path):
             kwargs["mmap"] = True  # the legacy (non-zip) format cannot be mmapped

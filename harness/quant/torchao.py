@@ -32,7 +32,7 @@ import json
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded
+from harness.quant import Decoded, schema
 from harness.quant.source import TensorSource
 
 SUBCLASSES = {"Int8Tensor": "torchao-int8", "Float8Tensor": "torchao-float8"}
@@ -67,9 +67,7 @@ def read_metadata(src: TensorSource, weight: str) -> dict:
         meta = json.loads(raw)
     except Exception as e:
         raise CheckpointError(weight, f"torchao metadata JSON unreadable: {e}") from None
-    if not isinstance(meta, dict) or "_type" not in meta:
-        raise CheckpointError(weight, "torchao metadata has no _type")
-    return meta
+    return schema.torchao_tensor(meta, weight)
 
 
 def _attr_dtype(weight: str, data: dict) -> torch.dtype:

@@ -14,11 +14,14 @@ import torch
 import transformers
 from accelerate import init_empty_weights
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 
-from harness import architectures
+from harness import architectures, files
 from harness.errors import CheckpointError
 from harness.dialects import SkipPolicy, intent_disagreements, names
-from harness.quant import Decoded, fp8, formats
+from harness.quant import Decoded, fp8, formats, schema
 from harness.quant.source import TensorSource
 from harness.reference import attention, cross_attention
 from harness.reference import online  # online quantization: load(..., quantization=)
@@ -52,22 +55,23 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
     unquantized checkpoint at load time."""
     path = Path(path)
     config_dict = _read_config(path)
-    quant_config = config_dict.get("quantization_config")
+    quant_config = formats.quantization_config(config_dict)
     method = formats.quant_method(config_dict)
     online_q = None
     if quantization is not None:  # online quantization: the config stands in for the checkpoint's
         online_q = online.OnlineQuantizer.from_config(quantization, formats.quantization_config(config_dict))
         quant_config, method = online_q.config, online_q.method
-    report = LoadReport(str(path), (config_dict.get("architectures") or ["?"])[0], method)
+    report = LoadReport(str(path), config_dict["architectures"][0], method)
     phase = _Phases(report.timings)
     started = time.perf_counter()
 
-    with phase("skeleton"):
-        model = _skeleton(path, config_dict)
-    arch = model.config.model_type
     with phase("read"):
         src = TensorSource.open(path)
-        src.metadata_aliases = {_disk_name(key, arch): key for key in src.metadata}
+    with phase("skeleton"):
+        model = _skeleton(path, config_dict, src)
+    arch = model.config.model_type
+    src.metadata_aliases = {_disk_name(key, arch): key for key in src.metadata}
+    _check_layer_counts(model, src, arch, path / "config.json")
 
     # Parameters a checkpoint may store once for several names: {target: source}, in-memory names.
     tied = model.get_expanded_tied_weights_keys(all_submodels=True)
@@ -76,7 +80,7 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
     decoded: dict[str, tuple[Decoded, torch.Tensor | None]] = {}
     with phase("decode"):
         for name, module in linears.items():
-            decoded[name] = _decode_linear(src, name, module, arch, tied)
+            decoded[name] = _decode_linear(src, name, module, arch, tied, activation)
             report.modules[name] = decoded[name][0].label
     if online_q is not None:
         with phase("quantize"):
@@ -109,37 +113,130 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
         _attach_kv_scales(src, model, arch, quant_config, report)
 
     if online_q is None:  # online: the quantizer's own decisions; it recorded their disagreements
-        report.disagreements.extend(_disagreements(quant_config, report.modules, arch))
+        report.disagreements.extend(_disagreements(quant_config, report.modules, arch, path / "config.json"))
     model.eval().to(device)
     report.timings["total"] = time.perf_counter() - started
     return Loaded(model, report)
 
 
 def _read_config(path: Path) -> dict:
+    """config.json, read through harness.files and validated by harness.quant.schema."""
     file = path / "config.json"
     if not path.is_dir():
         raise CheckpointError(str(path), "not a checkpoint directory")
     try:
-        return json.loads(file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(str(file), "missing") from None
+        data = json.loads(files.read_text(file))
+    except files.Unreadable as e:
+        raise CheckpointError(str(file), e.reason) from None
     except json.JSONDecodeError as e:
         raise CheckpointError(str(file), f"invalid JSON: {e}") from None
+    return schema.config_json(data, str(file))
 
 
-def _skeleton(path: Path, config_dict: dict) -> nn.Module:
-    architecture = (config_dict.get("architectures") or [None])[0]
-    cls = getattr(transformers, architecture or "", None)
-    if cls is None:
-        raise CheckpointError(str(path / "config.json"), f"unknown architecture {architecture!r}")
-    config = transformers.AutoConfig.from_pretrained(path)
-    # The reference decodes quantized tensors itself; transformers must not quantize anything.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with init_empty_weights(include_buffers=False):
-        model = cls._from_config(config, dtype=torch.float32)
+# The skeleton may hold no more modules than this many per tensor on disk (plus MODULE_SLACK): a
+# decoder layer has about 1.5 modules per tensor; a config asking for a million layers of a
+# 12-layer checkpoint stops here instead of building them (docs/design.md, "Bad input and faults").
+MODULES_PER_TENSOR = 4
+MODULE_SLACK = 1024
+# No tensor the skeleton allocates may have more elements than this many times the largest tensor
+# on disk (a 4-bit weight packs two values per stored byte), nor fewer than ELEMENT_FLOOR.
+ELEMENTS_PER_DISK_ELEMENT = 2
+ELEMENT_FLOOR = 1 << 22
+
+
+class _SizeGuard(TorchFunctionMode):
+    """While the skeleton is built: every tensor a factory function would make is first made on
+    the meta device (no memory), and refused when larger than ``limit`` elements; every module
+    registered is counted and refused beyond ``modules``. Sizes come from the tensors on disk, so
+    a wrong size in config.json is an error before anything is allocated."""
+
+    def __init__(self, file: Path, limit: int, modules: int, largest: str):
+        super().__init__()
+        self.file, self.limit, self.modules, self.largest = str(file), limit, modules, largest
+        self.count = 0
+        self.factories = _device_constructors()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.factories and kwargs.get("device") is None:
+            self._check(func(*args, **{**kwargs, "device": "meta"}))
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            self._check(out)
+        return out
+
+    def _check(self, t: torch.Tensor) -> None:
+        if t.numel() > self.limit:
+            raise CheckpointError(self.file, f"the model it describes needs a tensor of shape {list(t.shape)} "
+                                             f"({t.numel()} elements), more than {self.limit} "
+                                             f"({ELEMENTS_PER_DISK_ELEMENT}x the largest tensor on disk, {self.largest}); "
+                                             "a size in it does not fit the checkpoint")
+
+    def registered(self, module, name, submodule) -> None:
+        self.count += 1
+        if self.count > self.modules:
+            raise CheckpointError(self.file, f"the model it describes has more than {self.modules} modules, "
+                                             f"{MODULES_PER_TENSOR} per tensor on disk; a layer count in it does not "
+                                             "fit the checkpoint")
+
+
+def _architecture_class(file: Path, architecture: str) -> type:
+    try:
+        cls = getattr(transformers, architecture, None)
+    except Exception:  # transformers' lazy module may fail to import what the name points at
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise CheckpointError(str(file), f"architectures[0]: {architecture!r} is not a transformers "
+                                         f"{transformers.__version__} model class")
+    return cls
+
+
+def _skeleton(path: Path, config_dict: dict, src: TensorSource) -> nn.Module:
+    file = path / "config.json"
+    cls = _architecture_class(file, config_dict["architectures"][0])
+    model_type = config_dict["model_type"]
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise CheckpointError(str(file), f"model_type: {model_type!r} is not a model type transformers "
+                                         f"{transformers.__version__} knows")
+    largest = max(src.keys, key=src.numel, default=None)
+    limit = max(ELEMENT_FLOOR, ELEMENTS_PER_DISK_ELEMENT * (src.numel(largest) if largest else 0))
+    guard = _SizeGuard(file, limit, MODULES_PER_TENSOR * len(src.keys) + MODULE_SLACK,
+                       f"{largest} {list(src.shape(largest))}" if largest else "none")
+    hook = register_module_module_registration_hook(guard.registered)
+    try:
+        # transformers validates the config here; what it raises is a problem of config.json
+        with guard:
+            config = transformers.AutoConfig.from_pretrained(path)
+            # The reference decodes quantized tensors itself; transformers must not quantize anything.
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            with init_empty_weights(include_buffers=False):
+                model = cls._from_config(config, dtype=torch.float32)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        what = " ".join(str(e).split()) or "(no message)"
+        raise CheckpointError(str(file), f"transformers cannot build {cls.__name__} from it: "
+                                         f"{type(e).__name__}: {what[:300]}") from None
+    finally:
+        hook.remove()
     model.config._attn_implementation = "sdpa"
     return model
+
+
+def _check_layer_counts(model: nn.Module, src: TensorSource, arch: str, file: Path) -> None:
+    """Every numbered module list of the skeleton (``model.layers``...) has as many entries as the
+    checkpoint holds: a layer count in config.json below the disk's would otherwise load part of
+    the checkpoint without a word."""
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or not name:
+            continue
+        prefix = _disk_name(name, arch) + "."
+        held = {int(head) for key in src.keys if key.startswith(prefix)
+                for head in [key[len(prefix):].split(".", 1)[0]] if head.isdigit()}
+        if held and max(held) >= len(module):
+            raise CheckpointError(str(file), f"the model it describes has {len(module)} entries in {name}, but the "
+                                             f"checkpoint holds {max(held) + 1} ({prefix}0 to {prefix}{max(held)})")
 
 
 def _disk_name(name: str, arch: str) -> str:
@@ -154,10 +251,13 @@ def _disk_key(src, name: str, arch: str, tied: dict[str, str]) -> str:
     return key
 
 
-def _decode_linear(src, name, module, arch, tied) -> tuple[Decoded, torch.Tensor | None]:
+def _decode_linear(src, name, module, arch, tied, activation) -> tuple[Decoded, torch.Tensor | None]:
     disk = _disk_name(name, arch)
     weight_key = _disk_key(src, f"{name}.weight", arch, tied)
     dec = formats.decode_weight(src, weight_key)
+    if dec.fp8 is not None and dec.fp8.input_scale is None and activation == "static":
+        raise CheckpointError(f"{weight_key.rsplit('.', 1)[0]}.input_scale",
+                              "missing tensor: the static activation scheme needs an input_scale")
     expected = (module.out_features, module.in_features)
     if tuple(dec.weight.shape) != expected:
         raise CheckpointError(weight_key, f"decodes to shape {tuple(dec.weight.shape)}, "
@@ -211,11 +311,7 @@ def _activation_scheme(quant_config: dict | None) -> str | None:
 def _input_quant(dec: Decoded, activation: str | None) -> InputQuant | None:
     if dec.fp8 is None or activation is None:
         return None
-    if dec.fp8.input_scale is not None:
-        return InputQuant(dec.fp8.input_scale)
-    if activation == "static":
-        raise CheckpointError(f"{dec.label} weight", "static activation scheme but no input_scale on disk")
-    return InputQuant(None)
+    return InputQuant(dec.fp8.input_scale)  # None: dynamic (a static scheme without one is refused on decode)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -276,12 +372,17 @@ def _attach_kv_scales(src, model, arch, quant_config, report: LoadReport) -> Non
         report.notes.append("k/v scales on disk but no kv_cache_scheme: the KV cache stays unquantized")
 
 
-def _disagreements(quant_config: dict | None, labels: dict[str, str], arch: str) -> list[Disagreement]:
+def _disagreements(quant_config: dict | None, labels: dict[str, str], arch: str, file: Path) -> list[Disagreement]:
     """Where the producer's skip rules, read in its own dialect, and the disk disagree, and where an
     entry's dialect and its evident intent disagree (harness.dialects.intent)."""
     if not quant_config:
         return []
     policy = SkipPolicy.from_quantization_config(quant_config, arch=arch)
+    with policy.checked(str(file)):
+        return _policy_disagreements(policy, labels)
+
+
+def _policy_disagreements(policy: SkipPolicy, labels: dict[str, str]) -> list[Disagreement]:
     found = []
     for name, label in labels.items():
         decision = policy.decide(name)

@@ -58,7 +58,7 @@ from harness.dialects.torchao import torchao_quant_type
 from harness.dialects.transformers import transformers_default_skip_keys
 from harness.dialects.transformers_torchao import transformers_torchao_resolve
 from harness.errors import CheckpointError
-from harness.quant import Decoded, quantize
+from harness.quant import Decoded, quantize, schema
 from harness.reference.report import Disagreement, LoadReport
 
 WHERE = "quantization"
@@ -118,6 +118,11 @@ class OnlineQuantizer:
 
     def __init__(self, config: Mapping[str, Any]):
         self.config = dict(config)
+        if self.config.get("quant_method") in schema.KNOWN_METHODS:  # the rest is refused below, by name
+            try:
+                schema.quantization_config(self.config, WHERE, "")
+            except schema.ConfigProblem as e:
+                raise CheckpointError(f"{WHERE}.{e.key}" if e.key else WHERE, e.detail) from None
         method = self.config.get("quant_method")
         method = getattr(method, "value", method)
         checks = {"bitsandbytes": self._check_bnb, "torchao": self._check_torchao, "fp8": self._check_fp8,
@@ -256,6 +261,10 @@ class OnlineQuantizer:
                                              f"not modelled here: {e.args[0]}") from None
         out_emb = model.get_output_embeddings()
         output_names = {n for n, m in model.named_modules() if out_emb is not None and m is out_emb}
+        with policy.checked(WHERE):
+            return self._plan(policy, model, names, arch, output_names)
+
+    def _plan(self, policy, model, names, arch, output_names):
         plan: dict[str, tuple[str, Any]] = {}
         found: list[Disagreement] = []
         notes: list[str] = []

@@ -89,7 +89,7 @@ def test_unknown_quant_method(tmp_path):
     _config(path, lambda c: c["quantization_config"].update(quant_method="hqq-v9"))
     with pytest.raises(CheckpointError, match="unknown quant_method 'hqq-v9'") as raised:
         reference.load(path)
-    assert raised.value.where == "config.json"
+    assert raised.value.where == str(path / "config.json")
 
 
 class _Exploit:

@@ -1,0 +1,344 @@
+"""The schemas of every structure a checkpoint holds besides its tensors' bytes, checked before use.
+
+A checkpoint is untrusted input (docs/design.md, "Bad input and faults"). Everything the harness
+reads from one is validated here first, at the boundary, and a problem is one
+``CheckpointError(<file>, "<key path>: <what>")``:
+
+- ``config_json(data, file)``: ``config.json``: an object, ``architectures`` a non-empty list of
+  names, ``model_type`` a name, and its quantization config by ``quant_method``;
+- ``quantization_config(qc, file, prefix)``: each library's quantization config, as far as the
+  harness reads it (the skip lists are lists of strings, config groups are objects with targets,
+  a torchao ``_type`` names a class torchao itself would deserialize...). Keys the harness does
+  not read are left to their library, as the libraries do;
+- ``index(data, file)``: ``model.safetensors.index.json``: ``weight_map`` maps tensor names to
+  plain ``.safetensors`` file names of the directory;
+- ``torchao_tensor(meta, weight)``: the per-tensor JSON torchao writes into ``__metadata__``;
+- ``unique_object(text)``: JSON parsing that refuses a key given twice in one object (safetensors
+  headers, where the last one would silently win).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+
+from harness.errors import CheckpointError
+
+KNOWN_METHODS = ("bitsandbytes", "compressed-tensors", "fp8", "torchao")
+ALIASES = {"bitsandbytes_4bit": "bitsandbytes", "bitsandbytes_8bit": "bitsandbytes",
+           "compressed_tensors": "compressed-tensors"}
+
+
+class ConfigProblem(CheckpointError):
+    """A structure that does not fit its schema: ``where`` the file, ``key`` the key path in it
+    (empty for the whole file), ``detail`` what is wrong."""
+
+    def __init__(self, file: str, key: str, detail: str):
+        super().__init__(file, f"{key}: {detail}" if key else detail)
+        self.key = key
+        self.detail = detail
+
+
+class _Open(BaseModel):
+    """Keys not named are the library's own business; named keys must have the right type."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+Names = Annotated[list[StrictStr], Field()]
+
+
+# ----------------------------------------------------------------------------------- config.json
+
+
+class ConfigJson(_Open):
+    architectures: list[StrictStr] = Field(min_length=1)
+    model_type: StrictStr
+    quantization_config: dict | None = None
+    compression_config: dict | None = None
+
+
+# ------------------------------------------------------------------------ quantization configs
+
+
+class BitsandbytesConfig(_Open):
+    """transformers' ``BitsAndBytesConfig`` as the bnb dialects read it."""
+
+    quant_method: StrictStr | None = None
+    load_in_4bit: StrictBool | None = None
+    load_in_8bit: StrictBool | None = None
+    llm_int8_skip_modules: Names | None = None
+    modules_to_not_convert: Names | None = None
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] | None = None
+    bnb_4bit_use_double_quant: StrictBool | None = None
+
+
+class QuantArgs(_Open):
+    """compressed-tensors ``QuantizationArgs``: the fields the loader reads."""
+
+    num_bits: StrictInt | None = Field(default=None, ge=1, le=64)
+    type: Literal["int", "float"] | None = None
+    strategy: StrictStr | None = None
+    dynamic: StrictBool | Literal["local"] | None = None
+    symmetric: StrictBool | None = None
+
+
+class CtScheme(_Open):
+    """compressed-tensors ``QuantizationScheme``."""
+
+    targets: Names = Field(min_length=1)
+    weights: QuantArgs | None = None
+    input_activations: QuantArgs | None = None
+    output_activations: QuantArgs | None = None
+
+
+class CompressedTensorsConfig(_Open):
+    quant_method: StrictStr
+    config_groups: dict[StrictStr, CtScheme] | None = None
+    ignore: Names | None = None
+    kv_cache_scheme: QuantArgs | None = None
+    format: StrictStr | None = None
+
+
+class Fp8Config(_Open):
+    """``quant_method: fp8`` (vLLM's ``Fp8Config``, transformers' ``FineGrainedFP8Config``)."""
+
+    quant_method: StrictStr
+    activation_scheme: Literal["static", "dynamic"] | None = None
+    ignored_layers: Names | None = None
+    modules_to_not_convert: Names | None = None
+    weight_block_size: list[StrictInt] | None = None
+
+
+def torchao_class(name: str) -> type | None:
+    """The class torchao 0.18's ``config_from_dict`` would deserialize ``_type`` ``name`` into: the
+    attribute of that name in the first of torchao's ``ALLOWED_AO_MODULES`` that has one; None when
+    none has. Nothing is instantiated."""
+    from torchao.core.config import ALLOWED_AO_MODULES
+
+    for module_path in sorted(ALLOWED_AO_MODULES):
+        try:
+            found = getattr(importlib.import_module(module_path), name, None)
+        except ImportError:
+            continue
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def _serialized_types(value: Any, path: str):
+    """(path, _type) of every serialized torchao object inside ``value``."""
+    if isinstance(value, Mapping):
+        if "_type" in value:
+            yield path, value["_type"]
+        for k, v in value.items():
+            yield from _serialized_types(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _serialized_types(v, f"{path}[{i}]")
+
+
+class TorchaoSerialized(_Open):
+    """A torchao config as ``TorchAoConfig.to_dict`` serializes it (``{"_type", "_version", "_data"}``)."""
+
+    type_: StrictStr = Field(alias="_type")
+    version: StrictInt | None = Field(default=None, alias="_version")
+    data: dict = Field(default_factory=dict, alias="_data")
+
+    @field_validator("type_")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from torchao.core.config import AOBaseConfig
+
+        found = torchao_class(v)
+        if found is None or not issubclass(found, AOBaseConfig):
+            raise ValueError(f"{v!r} is not a torchao config class (torchao deserializes only AOBaseConfig "
+                             "subclasses of its own modules)")
+        return v
+
+
+class TorchaoConfig(_Open):
+    quant_method: StrictStr
+    quant_type: dict[StrictStr, TorchaoSerialized] | None = None
+    modules_to_not_convert: Names | None = None
+
+
+_SCHEMAS: dict[str, type[BaseModel]] = {
+    "bitsandbytes": BitsandbytesConfig,
+    "compressed-tensors": CompressedTensorsConfig,
+    "fp8": Fp8Config,
+    "torchao": TorchaoConfig,
+}
+
+
+# ------------------------------------------------------------------------------------ messages
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+_ARTICLE = {"list": "a list", "string": "a string", "integer": "an integer", "boolean": "a boolean", "number": "a number"}
+
+
+def problem(e: ValidationError, prefix: str = "") -> tuple[str, str]:
+    """The first problem of a validation error: (key path, what is wrong, with the value found)."""
+    err = e.errors(include_url=False)[0]
+    where = _loc(tuple(err["loc"]))
+    where = f"{prefix}.{where}" if prefix and where else (prefix or where)
+    if err["type"] == "missing":
+        return where, "required key is missing"
+    if err["type"] == "value_error":
+        return where, err["msg"].removeprefix("Value error, ")
+    msg = re.sub(r"a valid dictionary( or instance of \w+)?", "an object", err["msg"])
+    msg = re.sub(r"a valid (list|string|integer|boolean|number)", lambda m: _ARTICLE[m.group(1)], msg)
+    return where, f"{msg.replace('Input should be', 'must be')} (got {_short(err.get('input'))})"
+
+
+def _key(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _validate(model: type[BaseModel], data: Any, file: str, prefix: str) -> BaseModel:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigProblem(file, *problem(e, prefix)) from None
+
+
+# --------------------------------------------------------------------------------- entry points
+
+
+def method_of(qc: Mapping, file: str, prefix: str = "quantization_config") -> str:
+    """The quant_method of a quantization config, normalised (``bitsandbytes_4bit`` ->
+    ``bitsandbytes``), one of KNOWN_METHODS."""
+    method = qc.get("quant_method")
+    if method is None:
+        if qc.get("load_in_4bit") is True or qc.get("load_in_8bit") is True:
+            return "bitsandbytes"  # configs written before transformers recorded quant_method
+        raise ConfigProblem(file, _key(prefix, "quant_method"), "required key is missing")
+    if not isinstance(method, str):
+        raise ConfigProblem(file, _key(prefix, "quant_method"), f"must be a string (got {_short(method)})")
+    normal = ALIASES.get(method.lower(), method.lower())
+    if normal not in KNOWN_METHODS:
+        raise ConfigProblem(file, _key(prefix, "quant_method"), f"unknown quant_method {method!r} "
+                                                               f"(known: {', '.join(KNOWN_METHODS)})")
+    return normal
+
+
+def quantization_config(qc: Any, file: str, prefix: str = "quantization_config") -> str:
+    """Validate one quantization config; its normalised quant_method."""
+    if not isinstance(qc, Mapping):
+        raise ConfigProblem(file, prefix, f"must be an object (got {_short(qc)})")
+    method = method_of(qc, file, prefix)
+    if method == "torchao":
+        _validate_torchao(qc, file, prefix)
+    else:
+        _validate(_SCHEMAS[method], qc, file, prefix)
+    return method
+
+
+def _validate_torchao(qc: Mapping, file: str, prefix: str) -> None:
+    cfg = _validate(TorchaoConfig, qc, file, prefix)
+    for name, ser in (cfg.quant_type or {}).items():
+        where = _key(prefix, f"quant_type.{name}._data")
+        fqn = {k: ser.data[k] for k in ("fqn_to_config", "module_fqn_to_config") if k in ser.data}
+        for key, table in fqn.items():
+            if not isinstance(table, Mapping):
+                raise ConfigProblem(file, f"{where}.{key}", f"must be an object (got {_short(table)})")
+            for fq, value in table.items():
+                if value is not None:
+                    _validate(TorchaoSerialized, value, file, f"{where}.{key}.{fq}")
+        for path, type_name in _serialized_types(ser.data, where):
+            if type_name == "torch.dtype":
+                continue
+            if not isinstance(type_name, str) or torchao_class(type_name) is None:
+                raise ConfigProblem(file, f"{path}._type", f"{_short(type_name)} is not a class torchao deserializes")
+
+
+def config_json(data: Any, file: str) -> dict:
+    """Validate a parsed config.json (and its quantization config); the dict itself."""
+    if not isinstance(data, dict):
+        raise ConfigProblem(file, "", f"must be a JSON object (got {_short(data)})")
+    cfg = _validate(ConfigJson, data, file, "")
+    for key in ("quantization_config", "compression_config"):
+        qc = getattr(cfg, key)
+        if qc is not None:
+            quantization_config(qc, file, key)
+            break
+    return data
+
+
+class Index(_Open):
+    weight_map: dict[StrictStr, Annotated[StrictStr, Field(pattern=r"^[^/\\]+\.safetensors$")]]
+    metadata: dict | None = None
+
+
+def index(data: Any, file: str) -> dict[str, str]:
+    """Validate a safetensors index; its weight_map (tensor name -> file name in the directory)."""
+    if not isinstance(data, dict):
+        raise ConfigProblem(file, "", f"must be a JSON object (got {_short(data)})")
+    for shard in (data.get("weight_map") or {}).values() if isinstance(data.get("weight_map"), dict) else ():
+        if shard in (".", "..") or (isinstance(shard, str) and ("/" in shard or "\\" in shard)):
+            raise ConfigProblem(file, "weight_map", f"shard {shard!r} is not a file name in the checkpoint directory")
+    return dict(_validate(Index, data, file, "").weight_map)
+
+
+class TorchaoDtype(_Open):
+    type_: Literal["torch.dtype"] = Field(alias="_type")
+    data: StrictStr = Field(alias="_data")
+
+
+class TorchaoTensorData(_Open):
+    block_size: list[Annotated[StrictInt, Field(gt=0)]] | None = None
+    dtype: TorchaoDtype | StrictStr | None = None
+
+
+class TorchaoTensor(_Open):
+    type_: StrictStr = Field(alias="_type")
+    data: TorchaoTensorData = Field(default_factory=TorchaoTensorData, alias="_data")
+    tensor_data_names: list[StrictStr] | None = Field(default=None, alias="_tensor_data_names")
+
+
+def torchao_tensor(meta: Any, weight: str) -> dict:
+    """Validate the torchao metadata of one weight; the dict itself."""
+    if not isinstance(meta, dict):
+        raise ConfigProblem(weight, "torchao metadata", f"must be a JSON object (got {_short(meta)})")
+    _validate(TorchaoTensor, meta, weight, "torchao metadata")
+    return meta
+
+
+class DuplicateKey(ValueError):
+    """A JSON object that gives one key twice (``key``)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"the key {key!r} appears twice")
+        self.key = key
+
+
+def unique_object(text: str) -> Any:
+    """``json.loads`` that raises DuplicateKey for a key given twice in one object."""
+    def pairs(items):
+        seen: dict = {}
+        for k, v in items:
+            if k in seen:
+                raise DuplicateKey(k)
+            seen[k] = v
+        return seen
+
+    return json.loads(text, object_pairs_hook=pairs)
