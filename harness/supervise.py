@@ -86,8 +86,11 @@ def uses_fork_server(engine: str, environment_env: dict[str, str]) -> bool:
 
 
 def child_env(environment_env: dict[str, str], threads: int) -> dict[str, str]:
-    """The child's environment: ours, the matrix environment's variables, one torch thread count."""
+    """The child's environment: ours, the matrix environment's variables, one torch thread count.
+    ``HARNESS_DEVICE`` comes only from the matrix environment (models.yaml's ``cuda-check``), never
+    from the caller's shell, so no other environment's cells run, or get baselines, on a GPU."""
     env = dict(os.environ)
+    env.pop("HARNESS_DEVICE", None)
     env.update(environment_env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -104,3 +104,13 @@ def test_dry_run_lists_the_cuda_cells_without_loading(tmp_path):
     assert "llama-cuda.fp8-static-kv.transformers" in out.stdout and "whisper-cuda.bnb-nf4.reference" in out.stdout
     assert "here: unsupported: needs 1 GPU(s); this machine has 0" in out.stdout
     assert not (tmp_path / "out" / "results").exists()
+
+
+def test_only_the_matrix_environment_puts_an_engine_on_the_gpu(monkeypatch):
+    """HARNESS_DEVICE from the caller's shell never reaches an engine child: only an environment
+    that sets it (cuda-check) runs on CUDA, so no other environment's results come from a GPU."""
+    from harness import supervise
+
+    monkeypatch.setenv("HARNESS_DEVICE", "cuda")
+    assert "HARNESS_DEVICE" not in supervise.child_env({}, 1)
+    assert supervise.child_env({"HARNESS_DEVICE": "cuda"}, 1)["HARNESS_DEVICE"] == "cuda"
