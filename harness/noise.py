@@ -34,6 +34,7 @@ kernel set is compared with the family bound everywhere; nothing is loosened the
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -338,6 +339,16 @@ def _three(x: float) -> float:
     return float(f"{x:.3g}")
 
 
+def _three_up(x: float) -> float:
+    """``x`` to three significant digits, rounded up: a stored bound never understates what was
+    measured."""
+    if x <= 0 or not math.isfinite(x):
+        return x
+    step = 10.0 ** (math.floor(math.log10(x)) - 2)
+    up = float(f"{math.ceil(x / step) * step:.3g}")
+    return up if up >= x else x
+
+
 def run(job: dict, out: Path) -> None:
     import torch
 
@@ -379,7 +390,7 @@ def run(job: dict, out: Path) -> None:
             for k in range(SIMULATED_RUNS):
                 simulated, _ = _score(engine, prompts[pid], sequences[pid], cell.top_k, noises, seed=k)
                 ensemble.append(_deltas(scored, simulated))
-            bound = _three(max(max(d[onset.position:], default=0.0) for d in ensemble))
+            bound = _three_up(max(max(d[onset.position:], default=0.0) for d in ensemble))
         prompts_out[pid] = PromptNoise(onset=onset, bound_after_onset=bound, logprob_noise=[_three(x) for x in measured])
     note = None
     if quantizes and clean_max == 0.0:

@@ -115,3 +115,8 @@ def test_a_simulated_flip_moves_a_fragile_activation_to_the_other_neighbour():
     assert after == [[32.0, 36.0, 20.0, 36.0]]  # only the two within their noise of 34 flip
     unchosen = N.flip_across(rows, noise, b, torch.zeros_like(rows, dtype=torch.bool))
     assert torch.equal(unchosen, rows)
+
+
+def test_a_stored_bound_is_rounded_up():
+    assert N._three_up(0.36912) == 0.37 and N._three_up(0.369) == 0.369 and N._three_up(1.234e-5) == 1.24e-5
+    assert N._three_up(0.0) == 0.0
