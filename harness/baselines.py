@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from harness import verdicts
+from harness import files, verdicts
 from harness.noise import Noise, NoiseError
 from harness.records import (
     CpuInfo,
@@ -184,15 +185,22 @@ def obtained_path_for(root: str | Path, tier: str, cell_id: str) -> Path:
 
 
 def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
-    """The stored baseline of a cell, or None when there is none. A corrupt file raises BaselineError."""
+    """The stored baseline of a cell, or None when there is none. A file that cannot be read, is
+    not a baseline, or is the baseline of another cell or tier raises BaselineError (the runner
+    makes it an ``error`` for that cell alone)."""
     path = path_for(root, tier, cell_id)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except OSError as e:
-        raise BaselineError(f"{path}: cannot read: {e.strerror or e}") from None
-    return parse(text, str(path))
+    try:
+        text = files.read_text(path)
+    except files.Unreadable as e:
+        raise BaselineError(f"{path}: {e.reason}") from None
+    baseline = parse(text, str(path))
+    for key, want in (("cell", cell_id), ("tier", tier)):
+        if getattr(baseline, key) != want:
+            raise BaselineError(f"{path}: {key}: {getattr(baseline, key)!r} is not this file's {key} {want!r} "
+                                "(a baseline copied from another cell?)")
+    return baseline
 
 
 def parse(text: str, source: str = "<baseline>") -> Baseline:

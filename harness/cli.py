@@ -4,6 +4,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness import files
 from harness.errors import CheckpointError
 
 
@@ -113,11 +114,17 @@ def _run(args) -> int:
         raise UsageError("--jobs must be >= 1")
     for w in matrix.warnings(cells):
         print(w, file=sys.stderr)
+    matrix.check_paths(m, cells)
     if args.dry_run:
         from harness import dryrun
 
         return dryrun.report(m, cells, matrix_path=args.matrix, baselines_root=args.baselines, tier=args.tier)
     results = Path(args.results or runner.default_results_dir())
+    # where the run writes, checked before any cell runs (docs/design.md, "Bad input and faults")
+    for option, path, written in (("--results", results, True), ("--baselines", args.baselines, args.update_baselines)):
+        problem = files.writable_dir_problem(path) if written else None
+        if problem:
+            raise UsageError(f"{path}: {problem} ({option})")
     progress = Progress(len(cells))
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
                       matrix_path=args.matrix, echo=progress.echo)
@@ -132,16 +139,19 @@ def _run(args) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, terminate)
+    step = "running the cells"
     try:
         results_list = r.run(jobs=args.jobs, progress=progress.cell)
+        progress.close()
+        step = "writing the report"
+        return _finish(args, m, cells, r, results_list, time.perf_counter() - t0)
     except KeyboardInterrupt:
         r.supervisor.kill_all()
-        print(f"error: interrupted; partial records in {results}", file=sys.stderr)
+        print(f"error: {results}: interrupted while {step}; the records written so far are there", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
         progress.close()
-    return _finish(args, m, cells, r, results_list, time.perf_counter() - t0)
 
 
 def _prefetch(args) -> int:
@@ -159,7 +169,7 @@ def _pin(args) -> int:
 
 def _finish(args, m, cells, r, results_list, wall: float) -> int:
     """The verdict table, the baseline changes, the report; the exit status (harness.verdicts)."""
-    from harness import runner
+    from harness import runner, supervise
     from harness.report import write_reports
 
     table, code = runner.summary_text(results_list)
@@ -171,6 +181,7 @@ def _finish(args, m, cells, r, results_list, wall: float) -> int:
         lines.append(f"baselines: {kinds['new']} new, {kinds['updated']} updated, {kinds['unchanged']} unchanged, "
                      f"{len(refused)} refused, in {Path(args.baselines)}")
     lines.append(f"wall time {wall:.1f} s; records in {r.results}")
+    supervise.stage("report-writing")
     written = write_reports([r.results], r.layout.report(), expected=[c.id for c in cells], matrix=m,
                             baselines_root=r.baselines_root)
     lines.append(f"report: {written.html}")
@@ -256,6 +267,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from harness import liblog
+
+    liblog.route()  # the libraries' own messages go to a log, never to the terminal
     from harness.matrix import MatrixError
 
     args = parser().parse_args(argv)

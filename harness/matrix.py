@@ -28,7 +28,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, field_validator, model_validator
 
-from harness import architectures
+from harness import architectures, files
 from harness.accuracy.spec import AccuracyTask, CellAccuracyTask
 
 ENGINES: tuple[str, ...] = ("reference", "transformers", "vllm")
@@ -78,21 +78,28 @@ class Environment(_Strict):
 class Bounds(_Strict):
     """Comparison bounds, fully resolved."""
 
-    logprob: float = Field(gt=0)  # max |Δlogprob| of the scored tokens, teacher-forced
-    topk: float = Field(gt=0)  # max |Δlogprob| over the top-k ids both runs share
-    load_time: float = Field(gt=1)  # load-time ratio bound on gated tiers: > bound regressed, < 1/bound improved
+    logprob: float = Field(gt=0, allow_inf_nan=False)  # max |Δlogprob| of the scored tokens, teacher-forced
+    topk: float = Field(gt=0, allow_inf_nan=False)  # max |Δlogprob| over the top-k ids both runs share
+    load_time: float = Field(gt=1, allow_inf_nan=False)  # load-time ratio bound on gated tiers: > bound regressed, < 1/bound improved
 
 
 class BoundsOverride(_Strict):
-    logprob: float | None = Field(default=None, gt=0)
-    topk: float | None = Field(default=None, gt=0)
-    load_time: float | None = Field(default=None, gt=1)
+    logprob: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    topk: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    load_time: float | None = Field(default=None, gt=1, allow_inf_nan=False)
+
+
+# Upper bounds of the run settings: beyond them a value is a typo, and an engine would generate or
+# wait until the cell's timeout (docs/design.md, "Bad input and faults").
+MAX_TOKENS = 4096
+MAX_TOP_K = 1000
+MAX_TIMEOUT_S = 24 * 3600.0
 
 
 class Defaults(_Strict):
-    max_tokens: int = Field(gt=0)
-    top_k: int = Field(gt=0)
-    timeout_s: float = Field(gt=0)
+    max_tokens: int = Field(gt=0, le=MAX_TOKENS)
+    top_k: int = Field(gt=0, le=MAX_TOP_K)
+    timeout_s: float = Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     bounds: dict[Name, Bounds] = Field(min_length=1)  # scheme family -> bounds
 
 
@@ -190,9 +197,9 @@ class _CellSettings(_Strict):
 
     tier: Tier | None = None
     engines: dict[Engine, EnvName] | None = None  # engine -> environment name
-    max_tokens: int | None = Field(default=None, gt=0)
-    top_k: int | None = Field(default=None, gt=0)
-    timeout_s: float | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
+    top_k: int | None = Field(default=None, gt=0, le=MAX_TOP_K)
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     bounds: BoundsOverride | None = None
     hardware: Hardware | None = None
     accuracy: list[Name] | None = None  # names under accuracy_tasks; a scheme's list replaces its model's
@@ -300,20 +307,42 @@ class Cell(_Strict):
 # ------------------------------------------------------------------------------------- loading
 
 
+MAX_DEPTH = 64  # nesting levels of models.yaml; the real file has 6
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load, except that a duplicated mapping key is an error (yaml silently keeps the last)."""
+    """safe_load, except that a duplicated mapping key is an error (yaml silently keeps the last)
+    and nesting deeper than MAX_DEPTH is an error (PyYAML composes recursively)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    loader.flatten_mapping(node)
-    seen: dict[Any, Any] = {}
+    """A key written twice in one mapping is an error. Keys a merge key (``<<: *anchor``) brings
+    in are not written there: the mapping's own keys override them, as YAML's merge says."""
+    seen: set = set()
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
+        key = "<<" if key_node.tag == "tag:yaml.org,2002:merge" else loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+        except TypeError:  # unhashable: construct_mapping says so below
+            continue
+        if duplicate:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r}", key_node.start_mark
             )
-        seen[key] = True
+        seen.add(key)
+    loader.flatten_mapping(node)
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
 
@@ -324,9 +353,9 @@ def load(path: str | Path = DEFAULT_PATH) -> Matrix:
     """Read and validate a models.yaml. Raises MatrixError (one line) on any problem."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise MatrixError(f"{path}: cannot read: {e.strerror or e}") from None
+        text = files.read_text(path)
+    except files.Unreadable as e:
+        raise MatrixError(f"{path}: {e.reason if e.reason.startswith(('is ', 'cannot')) else 'cannot read: ' + e.reason}") from None
     try:
         shown = str(path.resolve().relative_to(Path.cwd()))
     except ValueError:
@@ -646,6 +675,16 @@ def select(cells: Iterable[Cell], k_expr: str | None) -> list[Cell]:
         return matcher
 
     return [c for c in cells if expr.evaluate(matcher_for(c))]
+
+
+def check_paths(matrix: Matrix, cells: Iterable[Cell]) -> None:
+    """MatrixError for the first cell whose local checkpoint (``path:``, relative to the matrix
+    file) is not a directory: a models.yaml error of the run, exit 2 (checked for the cells a run
+    selects, so a checkout without some local checkpoints can still list and plan cells)."""
+    for c in cells:
+        if c.source_kind == "path" and not (matrix._dir / c.path).is_dir():
+            raise MatrixError(f"{matrix.file}: models.{c.model}.path: {c.path!r} is not a directory "
+                              f"(resolved against {matrix._dir})")
 
 
 def warnings(cells: Iterable[Cell]) -> list[str]:

@@ -354,12 +354,27 @@ def save(path: str | Path, record: Record) -> Path:
     return path
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (other threads may be creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temp file in the same directory, fsync, then os.replace over ``path``.
     On any failure the old file is left as it was and the temp file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a written file gets the normal mode
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

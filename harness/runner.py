@@ -224,8 +224,12 @@ class Runner:
             return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", checks).apply(record))
         j = self._judge(cell, record, baseline, raws, acc_baseline)
         result = CellResult(cell, j.apply(record))
-        outcome = B.handle(self.baselines_root, result.record, update_baselines=self.update_baselines,
-                           measure_noise=noise.for_cell(cell))
+        try:
+            outcome = B.handle(self.baselines_root, result.record, update_baselines=self.update_baselines,
+                               measure_noise=noise.for_cell(cell))
+        except OSError as e:  # the cell keeps its verdict and record; the baseline files were not written
+            outcome = B.Outcome()
+            result.messages.append(f"baseline files not written: {e.filename or self.baselines_root}: {e.strerror or e}")
         result.outcome = outcome
         if outcome.refused:
             result.messages.append(f"baseline refused: {outcome.refused}")

@@ -14,6 +14,7 @@ record) or an unreadable record becomes an ``error`` record carrying the end of 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,10 @@ LOG_TAIL_CHARS = 4000
 KILL_GRACE_S = 3.0
 THREADS_ENV = "HARNESS_TORCH_THREADS"
 ISOLATION_ENV = "HARNESS_ISOLATION"  # "fork" (default): children forked from a preloaded fork server; "spawn"
+# Test-only (never set it outside tests): "SIGNAME@STAGE" makes this process send itself SIGNAME
+# when it reaches STAGE, one of STAGES: how the fault suite interrupts a run at each stage.
+SIGNAL_HOOK_ENV = "HARNESS_TEST_SIGNAL"
+STAGES = ("fork-server-start", "cell-running", "report-writing")
 SPAWN_ENGINES = frozenset({"vllm"})  # engines that always get a fresh interpreter
 
 
@@ -47,6 +52,44 @@ def tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
     if size > chars:
         data = "…" + data[data.find("\n") + 1:] if "\n" in data else "…" + data
     return data
+
+
+def stage(name: str) -> None:
+    """A stage of the run that SIGNAL_HOOK_ENV may name (test-only)."""
+    spec = os.environ.get(SIGNAL_HOOK_ENV)
+    if spec:
+        sig, _, at = spec.partition("@")
+        if at == name:
+            os.kill(os.getpid(), getattr(signal, sig))
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM held back while the body runs (main thread only): a child is started and
+    registered, or not started at all, so an interrupt can always end it (docs/design.md, "Bad
+    input and faults"). A held signal is delivered when the body ends."""
+    held = threading.current_thread() is threading.main_thread()
+    if held:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        if held:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _stop_fork_server() -> None:
+    """End the fork server this process started (it may still be importing its preload)."""
+    if _FORK_CONTEXT is None:
+        return
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _signal_name(code: int) -> str:
@@ -113,8 +156,9 @@ class Child:
         if fork:
             from harness.engines import worker
 
-            proc = _fork_context().Process(target=worker.forked_main, args=(str(job_path), str(log), env),
+            proc = _fork_context().Process(target=worker.forked_main, args=(str(job_path), str(log), env, os.getpid()),
                                            name=f"harness-{job_path.stem}")
+            stage("fork-server-start")
             proc.start()
             return cls(proc, True)
         with open(log, "w") as logf:
@@ -176,9 +220,11 @@ class Supervisor:
         with self._lock:
             if self._stopping:
                 raise KeyboardInterrupt("the run was interrupted")
-            child = Child.start(job_path, log, env, fork=fork)
-            self._children.add(child)
+            with _signals_held():
+                child = Child.start(job_path, log, env, fork=fork)
+                self._children.add(child)
         try:
+            stage("cell-running")
             code = child.wait(timeout)
         except BaseException:
             child.kill()
@@ -196,6 +242,7 @@ class Supervisor:
             children = list(self._children)
         for child in children:
             child.kill()
+        _stop_fork_server()
 
 
 def child_record(cell, exit: Exit, record_path: Path, info_path: Path, log: Path, *,

@@ -19,7 +19,7 @@ Test-only hooks (never set them outside tests): ``HARNESS_TEST_HOOK`` holds hook
 ``;``, each ``ACTION[=ARG][@CELL_GLOB]`` (fnmatch on the cell id; no glob: every cell):
 
 - ``sleep=SECONDS``: sleep before loading (a hang; the parent's timeout must end it);
-- ``crash``: abort the child (SIGABRT) before loading;
+- ``crash[=SIGNAME]``: abort the child (SIGABRT, or that signal: ``crash=SIGKILL``) before loading;
 - ``raise=MESSAGE``: raise RuntimeError(MESSAGE) before loading;
 - ``break=MODULE:FUNCTION``: wrap a decode function (e.g. ``harness.quant.bnb:decode``) so that the
   weight it returns is halved, as a wrong absmax would make it: a deliberately broken decode of
@@ -83,7 +83,7 @@ def apply_hooks(cell_id: str) -> list:
             time.sleep(float(arg or 3600))
         elif action == "crash":
             sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGABRT)
+            os.kill(os.getpid(), getattr(signal, arg or "SIGABRT"))
         elif action == "raise":
             raise RuntimeError(arg or "test hook")
         elif action == "break":
@@ -226,10 +226,17 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def forked_main(job_path: str, log_path: str, env: dict[str, str]) -> None:
+def forked_main(job_path: str, log_path: str, env: dict[str, str], runner: int | None = None) -> None:
     """Entry point of a child forked from the runner's fork server (multiprocessing "forkserver",
     preloaded with torch and transformers by harness.engines._forkserver_preload): a new process
-    group, stdout and stderr to the cell's log, the job's environment, then the job."""
+    group, stdout and stderr to the cell's log, the job's environment, then the job. A child
+    forked after its runner (pid ``runner``) has gone exits at once, before it writes anything."""
+    die_with_parent()
+    if runner is not None:
+        try:
+            os.kill(runner, 0)
+        except ProcessLookupError:
+            os._exit(1)
     os.setsid()
     # multiprocessing hands every forked child the write end of the fork server's "parent alive"
     # pipe; holding it would keep the fork server (this child's parent) alive after the runner
