@@ -114,6 +114,19 @@ def test_two_proportion_and_wilson_match_textbook_values():
     assert (lo, hi) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))
 
 
+def test_mcnemar_is_the_paired_rule_on_the_samples_that_moved():
+    assert gates.mcnemar_p(0, 0) == 1.0 and gates.mcnemar_p(3, 3) == 1.0
+    assert gates.mcnemar_p(8, 0) == pytest.approx(2 / 2 ** 8) and gates.mcnemar_p(6, 0) > 0.01
+    gold = [1.0] * 36 + [0.0] * 4
+    lost8 = [0.0] * 8 + [1.0] * 28 + [0.0] * 4
+    # 8 of 40 samples lost: the two-proportion test at n=40 sees nothing, the paired rule does
+    assert gates.within_gate({"test": "two-proportion", "alpha": 0.01}, 0.7, 40, 0.9, 40)[0]
+    ok, found, _ = gates.within_gate({"test": "mcnemar", "alpha": 0.01}, 0.7, 40, 0.9, 40, lost8, gold)
+    assert not ok and found.startswith("McNemar test p=0.00781 on 8 lost and 0 gained of 40 samples")
+    ok, found, _ = gates.within_gate({"test": "mcnemar", "alpha": 0.01}, 0.7, 40, 0.9, 40)
+    assert ok and found.endswith("(no per-sample values on both sides for McNemar)")
+
+
 @pytest.mark.parametrize("gate, value, ok", [
     ({"abs": 0.02}, 0.79, True), ({"abs": 0.02}, 0.77, False),
     ({"rel": 0.05}, 0.765, True), ({"rel": 0.05}, 0.75, False),
@@ -185,7 +198,7 @@ def test_loglikelihood_rolling_covers_every_token_once():
     lm._max_length = 32
     (total,) = lm.loglikelihood_rolling([Request(text)])
     assert total == pytest.approx(-sum(ids) / 100)
-    assert len(engine.scored) == math.ceil(len(ids) / 32) and all(len(s) <= 33 for s in engine.scored)
+    assert len(engine.scored) == math.ceil(len(ids) / 31) and all(len(s) <= 32 for s in engine.scored)
 
 
 def test_generate_until_stops_on_the_string_and_cuts_the_text_there():

@@ -47,10 +47,22 @@ def wilson_interval(p: float, n: int, alpha: float) -> tuple[float, float]:
     return max(0.0, center - half), min(1.0, center + half)
 
 
+def mcnemar_p(lost: int, gained: int) -> float:
+    """Two-sided p-value of the exact McNemar test: of the samples that changed, how unlikely a
+    split at least this uneven is when either direction is equally likely."""
+    n = lost + gained
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def within_gate(gate: dict[str, Any], value: float | None, samples: int, expected: float | None,
-                expected_samples: int) -> tuple[bool, str, dict]:
+                expected_samples: int, items: Sequence[float] | None = None,
+                expected_items: Sequence[float] | None = None) -> tuple[bool, str, dict]:
     """Whether ``value`` (on ``samples``) is the same as ``expected`` (on ``expected_samples``) by
-    ``gate``: (ok, what the rule found, data)."""
+    ``gate``: (ok, what the rule found, data). ``items`` and ``expected_items``, the per-sample
+    values of both, serve the paired rule (mcnemar)."""
     if value is None or expected is None:
         return False, "no value to compare", {}
     delta = value - expected
@@ -65,9 +77,16 @@ def within_gate(gate: dict[str, Any], value: float | None, samples: int, expecte
         ok = lo <= value <= hi
         return ok, (f"{'inside' if ok else 'outside'} the Wilson interval [{lo:.4g}, {hi:.4g}] of {expected:.4g} "
                     f"at n={expected_samples}, alpha {alpha:g}"), {"delta": delta, "interval": [lo, hi]}
+    moved = _items(items, expected_items)
+    if gate.get("test") == "mcnemar" and moved is not None:
+        p = mcnemar_p(moved["lost"], moved["gained"])
+        return p >= alpha, (f"McNemar test p={p:.3g} on {moved['lost']} lost and {moved['gained']} gained of "
+                            f"{moved['of']} samples ({'not ' if p >= alpha else ''}significant at alpha {alpha:g})"), \
+            {"delta": delta, "p_value": p}
     p = two_proportion_p(value, samples, expected, expected_samples)
+    fallback = " (no per-sample values on both sides for McNemar)" if gate.get("test") == "mcnemar" else ""
     return p >= alpha, (f"two-proportion test p={p:.3g} at n={samples}/{expected_samples} "
-                        f"({'not ' if p >= alpha else ''}significant at alpha {alpha:g})"), {"delta": delta, "p_value": p}
+                        f"({'not ' if p >= alpha else ''}significant at alpha {alpha:g}){fallback}"), {"delta": delta, "p_value": p}
 
 
 def _items(a: Sequence[float] | None, b: Sequence[float] | None) -> dict | None:
@@ -82,7 +101,8 @@ def _items(a: Sequence[float] | None, b: Sequence[float] | None) -> dict | None:
 def compare(obtained: Accuracy, expected_value: float | None, expected_samples: int,
             expected_items: Sequence[float] | None, *, against: str) -> Check:
     """One accuracy check of ``obtained`` against a value (a baseline's or another engine's)."""
-    ok, found, data = within_gate(obtained.gate, obtained.value, obtained.samples, expected_value, expected_samples)
+    ok, found, data = within_gate(obtained.gate, obtained.value, obtained.samples, expected_value, expected_samples,
+                                  obtained.items, expected_items)
     moved = _items(obtained.items, expected_items)
     detail = (f"{obtained.metric},{obtained.filter} {_fmt(obtained.value)} vs {against} {_fmt(expected_value)}: {found}")
     if moved is not None and moved["differ"]:

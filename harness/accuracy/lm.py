@@ -16,7 +16,8 @@ is a difference between the engines, not between two lm-eval integrations:
   first stop string, as lm-eval's own models do.
 
 Every sequence starts with the tokenizer's BOS token (EOS when it has none), lm-eval's
-``prefix_token_id``; sequences longer than the model's context are cut on the left. Identical
+``prefix_token_id``; sequences longer than the model's context are cut on the left (the engines
+feed every token of a scored sequence, so a sequence is at most the context length). Identical
 sequences are scored once.
 """
 from __future__ import annotations
@@ -104,7 +105,7 @@ class HarnessLM(TemplateLM):
         seqs, conts = [], []
         for _, context_enc, continuation_enc in requests:
             seq = self._prefixed(list(context_enc)) + list(continuation_enc)
-            seqs.append(seq[-(self.max_length + 1):] if len(seq) > self.max_length + 1 else seq)
+            seqs.append(seq[-self.max_length:])  # every token is fed, the last one too
             conts.append(list(continuation_enc))
         out = []
         for seq, cont, (logprobs, top1) in zip(seqs, conts, self._score(seqs, f"{len(seqs)} loglikelihood requests")):
@@ -119,7 +120,7 @@ class HarnessLM(TemplateLM):
             (text,) = req.args
             for context, pred in map(make_disjoint_window, get_rolling_token_windows(
                     token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+                    max_seq_len=self.max_length - 1, context_len=1)):  # a window plus its last token fits
                 windows.append((list(context) + list(pred), len(pred)))
                 owner.append(i)
         totals = [0.0] * len(requests)

@@ -10,7 +10,11 @@ metric (a run and its baseline, or two engines of one run) are the same:
 - ``test: two-proportion, alpha: A``: for a proportion metric, the two-sided pooled z-test of the
   two proportions at their sample sizes is not significant at level A;
 - ``test: wilson, alpha: A``: for a proportion metric, a lies inside the Wilson score interval of b
-  at b's sample size, at confidence 1 - A.
+  at b's sample size, at confidence 1 - A;
+- ``test: mcnemar, alpha: A``: for a proportion metric evaluated on the same samples, the exact
+  McNemar test on the samples that changed (lost and gained) is not significant at level A: the
+  paired rule, which sees that 8 of 40 samples were lost where a two-proportion test at n=40 sees
+  nothing. Without per-sample values on both sides it falls back to the two-proportion test.
 
 Every gate is two-sided: a quantized cell that suddenly agrees more with its unquantized model
 (a skip list now covering everything, say) has changed as much as one that agrees less.
@@ -36,7 +40,7 @@ class Gate(_Strict):
 
     abs: float | None = Field(default=None, gt=0)
     rel: float | None = Field(default=None, gt=0)
-    test: Literal["two-proportion", "wilson"] | None = None
+    test: Literal["two-proportion", "wilson", "mcnemar"] | None = None
     alpha: float | None = Field(default=None, gt=0, lt=0.5)
 
     @model_validator(mode="after")
