@@ -67,15 +67,22 @@ def stage(name: str) -> None:
 def _signals_held():
     """SIGINT and SIGTERM held back while the body runs (main thread only): a child is started and
     registered, or not started at all, so an interrupt can always end it (docs/design.md, "Bad
-    input and faults"). A held signal is delivered when the body ends."""
-    held = threading.current_thread() is threading.main_thread()
-    if held:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    input and faults"). A signal that arrives meanwhile is noted and sent again when the body ends.
+    (A signal mask would not do: multiprocessing unblocks both while it starts its resource
+    tracker.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
     try:
         yield
     finally:
-        if held:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            os.kill(os.getpid(), caught[0])
 
 
 def _stop_fork_server() -> None:

@@ -33,14 +33,12 @@ ALIASES = {"bitsandbytes_4bit": "bitsandbytes", "bitsandbytes_8bit": "bitsandbyt
            "compressed_tensors": "compressed-tensors"}
 
 
-class ConfigProblem(CheckpointError):
-    """A structure that does not fit its schema: ``where`` the file, ``key`` the key path in it
-    (empty for the whole file), ``detail`` what is wrong."""
-
-    def __init__(self, file: str, key: str, detail: str):
-        super().__init__(file, f"{key}: {detail}" if key else detail)
-        self.key = key
-        self.detail = detail
+def ConfigProblem(file: str, key: str, detail: str) -> CheckpointError:  # noqa: N802 (an error, like a class)
+    """A structure that does not fit its schema: the CheckpointError for ``file``, ``key`` the key
+    path in it (empty for the whole file), ``detail`` what is wrong; both kept as attributes."""
+    e = CheckpointError(file, f"{key}: {detail}" if key else detail)
+    e.key, e.detail = key, detail
+    return e
 
 
 class _Open(BaseModel):

@@ -121,7 +121,7 @@ class OnlineQuantizer:
         if self.config.get("quant_method") in schema.KNOWN_METHODS:  # the rest is refused below, by name
             try:
                 schema.quantization_config(self.config, WHERE, "")
-            except schema.ConfigProblem as e:
+            except CheckpointError as e:  # harness.quant.schema.ConfigProblem: named by its key here
                 raise CheckpointError(f"{WHERE}.{e.key}" if e.key else WHERE, e.detail) from None
         method = self.config.get("quant_method")
         method = getattr(method, "value", method)
