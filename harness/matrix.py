@@ -203,6 +203,7 @@ class _CellSettings(_Strict):
     bounds: BoundsOverride | None = None
     hardware: Hardware | None = None
     accuracy: list[Name] | None = None  # names under accuracy_tasks; a scheme's list replaces its model's
+    accuracy_engines: list[Engine] | None = None  # the engines that run them (default: all the cell's)
 
 
 class Scheme(_CellSettings):
@@ -536,6 +537,10 @@ def _check_references(m: Matrix, filename: str) -> None:
             for i, tname in enumerate(s.accuracy or ()):
                 if tname not in m.accuracy_tasks:
                     fail(f"{spath}.accuracy[{i}]", f"accuracy task {tname!r} is not defined under accuracy_tasks{_defined(m.accuracy_tasks)}")
+            for where, listed in ((spath, s.accuracy_engines), (mpath, model.accuracy_engines)):
+                for i, e in enumerate(listed or ()):
+                    if e not in engines:
+                        fail(f"{where}.accuracy_engines[{i}]", f"{e!r} is not one of this cell's engines ({', '.join(engines)})")
 
 
 def _task_yaml_problem(path: Path) -> str | None:
@@ -608,6 +613,7 @@ def expand(matrix: Matrix, tier: str | Iterable[str] | None = None, engines: str
                 hw = hw.model_copy(update={"gpus": 0 if cell_tier == "cpu-tiny" else 1})
             engine_envs = s.engines if s.engines is not None else model.engines
             task_names = s.accuracy if s.accuracy is not None else model.accuracy or []
+            accuracy_engines = s.accuracy_engines if s.accuracy_engines is not None else model.accuracy_engines
             accuracy = tuple(
                 CellAccuracyTask(**matrix.accuracy_tasks[t].model_dump(), name=t,
                                  path=str((matrix._dir / matrix.accuracy_tasks[t].task).resolve())
@@ -641,7 +647,7 @@ def expand(matrix: Matrix, tier: str | Iterable[str] | None = None, engines: str
                         bounds=Bounds(**bounds),
                         hardware=hw,
                         known_failures=tuple(k for k in s.known_failures if k.engine == engine),
-                        accuracy=accuracy,
+                        accuracy=accuracy if accuracy_engines is None or engine in accuracy_engines else (),
                     )
                 )
     cells.sort(key=lambda c: c.id)

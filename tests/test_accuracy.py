@@ -71,6 +71,15 @@ def test_cells_carry_their_tasks_resolved_and_are_selected_by_the_accuracy_marke
         "llama.unquantized.reference", "llama.unquantized.transformers"]
 
 
+def test_accuracy_engines_limit_which_engines_run_the_tasks():
+    text = MATRIX.replace("GATE", "{abs: 0.1}").replace("MODEL_TASKS", "[choice]")
+    m = matrix.loads(text.replace("      unquantized:\n", "      unquantized:\n        accuracy_engines: [reference]\n"), base_dir=ROOT)
+    cells = {c.id: c for c in m.cells()}
+    assert cells["llama.unquantized.reference"].accuracy and not cells["llama.unquantized.transformers"].accuracy
+    with pytest.raises(matrix.MatrixError, match=r"models\.llama\.schemes\.unquantized\.accuracy_engines\[0\]: 'vllm' is not one of this cell's engines"):
+        matrix.loads(text.replace("      unquantized:\n", "      unquantized:\n        accuracy_engines: [vllm]\n"), base_dir=ROOT)
+
+
 @pytest.mark.parametrize("gate, tasks, error", [
     ("{abs: 0.1, rel: 0.1}", "[choice]", "accuracy_tasks.choice.gate: a gate needs exactly one of abs, rel, test (found: abs, rel)"),
     ("{test: two-proportion}", "[choice]", "accuracy_tasks.choice.gate: alpha goes with test"),
