@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from harness.engines.base import fuses_shards
+
 if TYPE_CHECKING:
     from harness.matrix import Cell
     from harness.records import Record
@@ -85,7 +87,7 @@ class PromptNoise(_Strict):
 
 
 class Noise(_Strict):
-    measured_by: str = "reference"
+    measured_by: str = "reference"  # or "reference-unfused", as an engine that never fuses executes
     kernels: list[str]  # [A's capability, B's capability]
     activation_noise: float | None = None  # ν; None where the cell quantizes no activation
     noise_factor: float = NOISE_FACTOR
@@ -113,12 +115,12 @@ _measured: dict[tuple, Noise] = {}
 
 def for_cell(cell: Cell):
     """The ``measure_noise`` step of baselines.handle for ``cell``: measures on CPU records only
-    (the kernel variable means nothing to a GPU), once per model, scheme, fixture and sequences,
-    since every engine of a cell scores the same sequences of the same checkpoint."""
+    (the kernel variable means nothing to a GPU), once per model, scheme, fixture, sequences and
+    execution (fused or not), which is all the engines of a cell can differ in here."""
     def measure_record(record: Record) -> Noise | None:
         if not (record.engine_info.platform or "").startswith("cpu-"):
             return None
-        key = (cell.model, cell.scheme, record.fixture.identity if record.fixture else None,
+        key = (cell.model, cell.scheme, fuses_shards(cell.engine), record.fixture.identity if record.fixture else None,
                json.dumps({s.prompt.id: s.scored.tokens for s in record.sequences}))
         if key not in _measured:
             _measured[key] = measure(cell, record)
@@ -131,12 +133,15 @@ def other_capability(own: str | None) -> str | None:
 
 
 def measure(cell: Cell, record: Record) -> Noise:
-    """The noise of ``cell`` on the sequences ``record`` scored, from two reference children."""
+    """The noise of ``cell`` on the sequences ``record`` scored, from two reference children that
+    execute the checkpoint as the cell's engine does: fused per-tensor FP8 shards share one
+    requantized weight, which moves every activation after them (docs/design.md, "Fusion rule"),
+    so an engine that never fuses is measured on the unfused reference."""
     own = record.engine_info.cpu.capability if record.engine_info.cpu else None
     other = other_capability(own)
     sequences = {s.prompt.id: s.scored.tokens for s in record.sequences}
     with tempfile.TemporaryDirectory(prefix="harness-noise-") as tmp:
-        job = {"cell": cell.model_dump(mode="json"), "sequences": sequences}
+        job = {"cell": cell.model_dump(mode="json"), "sequences": sequences, "fuse": fuses_shards(cell.engine)}
         b_out = Path(tmp) / "b.pt"
         _child({**job, "role": "record"}, b_out, tmp, capability=other)
         a_out = Path(tmp) / "a.json"
@@ -359,7 +364,7 @@ def run(job: dict, out: Path) -> None:
 
     torch.set_num_threads(1)
     cell = Cell.model_validate(job["cell"])
-    engine = ReferenceEngine(cell)
+    engine = ReferenceEngine(cell, {"fuse": job["fuse"]})
     checkpoint = base.resolve_checkpoint(cell)
     engine.load(checkpoint)
     prompts = {p.id: p for p in base.prompts_for(cell, checkpoint)}
@@ -396,7 +401,8 @@ def run(job: dict, out: Path) -> None:
     if quantizes and clean_max == 0.0:
         note = (f"capability {other['capability']} gave bit-identical activations: kernel noise not measured here, "
                 "so no fragile onset is placed and the family bound applies everywhere")
-    noise = Noise(kernels=[cpu.torch_capability() or "?", other["capability"] or "?"],
+    noise = Noise(measured_by="reference" if job["fuse"] else "reference-unfused",
+                  kernels=[cpu.torch_capability() or "?", other["capability"] or "?"],
                   activation_noise=_three(clean_max) if quantizes else None,
                   simulated_runs=SIMULATED_RUNS if any(p.onset for p in prompts_out.values()) else 0,
                   note=note, prompts=prompts_out)
