@@ -291,10 +291,10 @@ def prompts_for(cell: Cell, checkpoint: Checkpoint) -> list[EnginePrompt]:
     the checkpoint's tokenizer (text only, for now)."""
     if cell.prompt_set == "fixture":
         from harness import fixtures
-        from harness.fixtures import models as fixture_models
+        from harness.fixtures import inputs as fixture_inputs
 
         m = checkpoint.manifest
-        audio = fixture_models.synth_audio(m["audio"]) if m.get("audio") else None
+        audio = fixture_inputs.synth_audio(m["audio"]) if m.get("audio") else None
         out = []
         for i, kwargs in enumerate(fixtures.prompt_inputs(m)):
             ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
@@ -359,17 +359,7 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
         log(f"load: {load.seconds:.4f} s " + ", ".join(f"{k}={v:.4f}" for k, v in load.phases.items()))
         prompts = prompts_for(cell, ckpt)
         greedy = engine.greedy(prompts, cell.max_tokens, cell.top_k)
-        wanted = dict(sequences or {})
-        scored_seqs = []
-        own = {}
-        for p, g in zip(prompts, greedy):
-            s = wanted.get(p.id)
-            if s is None or list(s[: len(p.tokens)]) != p.tokens:
-                s = p.tokens + list(g.tokens)
-                own[p.id] = s
-            scored_seqs.append(list(s))
-        if own:
-            log(f"scored sequences: prompt + own greedy for {', '.join(own)}")
+        scored_seqs = _sequences_to_score(prompts, greedy, sequences, log)
         scored = engine.teacher_forced(prompts, scored_seqs, cell.top_k)
         diff = engine.module_diff(ckpt)
         acc = []
@@ -377,22 +367,14 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
             from harness import accuracy as A
 
             acc = A.evaluate(engine, ckpt, cell.accuracy, log=log)
-        results = [
-            R.SequenceResult(prompt=p.ref, prompt_tokens=p.tokens,
-                             scored=R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=_lists(s.topk)),
-                             greedy=R.Greedy(tokens=g.tokens, topk=_lists(g.topk)))
-            for p, s, g in zip(prompts, scored, greedy)
-        ]
         record = R.Record.for_cell(cell, engine_info=info, status="ok", fixture_identity=fixture_identity,
-                                   sequences=results, load=load, module_diff=diff, accuracy=acc, started_at=started,
+                                   sequences=_sequence_results(prompts, scored, greedy), load=load,
+                                   module_diff=diff, accuracy=acc, started_at=started,
                                    duration_s=time.perf_counter() - t0)
         if on_sequences is not None:
             on_sequences({p.id: s for p, s in zip(prompts, scored_seqs)})
         if witness is not None:
-            try:
-                witness(engine, ckpt, prompts, {p.id: s for p, s in zip(prompts, scored_seqs)})
-            except Exception:  # the cell's own record stands; the runner falls back to it
-                log("witness failed:\n" + traceback.format_exc())
+            _run_witness(witness, engine, ckpt, prompts, scored_seqs, log)
         return record
     except Exception as e:  # the engine's failure is the result
         tb = traceback.format_exc()
@@ -405,6 +387,42 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
             engine.close()
         except Exception:
             pass
+
+
+def _sequences_to_score(prompts: list[EnginePrompt], greedy: list[R.Greedy],
+                        sequences: dict[str, list[int]] | None, log: Callable[[str], None]) -> list[list[int]]:
+    """Per prompt, the given sequence where it starts with the prompt, else prompt + this engine's
+    own greedy tokens (said in the log)."""
+    wanted = dict(sequences or {})
+    scored_seqs = []
+    own = {}
+    for p, g in zip(prompts, greedy):
+        s = wanted.get(p.id)
+        if s is None or list(s[: len(p.tokens)]) != p.tokens:
+            s = p.tokens + list(g.tokens)
+            own[p.id] = s
+        scored_seqs.append(list(s))
+    if own:
+        log(f"scored sequences: prompt + own greedy for {', '.join(own)}")
+    return scored_seqs
+
+
+def _sequence_results(prompts: list[EnginePrompt], scored: list[R.Scored],
+                      greedy: list[R.Greedy]) -> list[R.SequenceResult]:
+    return [
+        R.SequenceResult(prompt=p.ref, prompt_tokens=p.tokens,
+                         scored=R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=_lists(s.topk)),
+                         greedy=R.Greedy(tokens=g.tokens, topk=_lists(g.topk)))
+        for p, s, g in zip(prompts, scored, greedy)
+    ]
+
+
+def _run_witness(witness, engine: Engine, ckpt: Checkpoint, prompts: list[EnginePrompt],
+                 scored_seqs: list[list[int]], log: Callable[[str], None]) -> None:
+    try:
+        witness(engine, ckpt, prompts, {p.id: s for p, s in zip(prompts, scored_seqs)})
+    except Exception:  # the cell's own record stands; the runner falls back to it
+        log("witness failed:\n" + traceback.format_exc())
 
 
 class InProcessEngine(Engine):
