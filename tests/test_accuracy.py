@@ -299,3 +299,16 @@ def test_accuracy_baselines_are_refused_like_any_baseline(tmp_path):
 
     with pytest.raises(BaselineError, match=r"accuracy/llama\.unquantized\.reference\.json: not JSON"):
         store.read(tmp_path, "cpu-tiny", rec.cell)
+
+
+def test_the_report_and_the_annotation_show_accuracy_next_to_the_verdicts(tmp_path, capsys):
+    from harness import cli
+
+    base, acc_base = stored(tmp_path / "b", record(accuracy=[acc(0.80)]))
+    j = verdict_of(record(accuracy=[acc(0.62)]), base, acc_base)
+    R.save(tmp_path / "r" / "llama.unquantized.reference.json", j.apply(record(accuracy=[acc(0.62)])))
+    assert cli.main(["report", str(tmp_path / "r"), "-o", str(tmp_path / "out")]) in (0, 1)
+    annotation = (tmp_path / "out" / "annotation.md").read_text()
+    assert "| `llama.unquantized.reference` | choice | acc,none | 0.62 ± 0.02 \\(n=200\\) | ❌ baseline |" in annotation
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "Accuracy (lm-eval, on this engine)" in html and "✗ baseline (0.8)" in html
