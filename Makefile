@@ -3,10 +3,14 @@
 # core makes every small op contend, and two pytest workers (-n 2) already use both cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test venv
+.PHONY: run test venv fuzz
 venv:
 	@scripts/bootstrap
 run: venv
 	.venv/bin/harness run
 test: venv
 	.venv/bin/python -m pytest -n 2
+# A longer, random run of the fault suite's fuzzing (suites/faults/test_fuzz.py): N examples per
+# property (CI runs a fixed few from a fixed seed inside `make test`).
+fuzz: venv
+	HARNESS_FUZZ_EXAMPLES=$${N:-2000} .venv/bin/python -m pytest suites/faults/test_fuzz.py -q -s -p no:cacheprovider

@@ -198,7 +198,7 @@ def _skeleton(path: Path, config_dict: dict, src: TensorSource) -> nn.Module:
     if model_type not in transformers.CONFIG_MAPPING:
         raise CheckpointError(str(file), f"model_type: {model_type!r} is not a model type transformers "
                                          f"{transformers.__version__} knows")
-    largest = max(src.keys, key=src.numel, default=None)
+    largest = max(sorted(src.keys), key=src.numel, default=None)  # the first of equals, by name
     limit = max(ELEMENT_FLOOR, ELEMENTS_PER_DISK_ELEMENT * (src.numel(largest) if largest else 0))
     guard = _SizeGuard(file, limit, MODULES_PER_TENSOR * len(src.keys) + MODULE_SLACK,
                        f"{largest} {list(src.shape(largest))}" if largest else "none")
