@@ -13,4 +13,4 @@ test: venv
 # A longer, random run of the fault suite's fuzzing (suites/faults/test_fuzz.py): N examples per
 # property (CI runs a fixed few from a fixed seed inside `make test`).
 fuzz: venv
-	HARNESS_FUZZ_EXAMPLES=$${N:-2000} .venv/bin/python -m pytest suites/faults/test_fuzz.py -q -s -p no:cacheprovider
+	HARNESS_FUZZ_EXAMPLES=$(or $(N),2000) .venv/bin/python -m pytest suites/faults/test_fuzz.py -q -s -p no:cacheprovider
