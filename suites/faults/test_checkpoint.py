@@ -377,6 +377,9 @@ CASES: dict[str, Case] = {
                                            f"error: {Q}.input_scale: missing tensor: the static activation scheme needs an input_scale"),
     "pickle refused with torch's reason": Case("small", U, pickled({"model.norm.weight": _Exploit("/nonexistent/pwned")}),
                                                "error: {d}/pytorch_model.bin: refused to unpickle: Unsupported operand 149"),
+    "torch.save'd exploit refused with torch's reason": Case("small", U, saved({"model.norm.weight": _Exploit("/nonexistent/pwned")}),
+                                                             "error: {d}/pytorch_model.bin: refused to unpickle: Trying to load "
+                                                             "unsupported GLOBAL posix.system whose module posix is blocked."),
     # --- what already held (kept)
     "config missing": Case("held", U, lambda d: (d / "config.json").unlink(), f"{CFG}: missing"),
     "config invalid JSON": Case("held", U, raw_config(b"{"), f"{CFG}: invalid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
