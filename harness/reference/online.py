@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import architectures, dialects
+from harness import architectures, dialects, files
 from harness.dialects import SkipPolicy, intent_disagreements
 from harness.dialects.compressed_tensors import ct_resolve
 from harness.dialects.names import to_vllm
@@ -101,7 +101,9 @@ def read_config(spec: Any) -> dict:
             raise CheckpointError(WHERE, f"invalid JSON: {e}") from None
     elif isinstance(spec, (str, Path)) and Path(spec).is_file():
         try:
-            config = json.loads(Path(spec).read_text())
+            config = json.loads(files.read_text(spec))
+        except files.Unreadable as e:
+            raise CheckpointError(str(spec), e.reason) from None
         except json.JSONDecodeError as e:
             raise CheckpointError(str(spec), f"invalid JSON: {e}") from None
     else:

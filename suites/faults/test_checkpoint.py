@@ -306,6 +306,8 @@ CASES: dict[str, Case] = {
                                         "error: quantization.llm_int8_skip_modules: must be a list (got 5)",
                                         ("--quantize", '{"quant_method": "bitsandbytes", "load_in_4bit": true, '
                                                        '"bnb_4bit_quant_type": "nf4", "llm_int8_skip_modules": 5}')),
+    "quantize config file not UTF-8": Case("traceback", U, lambda d: (d.parent / "q.json").write_bytes(b'{"quant_method": "\xff"}'),
+                                           "error: {d}/../q.json: is not UTF-8 (byte 0xff at offset 18)", ("--quantize", "{d}/../q.json")),
     # --- hangs and unbounded memory
     "bnb skip entry backtracks": Case("hang", B, qc(llm_int8_skip_modules=[SLOW]),
                                       f"{CFG}: quantization_config.llm_int8_skip_modules: entry '{SLOW}': matching it against "
@@ -452,7 +454,7 @@ def test_bad_checkpoint(name, tmp_path, monkeypatch):
     case.mutate(d)
     monkeypatch.chdir(sandbox)
     tree = Tree(sandbox)
-    argv = ["load", str(d), *case.argv]
+    argv = ["load", str(d), *(a.replace("{d}", str(d)) for a in case.argv)]
     if case.argv[:1] == ("SUBPATH",):  # a file where the directory should be
         argv = ["load", str(d / "config.json")]
         d = d / "config.json"
