@@ -708,7 +708,7 @@ def run(args) -> int:
                 text = git_show(args.since, mrel)
                 if text is not None:
                     try:
-                        old = mx.loads(text, filename=f"{args.since}:{mrel}")
+                        old = mx.loads(text, filename=f"{args.since}:{mrel}", base_dir=m._dir)  # paths as the new matrix resolves them
                     except MatrixError:
                         old = None
             engine_changed: dict[str, list[str]] = {}

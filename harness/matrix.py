@@ -488,11 +488,6 @@ def _check_references(m: Matrix, filename: str) -> None:
             if p.id in seen:
                 fail(f"prompt_sets.{pname}[{i}].id", f"duplicate prompt id {p.id!r}")
             seen.add(p.id)
-    for tname, task in m.accuracy_tasks.items():
-        if task.local:
-            problem = _task_yaml_problem(m._dir / task.task)
-            if problem:
-                fail(f"accuracy_tasks.{tname}.task", problem)
     for mname, model in m.models.items():
         mpath = f"models.{mname}"
         for i, tname in enumerate(model.accuracy or ()):
@@ -685,12 +680,17 @@ def select(cells: Iterable[Cell], k_expr: str | None) -> list[Cell]:
 
 def check_paths(matrix: Matrix, cells: Iterable[Cell]) -> None:
     """MatrixError for the first cell whose local checkpoint (``path:``, relative to the matrix
-    file) is not a directory: a models.yaml error of the run, exit 2 (checked for the cells a run
-    selects, so a checkout without some local checkpoints can still list and plan cells)."""
+    file) is not a directory, or whose accuracy task YAML in the repo cannot be read as a task: a
+    models.yaml error of the run, exit 2 (checked for the cells a run selects, so a checkout
+    without some local checkpoints can still list and plan cells)."""
     for c in cells:
         if c.source_kind == "path" and not (matrix._dir / c.path).is_dir():
             raise MatrixError(f"{matrix.file}: models.{c.model}.path: {c.path!r} is not a directory "
                               f"(resolved against {matrix._dir})")
+        for t in c.accuracy:  # a task YAML in the repo, likewise (docs/design.md, "Accuracy")
+            problem = _task_yaml_problem(Path(t.path)) if t.path is not None else None
+            if problem:
+                raise MatrixError(f"{matrix.file}: accuracy_tasks.{t.name}.task: {problem}")
 
 
 def warnings(cells: Iterable[Cell]) -> list[str]:

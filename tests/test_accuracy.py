@@ -97,8 +97,11 @@ def test_a_statistical_gate_needs_a_proportion_and_a_local_task_must_exist():
     with pytest.raises(matrix.MatrixError, match=r"accuracy_tasks\.real: .*statistical gate \(wilson\) needs a proportion metric"):
         matrix.loads(text.replace("metric: exact_match", "metric: bits_per_byte").replace("{rel: 0.05}", "{test: wilson, alpha: 0.01}"),
                      base_dir=ROOT)
+    # a task YAML in the repo is checked for the cells a run selects (harness run exits 2), as local checkpoints are
+    m = matrix.loads(text.replace("llama-choice.yaml", "missing.yaml"), base_dir=ROOT)
     with pytest.raises(matrix.MatrixError, match=r"accuracy_tasks\.choice\.task: cannot read the task YAML .*missing\.yaml"):
-        matrix.loads(text.replace("llama-choice.yaml", "missing.yaml"), base_dir=ROOT)
+        matrix.check_paths(m, m.cells())
+    matrix.check_paths(load(), load().cells())
 
 
 def test_models_yaml_declares_tiny_tasks_for_cpu_tiny_and_real_ones_for_gpu_full():
