@@ -308,8 +308,9 @@ def describe_changes(old: Baseline | None, new: Baseline) -> tuple[list[str], bo
             pos = next((i for i, (x, y) in enumerate(zip(at, bt)) if x != y), min(len(at), len(bt)))
             msgs.append(f"prompt {pid}: scored tokens changed at position {pos}")
             material = True
+        # Equal logprobs (-inf for an image placeholder included) are no change; NaN never compares small.
         deltas = [
-            (abs(ra.logprob - rb.logprob), ra.pos)
+            (0.0 if ra.logprob == rb.logprob else abs(ra.logprob - rb.logprob), ra.pos)
             for ra, rb in zip(a.scored[1:], b.scored[1:])
             if ra.token == rb.token and ra.logprob is not None and rb.logprob is not None
         ]

@@ -219,3 +219,15 @@ def test_corrupt_or_foreign_baseline_is_a_clear_error(tmp_path):
     p.write_text("{")
     change = B.update(tmp_path, record(), commit="abc")
     assert change.kind == "updated" and change.messages[0].startswith("old baseline unreadable")
+
+
+def test_an_unchanged_minus_infinity_logprob_is_no_change(tmp_path):
+    """Image placeholders score -inf; the same -inf again is not a material change."""
+    rec = record()
+    seq = rec.sequences[0]
+    lps = list(seq.scored.logprobs)
+    lps[0] = float("-inf")
+    rec = rec.model_copy(update={"sequences": [seq.model_copy(update={"scored": seq.scored.model_copy(update={"logprobs": lps})})]})
+    B.update(tmp_path, rec, commit="abc")
+    again = rec.model_copy(update={"started_at": "2026-01-03T03:04:05Z"})
+    assert B.update(tmp_path, again, commit="def").kind == "unchanged"
