@@ -3,10 +3,11 @@
 
 :func:`evaluate` is called by ``harness.engines.base.execute`` in the engine child, after the
 logprob steps, with the engine still loaded: no second engine start. Each task goes through
-``lm_eval.simple_evaluate`` with the ``harness`` model (harness.accuracy.lm) and a TaskManager that
-indexes only what the task needs: a task YAML in the repo is read here, its local data files made
-absolute (lm-eval then reads them with ``datasets``' ``json`` builder, no hub), and handed to lm-eval
-as an inline config; an lm-eval task name is looked up among lm-eval's own tasks.
+lm-eval's evaluator (``lm_eval.evaluator.evaluate``, set up as ``simple_evaluate`` does) with the
+``harness`` model (harness.accuracy.lm) and a TaskManager that indexes only what the task needs:
+a task YAML in the repo is read here, its local data files made absolute (lm-eval then reads them
+with ``datasets``' ``json`` builder, no hub), and handed to lm-eval as an inline config; an lm-eval
+task name is looked up among lm-eval's own tasks.
 """
 from __future__ import annotations
 
@@ -79,10 +80,33 @@ def _number(x: Any) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
+def _evaluate(lm, manager, spec, task: CellAccuracyTask) -> dict:
+    """``lm_eval.evaluator.evaluate`` on the loaded task, set up as ``simple_evaluate`` sets it up
+    (seeds 0, the few-shot count, a default of 0 shots, the few-shot seed). simple_evaluate itself
+    also collects the machine's environment (torch's collect_env runs pip, lscpu and friends in
+    subprocesses), about a second per call that an engine child has no use for."""
+    import random
+
+    import numpy as np
+    from lm_eval.evaluator import evaluate
+    from lm_eval.utils import set_torch_seed
+
+    random.seed(0)
+    np.random.seed(0)
+    set_torch_seed(0)
+    loaded = manager.load([spec])
+    for t in loaded["tasks"].values():
+        if task.num_fewshot is not None and t.get_config("num_fewshot") != 0:
+            t.set_config(key="num_fewshot", value=task.num_fewshot)
+        elif t.get_config("num_fewshot") is None:
+            t.set_config(key="num_fewshot", value=0)
+        t.set_fewshot_seed(seed=0)
+    return evaluate(lm=lm, task_dict=loaded, limit=task.limit, bootstrap_iters=1000, log_samples=True)
+
+
 def run_task(lm, task: CellAccuracyTask, log: Callable[[str], None] = lambda s: None) -> tuple[R.Accuracy, dict]:
-    """One task through ``lm_eval.simple_evaluate`` on ``lm``: its result entry, and lm-eval's raw
-    result (for the tiny-task builder, which reads the samples)."""
-    import lm_eval
+    """One task through lm-eval's evaluator on ``lm``: its result entry, and lm-eval's raw result
+    (for the tiny-task builder, which reads the samples)."""
     from lm_eval.tasks import TaskManager
 
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # no process pool inside an engine child
@@ -97,9 +121,7 @@ def run_task(lm, task: CellAccuracyTask, log: Callable[[str], None] = lambda s: 
         spec = name = task.task
     log(f"accuracy: {task.name}: lm-eval task {name} (few-shot {task.num_fewshot if task.num_fewshot is not None else 'default'}, "
         f"limit {task.limit or 'none'})")
-    res = lm_eval.simple_evaluate(model=lm, tasks=[spec], num_fewshot=task.num_fewshot, limit=task.limit,
-                                  task_manager=manager, log_samples=True, bootstrap_iters=1000,
-                                  random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    res = _evaluate(lm, manager, spec, task)
     results = res["results"].get(name)
     key = f"{task.metric},{task.filter}"
     if results is None or key not in results:

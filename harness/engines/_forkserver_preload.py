@@ -22,7 +22,8 @@ import harness.fixtures  # noqa: E402,F401
 import harness.reference  # noqa: E402,F401
 import harness.scoring  # noqa: E402,F401
 
-for _optional in ("bitsandbytes", "torchao", "compressed_tensors", "accelerate"):
+for _optional in ("bitsandbytes", "torchao", "compressed_tensors", "accelerate",
+                  "lm_eval.evaluator", "lm_eval.tasks", "harness.accuracy.lm"):  # the accuracy tasks
     try:
         __import__(_optional)
     except Exception:  # an engine that needs it will say so in its own log
