@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from harness import buildkite as bk
+from harness import changes
 from harness import matrix as mx
 from harness.matrix import MatrixError
 
@@ -376,7 +377,7 @@ def _ids(cells):
     ("models.yaml", lambda c: True),  # the previous matrix is not known
 ])
 def test_project_paths_map_to_cells(path, expect):
-    chosen, notes = bk.select_changed(MATRIX, CELLS, [path])
+    chosen, notes = changes.select_changed(MATRIX, CELLS, [path])
     assert _ids(chosen) == {c.id for c in CELLS if expect(c)}
     assert notes and notes[0].startswith(path)
 
@@ -399,21 +400,21 @@ def test_project_paths_map_to_cells(path, expect):
     ("transformers", "src/transformers/modeling_utils.py", lambda c: True),
 ])
 def test_engine_source_paths_map_to_that_engines_cells(engine, path, expect):
-    chosen, _ = bk.select_changed(MATRIX, CELLS, [], engine_changed={engine: [path]})
+    chosen, _ = changes.select_changed(MATRIX, CELLS, [], engine_changed={engine: [path]})
     assert _ids(chosen) == {c.id for c in CELLS if c.engine == engine and expect(c)}
 
 
 def test_changed_matrix_selects_changed_cells():
     text = (ROOT / "models.yaml").read_text()
     new = mx.loads(text.replace("  fp8:         {logprob: 1.0e-2", "  fp8:         {logprob: 2.0e-2"))
-    chosen, notes = bk.select_changed(new, new.cells(), ["models.yaml"], old_matrix=MATRIX)
+    chosen, notes = changes.select_changed(new, new.cells(), ["models.yaml"], old_matrix=MATRIX)
     assert _ids(chosen) == {c.id for c in CELLS if c.family == "fp8" and c.model not in
                             ("mllama-11b-fp8-kv", "mllama-11b-fp8-dynamic")}  # those override the bound
     assert "new or changed" in notes[0]
     # an environment's install changing selects its cells
     new = mx.loads(text.replace('plugins: ["vllm-bnb-plugin==0.0.3 --no-deps"]\n    image: "vllm/vllm-openai:v0.32.0"',
                                 'plugins: ["vllm-bnb-plugin==0.0.4 --no-deps"]\n    image: "vllm/vllm-openai:v0.32.0"'))
-    chosen, _ = bk.select_changed(new, new.cells(), ["models.yaml"], old_matrix=MATRIX)
+    chosen, _ = changes.select_changed(new, new.cells(), ["models.yaml"], old_matrix=MATRIX)
     assert _ids(chosen) == {c.id for c in CELLS if c.environment == "vllm-0.32-cuda"}
 
 
