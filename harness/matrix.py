@@ -17,18 +17,16 @@ Nothing here imports torch; loading models.yaml is cheap.
 from __future__ import annotations
 
 import re
-import types
 import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, field_validator, model_validator
 
-from harness import architectures, files
+from harness import architectures, files, yamldoc
 from harness.accuracy.spec import AccuracyTask, CellAccuracyTask
 
 ENGINES: tuple[str, ...] = ("reference", "transformers", "vllm")
@@ -49,6 +47,13 @@ Name = Annotated[str, StringConstraints(pattern=_NAME_RE)]
 _ENV_NAME_RE = r"^[a-z0-9][a-z0-9_.+-]*$"
 EnvName = Annotated[str, StringConstraints(pattern=_ENV_NAME_RE)]
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
+
+
+# What a name that fails each pattern should have been, for the one-line error.
+_PATTERN_NAMES = {
+    _NAME_RE: "is not a valid name (lower case letters, digits, '-', '_', '+'; no dots)",
+    _ENV_NAME_RE: "is not a valid environment name (lower case letters, digits, '-', '_', '+', '.')",
+}
 
 
 class MatrixError(Exception):
@@ -308,48 +313,6 @@ class Cell(_Strict):
 # ------------------------------------------------------------------------------------- loading
 
 
-MAX_DEPTH = 64  # nesting levels of models.yaml; the real file has 6
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load, except that a duplicated mapping key is an error (yaml silently keeps the last)
-    and nesting deeper than MAX_DEPTH is an error (PyYAML composes recursively)."""
-
-    _depth = 0
-
-    def compose_node(self, parent, index):
-        self._depth += 1
-        try:
-            if self._depth > MAX_DEPTH:
-                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
-                                                  self.peek_event().start_mark)
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    """A key written twice in one mapping is an error. Keys a merge key (``<<: *anchor``) brings
-    in are not written there: the mapping's own keys override them, as YAML's merge says."""
-    seen: set = set()
-    for key_node, _ in node.value:
-        key = "<<" if key_node.tag == "tag:yaml.org,2002:merge" else loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in seen
-        except TypeError:  # unhashable: construct_mapping says so below
-            continue
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    loader.flatten_mapping(node)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def load(path: str | Path = DEFAULT_PATH) -> Matrix:
     """Read and validate a models.yaml. Raises MatrixError (one line) on any problem."""
     path = Path(path)
@@ -366,110 +329,17 @@ def load(path: str | Path = DEFAULT_PATH) -> Matrix:
 
 def loads(text: str, filename: str = "models.yaml", base_dir: str | Path | None = None) -> Matrix:
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        where = f"{filename}:{mark.line + 1}" if mark is not None else filename
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise MatrixError(f"{where}: YAML syntax error: {problem}") from None
-    if not isinstance(data, dict):
-        raise MatrixError(f"{filename}: the top level must be a mapping (found {type(data).__name__})")
+        data = yamldoc.parse(text, filename)
+    except yamldoc.DocumentError as e:
+        raise MatrixError(str(e)) from None
     try:
         matrix = Matrix.model_validate(data)
     except ValidationError as e:
-        raise MatrixError(f"{filename}: {_first_error(e)}") from None
+        raise MatrixError(f"{filename}: {yamldoc.first_error(e, Matrix, _PATTERN_NAMES)}") from None
     matrix._file = filename
     matrix._dir = Path(base_dir) if base_dir is not None else DEFAULT_PATH.parent
     _check_references(matrix, filename)
     return matrix
-
-
-def _format_loc(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part == "[key]":
-            continue
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"
-
-
-def _unwrap(annotation: Any) -> Any:
-    """Strip Annotated / Optional to the type that carries fields or items."""
-    while True:
-        origin = typing.get_origin(annotation)
-        if origin is Annotated:
-            annotation = typing.get_args(annotation)[0]
-        elif origin in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(annotation) if a is not type(None)]
-            if len(args) != 1:
-                return annotation
-            annotation = args[0]
-        else:
-            return annotation
-
-
-def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
-    """The keys allowed in the mapping that holds loc[-1] (best effort)."""
-    current: Any = Matrix
-    for part in loc[:-1]:
-        current = _unwrap(current)
-        if isinstance(current, type) and issubclass(current, BaseModel):
-            field = current.model_fields.get(part)
-            if field is None:
-                return None
-            current = field.annotation
-        elif typing.get_origin(current) in (dict, list, tuple):
-            args = typing.get_args(current)
-            current = args[-1] if typing.get_origin(current) is dict else args[0]
-        else:
-            return None
-    current = _unwrap(current)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return list(current.model_fields)
-    return None
-
-
-def _num(x: Any) -> str:
-    return f"{x:g}" if isinstance(x, (int, float)) else str(x)
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors(include_url=False)[0]
-    loc = tuple(err["loc"])
-    where = _format_loc(loc)
-    kind = err["type"]
-    ctx = err.get("ctx") or {}
-    value = err.get("input")
-    if kind == "extra_forbidden":
-        allowed = _allowed_keys(loc)
-        what = "unknown key" + (f" (allowed: {', '.join(allowed)})" if allowed else "")
-    elif kind == "missing":
-        what = "required key is missing"
-    elif kind == "greater_than":
-        what = f"must be > {_num(ctx.get('gt'))}"
-    elif kind == "greater_than_equal":
-        what = f"must be >= {_num(ctx.get('ge'))}"
-    elif kind == "literal_error":
-        what = f"{value!r} is not one of {ctx.get('expected')}"
-    elif kind == "string_pattern_mismatch":
-        if ctx.get("pattern") == _NAME_RE:
-            what = f"{value!r} is not a valid name (lower case letters, digits, '-', '_', '+'; no dots)"
-        elif ctx.get("pattern") == _ENV_NAME_RE:
-            what = f"{value!r} is not a valid environment name (lower case letters, digits, '-', '_', '+', '.')"
-        else:
-            what = f"{value!r} does not match {ctx.get('pattern')}"
-    elif kind == "too_short":
-        what = "must not be empty"
-    elif kind == "value_error":
-        what = str(ctx.get("error", err["msg"]))
-    else:
-        what = err["msg"].replace("Input should be", "must be")
-        if isinstance(value, (str, int, float, bool)) and kind != "missing":
-            what += f" (got {value!r})"
-    return f"{where}: {what}"
 
 
 def _family(scheme: str) -> str:
@@ -542,12 +412,12 @@ def _task_yaml_problem(path: Path) -> str | None:
     """Why a task YAML in the repo cannot be an lm-eval task (None when it can): it must exist and
     be a mapping naming its ``task``."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        return f"cannot read the task YAML {path}: {e.strerror or e}"
-    except yaml.YAMLError as e:
-        return f"the task YAML {path} is not YAML: {str(e).splitlines()[0]}"
-    if not isinstance(data, dict) or not isinstance(data.get("task"), str):
+        data = yamldoc.parse(files.read_text(path), str(path))
+    except files.Unreadable as e:
+        return f"cannot read the task YAML {path}: {e.reason}"
+    except yamldoc.DocumentError as e:
+        return f"the task YAML is not a YAML mapping: {e}"
+    if not isinstance(data.get("task"), str):
         return f"the task YAML {path} must be a mapping with a `task` name"
     return None
 
