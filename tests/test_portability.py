@@ -68,9 +68,9 @@ def test_a_shift_before_the_fragile_onset_is_regressed_under_other_kernels(tmp_p
     row = seq.scored[onset]  # logprob index onset - 1 scores this row: before the onset
     seq.scored[onset] = row.model_copy(update={"logprob": row.logprob - 0.05})
     root = tmp_path / "altered"
-    (root / "cpu-tiny").mkdir(parents=True)
+    shutil.copytree(committed, root)
     (root / "cpu-tiny" / f"{cell}.json").write_text(b.to_text())
-    assert _run(tmp_path, "altered-run", cell, root, "default") == {cell: "regressed"}
+    assert _run(tmp_path, "altered-run", f"{cell} and not mllama", root, "default") == {cell: "regressed"}
 
 
 def _identity(cache: Path, capability: str | None) -> str:

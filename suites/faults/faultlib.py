@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,8 +86,10 @@ def subprocess_run(argv: list, *, cwd: Path, env: dict[str, str] | None = None, 
     full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), MARK_ENV: marker,
             "HARNESS_LOG": str(cwd / "cache" / "libraries.log"), **(env or {})}
     t0 = time.perf_counter()
+    # A shell's background job starts with SIGINT ignored, and Python then installs no handler:
+    # the child starts with the default disposition, as from an interactive shell or CI.
     proc = subprocess.run([*HARNESS, *map(str, argv)], cwd=cwd, env=full, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return Outcome(proc.returncode, proc.stdout, proc.stderr, marker, time.perf_counter() - t0)
 
 
