@@ -198,6 +198,10 @@ def test_harness_report_cli(tmp_path, capsys, monkeypatch):
     assert "missing: 1 expected cell(s) have no record: llama.bnb-nf4.reference" in o
     assert cli.main(["report", str(tmp_path / "results"), "-o", str(out), "--strict"]) == 0
     assert cli.main(["report", str(tmp_path / "results"), "-o", str(out), "--matrix", str(tmp_path / "nope.yaml")]) == 2
+    # a results directory that is not there is one line and exit 2, never an empty report
+    capsys.readouterr()
+    assert cli.main(["report", str(tmp_path / "nowhere"), "-o", str(out)]) == 2
+    assert capsys.readouterr()[1].strip() == f"error: {tmp_path / 'nowhere'}: no such directory (RESULTS are result directories of `harness run`)"
     # python -m harness.report is the same command (the Buildkite report step uses it)
     r = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "results"), "-o", str(out), "--strict"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -125,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
         except MatrixError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    unreadable = next((r for r in args.results if not Path(r).is_dir()), None)
+    if unreadable is not None:
+        what = "is not a directory" if Path(unreadable).exists() else "no such directory"
+        print(f"error: {unreadable}: {what} (RESULTS are result directories of `harness run`)", file=sys.stderr)
+        return 2
     baselines = args.baselines or ("baselines" if Path("baselines").is_dir() else None)
     written = write_reports(args.results, args.output, expected=parse_expected(args.expect), matrix=matrix,
                             title=args.title, baselines_root=baselines)
