@@ -52,6 +52,7 @@ from harness import records as R
 
 if TYPE_CHECKING:
     from harness.matrix import Cell
+    from harness.traces import PromptTrace
 
 
 class EngineUnavailable(Exception):
@@ -185,6 +186,12 @@ class Engine(abc.ABC):
 
     def module_diff(self, checkpoint: Checkpoint) -> R.ModuleDiff | None:
         return None
+
+    def trace(self, prompts: Sequence[EnginePrompt], sequences: Sequence[list[int]]) -> list[PromptTrace]:
+        """The module trace of each prompt's scored sequence (harness.traces.PromptTrace), on
+        demand only (``harness run --trace``, and a failed or regressed cell): docs/design.md,
+        "Localisation"."""
+        raise NotImplementedError(f"the {self.name} engine records no module traces")
 
     def close(self) -> None:
         pass
@@ -471,6 +478,11 @@ class InProcessEngine(Engine):
             s = scoring.teacher_forced(self.model, self._prompt(p), list(seq), top_k)
             out.append(R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=_lists(s.topk)))
         return out
+
+    def trace(self, prompts, sequences):
+        from harness.traces import record
+
+        return [record.record(self.model, p.id, self._prompt(p), list(seq)) for p, seq in zip(prompts, sequences)]
 
     def close(self):
         self.model = None

@@ -1,0 +1,33 @@
+"""Module traces: the output of every module of one scored sequence, in execution order
+(docs/design.md, "Localisation").
+
+The shared shape every engine produces (``Engine.trace``): the reference and transformers record
+it with forward hooks (harness.traces.record), vLLM through ``LLM.apply_model``
+(harness.traces.vllm). Nothing here imports torch at module level: the report imports this package.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class PromptTrace:
+    """The trace of one prompt's scored sequence.
+
+    ``order``: module names in first-execution order, in transformers' in-memory spelling
+    (``model.named_modules()`` of the HF model: ``model.layers.0.self_attn.q_proj``), fused modules
+    already split into their checkpoint shards (q_proj/k_proj/v_proj, gate_proj/up_proj).
+    ``outputs``: name -> float32 [positions, features] output of the module on the scored
+    sequence (batch dimension dropped; the first tensor of a tuple output); for encoder modules
+    the positions are the encoder's. ``inputs``: name -> float32 [positions, features] first
+    positional input of linear-like modules, so that "equal inputs" can be decided (may be
+    restricted to leaf modules)."""
+
+    prompt: str  # prompt id (p0, p1, ...)
+    order: list[str] = field(default_factory=list)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
