@@ -25,9 +25,27 @@ class PromptTrace:
     sequence (batch dimension dropped; the first tensor of a tuple output); for encoder modules
     the positions are the encoder's. ``inputs``: name -> float32 [positions, features] first
     positional input of linear-like modules, so that "equal inputs" can be decided (may be
-    restricted to leaf modules)."""
+    restricted to leaf modules). Optional, for telling weights, kernel and quantizer apart:
+    ``weights``: name -> float32 [out_features, WEIGHT_PROJECTIONS] = W @ weight_probe(in_features),
+    the effective (dequantized) weight of a linear-like leaf times fixed random vectors (leave
+    out what the engine cannot read); ``quantizers``: the leaves that quantize their input
+    activations (FP8 dynamic or static input scales)."""
 
     prompt: str  # prompt id (p0, p1, ...)
     order: list[str] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    quantizers: set[str] = field(default_factory=set)
+
+
+WEIGHT_PROJECTIONS = 4
+
+
+def weight_probe(in_features: int) -> torch.Tensor:
+    """The fixed random vectors a weight is projected on: float32 [in_features, WEIGHT_PROJECTIONS],
+    the same on every engine and machine (seeded by the size alone)."""
+    import torch
+
+    g = torch.Generator().manual_seed(in_features)
+    return torch.randn(in_features, WEIGHT_PROJECTIONS, generator=g, dtype=torch.float32)
