@@ -2,8 +2,13 @@
 
 Each format module decodes its layout in plain torch. The libraries that produce the layouts are
 used only as oracles in the tests.
+
+A quantized weight stays in its stored form (`StoredWeight`: the tensors as on disk, memory-mapped
+where the file allows) and is dequantized each time it is used (docs/design.md, "Fast loading").
 """
-from dataclasses import dataclass, field
+import dataclasses
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,9 +24,44 @@ LABELS = (
 )
 
 
+class StoredWeight:
+    """A quantized weight as stored: `dequantize` gives its effective float32 [out, in] value.
+
+    Subclasses are dataclasses (one per format, beside its decoder) whose tensor fields are the
+    stored tensors and whose `shape` is the [out, in] shape of the effective weight.
+    """
+
+    shape: tuple[int, int]
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The effective float32 weight, written into `out` (a contiguous [out, in] float32
+        tensor) when given; never cached, so that only the stored form stays in memory."""
+        raise NotImplementedError
+
+    def map(self, fn) -> "StoredWeight":
+        """A copy whose tensor fields are `fn(tensor)` (what `nn.Module._apply` does to parameters:
+        moving to a device)."""
+        return dataclasses.replace(self, **{f.name: fn(v) for f in dataclasses.fields(self)
+                                            if isinstance(v := getattr(self, f.name), torch.Tensor)})
+
+
+def effective(weight: "torch.Tensor | StoredWeight") -> torch.Tensor:
+    """The float32 value of a weight held as a tensor or in its stored form."""
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+
+
+def finite_bounds(t: torch.Tensor) -> tuple[float, float] | None:
+    """(min, max) of a floating tensor, or None when it holds a NaN or an infinity: one pass and
+    no full-size temporary (NaN propagates through min and max), where `isfinite` allocates a mask."""
+    if t.numel() == 0:
+        return 0.0, 0.0
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else None
+
+
 @dataclass
-class Fp8Parts:
-    """What an FP8 weight is made of, kept so that fused shards can be requantized."""
+class Fp8Parts(StoredWeight):
+    """What an FP8 weight is made of: its stored form, kept so that fused shards can be requantized."""
 
     qweight: torch.Tensor  # float8_e4m3fn, [out, in]
     scale: torch.Tensor  # float32: shape () or (1,) per tensor, (out, 1) per channel
@@ -31,12 +71,43 @@ class Fp8Parts:
     def per_channel(self) -> bool:
         return self.scale.numel() > 1
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)
 
-@dataclass
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        from harness.quant import fp8
+
+        return fp8.dequantize(self.qweight, self.scale, out)
+
+
+@dataclass(init=False)
 class Decoded:
-    """One linear weight as decoded from disk."""
+    """One linear weight as decoded from disk.
+
+    `stored` is what the model keeps: a float32 tensor (unquantized weights, and weights quantized
+    online) or a `StoredWeight`. `weight` is the effective float32 value, dequantized on each read;
+    assigning it replaces the stored form with that tensor.
+    """
 
     label: str
-    weight: torch.Tensor  # float32 [out, in]: the effective (dequantized) weight
-    fp8: Fp8Parts | None = None
-    settings: dict = field(default_factory=dict)  # what must match for shards to fuse (quant_type, blocksize, ...)
+    stored: "torch.Tensor | StoredWeight"
+    fp8: Fp8Parts | None
+    settings: dict  # what must match for shards to fuse (quant_type, blocksize, ...)
+
+    def __init__(self, label: str, weight: "torch.Tensor | StoredWeight", fp8: Fp8Parts | None = None,
+                 settings: dict | None = None):
+        self.label, self.stored, self.fp8 = label, weight, fp8
+        self.settings = {} if settings is None else settings
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return effective(self.stored)
+
+    @weight.setter
+    def weight(self, value: torch.Tensor) -> None:
+        self.stored = value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stored.shape)

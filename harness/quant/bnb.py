@@ -30,13 +30,15 @@ An absmax of 0 is legal (an all-zero block); a negative or non-finite one is not
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+from dataclasses import dataclass
 
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded
+from harness.quant import Decoded, StoredWeight, finite_bounds
 from harness.quant.source import TensorSource
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -60,51 +62,113 @@ def code_table(quant_type: str) -> torch.Tensor:
     return t.div_(t.abs().max())
 
 
+# Packed bytes decoded at a time: the int32 indices and the float32 values of one chunk stay in
+# cache. A multiple of every blocksize / 2, so a chunk holds whole blocks.
+CHUNK_BYTES = 1 << 16
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_table(quant_type: str, device: torch.device) -> torch.Tensor:
+    """For each byte value, the float32 pair of codes it packs (high nibble first), held as one
+    int64 per byte: one index_select then writes both values of a byte."""
+    code = code_table(quant_type)
+    pairs = torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1)  # [256, 2]
+    return pairs.contiguous().view(torch.int64).reshape(256).to(device)
+
+
 def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n 4-bit codes of a packed buffer (high nibble first), as int64."""
-    flat = packed.contiguous().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    codes = torch.empty(flat.numel() * 2, dtype=torch.int64)
-    codes[0::2] = (flat >> 4).to(torch.int64)
-    codes[1::2] = (flat & 0xF).to(torch.int64)
+    """The first n 4-bit codes of a packed buffer (high nibble first), as uint8."""
+    flat = _bytes(packed)
+    codes = torch.empty(flat.numel() * 2, dtype=torch.uint8, device=flat.device)
+    codes[0::2] = flat >> 4
+    codes[1::2] = flat & 0xF
     return codes[:n]
 
 
-def blockwise_scale(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """values[i] * absmax[i // blocksize] for a flat float32 tensor (last block may be short)."""
-    n = values.numel()
-    return values * absmax.repeat_interleave(blocksize)[:n]
+def _bytes(packed: torch.Tensor) -> torch.Tensor:
+    flat = packed.contiguous().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def scale_blocks_(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """values[i] *= absmax[i // blocksize], in place, for a flat float32 tensor (the last block
+    may be short): a broadcast over [blocks, blocksize], never absmax expanded to full size."""
+    full = values.numel() // blocksize * blocksize
+    values[:full].view(-1, blocksize).mul_(absmax[:full // blocksize, None])
+    if full < values.numel():
+        values[full:].mul_(absmax[full // blocksize])
+    return values
 
 
 def dequantize_absmax(qabsmax: torch.Tensor, nested_absmax: torch.Tensor, nested_quant_map: torch.Tensor,
                       nested_blocksize: int, nested_offset: float) -> torch.Tensor:
     """Undo double quantization of the absmax values (bitsandbytes `dequantize_blockwise` + offset)."""
-    vals = nested_quant_map.float()[qabsmax.reshape(-1).to(torch.int64)]
-    absmax = blockwise_scale(vals, nested_absmax.float().reshape(-1), nested_blocksize)
-    return absmax + torch.tensor(float(nested_offset), dtype=torch.float32)
+    vals = nested_quant_map.float()[qabsmax.reshape(-1).to(torch.int32)]
+    scale_blocks_(vals, nested_absmax.float().reshape(-1), nested_blocksize)
+    return vals.add_(torch.tensor(float(nested_offset), dtype=torch.float32))
 
 
 def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_type: str, blocksize: int,
                shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *,
-               nested: dict | None = None) -> torch.Tensor:
+               nested: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize a packed 4-bit buffer to float32, as bitsandbytes does.
 
     `nested`, for double quant: {"absmax": nested_absmax, "quant_map": nested_quant_map,
     "blocksize": nested_blocksize, "offset": nested_offset}; `absmax` is then the uint8 codes.
     `dtype` is the quant state's dtype: bitsandbytes returns the weight in it, and so the
-    float32 result here is rounded through it.
+    float32 result here is rounded through it. `out`: a contiguous float32 tensor of `shape` to
+    write into (else one is allocated).
+
+    Chunk by chunk: bytes to int32 indices, one lookup per byte into a 256-entry table of code
+    pairs written straight into the output, then the multiply by each block's absmax.
     """
     n = math.prod(shape)
     if nested is not None:
         absmax = dequantize_absmax(absmax, nested["absmax"], nested["quant_map"], int(nested["blocksize"]),
                                    float(nested["offset"]))
-    codes = unpack_nibbles(packed, n)
-    values = code_table(quant_type)[codes]
-    out = blockwise_scale(values, absmax.float().reshape(-1), blocksize).reshape(shape)
+    absmax = absmax.float().reshape(-1)
+    packed = _bytes(packed)
+    result = torch.empty(shape, dtype=torch.float32, device=packed.device) if out is None else out
+    if not result.is_contiguous() or result.storage_offset() % 2:  # no int64 view of it
+        return result.copy_(dequantize(packed, absmax, quant_type, blocksize, shape, dtype))
+    flat = result.view(-1)
+    full = n // blocksize * blocksize
+    table, pairs = _pair_table(quant_type, packed.device), flat[:full].view(torch.int64)
+    index = torch.empty(min(CHUNK_BYTES, full // 2), dtype=torch.int32, device=packed.device)
+    for start in range(0, full // 2, CHUNK_BYTES):
+        stop = min(start + CHUNK_BYTES, full // 2)
+        chunk = index[:stop - start].copy_(packed[start:stop])
+        torch.index_select(table, 0, chunk, out=pairs[start:stop])
+        _finish(flat[2 * start:2 * stop], absmax[2 * start // blocksize:2 * stop // blocksize], blocksize, dtype)
+    if full < n:  # a last, short block
+        tail = flat[full:]
+        tail.copy_(code_table(quant_type).to(tail.device)[unpack_nibbles(packed[full // 2:], n - full).int()])
+        _finish(tail, absmax[full // blocksize:], blocksize, dtype)
+    return result
+
+
+def _finish(values: torch.Tensor, absmax: torch.Tensor, blocksize: int, dtype: torch.dtype) -> None:
+    """Codes to values in place: times the block's absmax, rounded through the state's dtype."""
+    scale_blocks_(values, absmax, blocksize)
     if dtype != torch.float32:
-        out = out.to(dtype).float()
-    return out
+        values.copy_(values.to(dtype))
+
+
+@dataclass
+class Stored4bit(StoredWeight):
+    """A bitsandbytes 4-bit weight as stored: the packed bytes (memory-mapped) and the float32
+    absmax (decoded at load under double quant: it is checked there)."""
+
+    packed: torch.Tensor  # uint8, two codes per byte
+    absmax: torch.Tensor  # float32 [n_blocks]
+    quant_type: str
+    blocksize: int
+    shape: tuple[int, int]
+    dtype: torch.dtype  # the quant state's dtype, which the values are rounded through
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        return dequantize(self.packed, self.absmax, self.quant_type, self.blocksize, self.shape, self.dtype,
+                          out=out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,13 +229,12 @@ def _get(src: TensorSource, name: str, what: str) -> torch.Tensor:
     return src.get(name)
 
 
-def _check_scale(name: str, t: torch.Tensor, *, allow_zero: bool = True) -> None:
-    if not torch.isfinite(t).all():
+def _check_scale(name: str, t: torch.Tensor) -> None:
+    bounds = finite_bounds(t)
+    if bounds is None:
         raise CheckpointError(name, "NaN or infinite values")
-    if (t < 0).any():
+    if bounds[0] < 0:
         raise CheckpointError(name, "negative values")
-    if not allow_zero and (t == 0).any():
-        raise CheckpointError(name, "zero values")
 
 
 def decode(src: TensorSource, weight: str) -> Decoded:
@@ -201,7 +264,6 @@ def decode(src: TensorSource, weight: str) -> Decoded:
         raise CheckpointError(f"{weight}.absmax", f"has {absmax.numel()} values; shape {list(shape)} in blocks of {bs} needs {n_blocks}")
 
     double = f"{weight}.nested_absmax" in src.keys or "nested_offset" in state or absmax.dtype == torch.uint8
-    nested = None
     if double:
         if absmax.dtype != torch.uint8:
             raise CheckpointError(f"{weight}.absmax", f"double-quant absmax must be uint8, got {absmax.dtype}")
@@ -227,18 +289,16 @@ def decode(src: TensorSource, weight: str) -> Decoded:
             raise CheckpointError(f"{weight}.nested_quant_map", f"expected 256 float32 values, got {n_map.dtype} {tuple(n_map.shape)}")
         if not torch.isfinite(n_map).all():
             raise CheckpointError(f"{weight}.nested_quant_map", "NaN or infinite values")
-        nested = {"absmax": n_abs, "quant_map": n_map, "blocksize": nbs, "offset": offset}
-        real_absmax = dequantize_absmax(absmax, n_abs, n_map, nbs, offset)
-        if not torch.isfinite(real_absmax).all():
+        absmax = dequantize_absmax(absmax, n_abs, n_map, nbs, offset)
+        if finite_bounds(absmax) is None:
             raise CheckpointError(f"{weight}.absmax", "NaN or infinite after double-quant decoding")
     else:
         if absmax.dtype != torch.float32:
             raise CheckpointError(f"{weight}.absmax", f"must be float32 (or uint8 with double quant), got {absmax.dtype}")
         _check_scale(f"{weight}.absmax", absmax)
 
-    w = dequantize(packed, absmax, qt, bs, shape, dtype, nested=nested)
     return Decoded(
         label=f"bnb-{qt}",
-        weight=w,
+        weight=Stored4bit(_bytes(packed), absmax.reshape(-1), qt, bs, shape, dtype),
         settings={"quant_type": qt, "blocksize": bs, "double_quant": double},
     )

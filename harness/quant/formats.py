@@ -5,10 +5,8 @@ tensors, whatever config.json says. `quant_method` only reads what the producer 
 """
 from __future__ import annotations
 
-import torch
-
 from harness.errors import CheckpointError
-from harness.quant import Decoded, bnb, fp8, schema, torchao
+from harness.quant import Decoded, bnb, finite_bounds, fp8, schema, torchao
 from harness.quant.source import TensorSource
 
 # (name, module) in the order they are asked; their layouts do not overlap
@@ -74,6 +72,6 @@ def decode_weight(src: TensorSource, weight: str) -> Decoded:
     if not dt.is_floating_point:
         raise CheckpointError(weight, f"dtype {dt} is neither a float weight nor a known quantized layout")
     t = src.get(weight)
-    if not torch.isfinite(t).all():
+    if finite_bounds(t) is None:
         raise CheckpointError(weight, "NaN or infinite values in an unquantized weight")
-    return Decoded("unquantized", t.float())
+    return Decoded("unquantized", t.float())  # float32 on disk: the memory-mapped tensor itself

@@ -102,13 +102,20 @@ def decode(src: TensorSource, weight: str) -> Decoded:
             raise CheckpointError(is_name, f"input_scale must be one value, got shape {tuple(input_scale.shape)}")
         input_scale = input_scale.reshape(())
 
-    w = q.float() * scale
+    parts = Fp8Parts(qweight=q, scale=scale, input_scale=input_scale)
     return Decoded(
         label=f"fp8-{strategy}",
-        weight=w,
-        fp8=Fp8Parts(qweight=q, scale=scale, input_scale=input_scale),
+        weight=parts,
+        fp8=parts,
         settings={"strategy": strategy, "static_input": input_scale is not None},
     )
+
+
+def dequantize(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The effective weight float32(q) * scale, written into `out` when given (no other temporary)."""
+    if out is None:
+        out = torch.empty(qweight.shape, dtype=torch.float32, device=qweight.device)
+    return out.copy_(qweight).mul_(scale)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,18 +192,34 @@ def requantize_fused(shards: list[Decoded], dq_dtype: torch.dtype = torch.float3
     if statics == {True}:
         input_scale = torch.stack([s.fp8.input_scale.reshape(()) for s in shards]).max()
 
-    result = []
     if per_channel == {True}:
-        for s in shards:
-            result.append(Decoded(s.label, s.weight, Fp8Parts(s.fp8.qweight, s.fp8.scale, input_scale), dict(s.settings)))
-        return result
+        return [Decoded(s.label, parts, parts, dict(s.settings))
+                for s in shards for parts in [Fp8Parts(s.fp8.qweight, s.fp8.scale, input_scale)]]
 
     smax = torch.stack([s.fp8.scale.reshape(()) for s in shards]).max()
+    fused = torch.empty((sum(s.fp8.qweight.shape[0] for s in shards), shards[0].fp8.qweight.shape[1]),
+                        dtype=FP8, device=smax.device)
+    result, start = [], 0
     for s in shards:
-        dq = s.fp8.qweight.to(dq_dtype) * s.fp8.scale.reshape(()).to(dq_dtype)
-        q2 = quantize(dq.float(), smax)
-        result.append(Decoded(s.label, q2.float() * smax, Fp8Parts(q2, smax.clone(), input_scale), dict(s.settings)))
+        q2 = fused[start:start + s.fp8.qweight.shape[0]]
+        start += q2.shape[0]
+        _requantize_into(q2, s.fp8.qweight, s.fp8.scale.reshape(()), smax, dq_dtype)
+        parts = Fp8Parts(q2, smax.clone(), input_scale)
+        result.append(Decoded(s.label, parts, parts, dict(s.settings)))
     return result
+
+
+# Elements requantized at a time: the float temporaries of one chunk stay small.
+REQUANTIZE_CHUNK = 1 << 18
+
+
+def _requantize_into(out: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, new_scale: torch.Tensor,
+                     dq_dtype: torch.dtype) -> None:
+    """out = quantize(qweight * scale, new_scale), dequantized in `dq_dtype`, a chunk of rows at a time."""
+    rows = max(1, REQUANTIZE_CHUNK // max(1, qweight.shape[1]))
+    for start in range(0, qweight.shape[0], rows):
+        dq = qweight[start:start + rows].to(dq_dtype) * scale.to(dq_dtype)
+        out[start:start + rows] = quantize(dq.float(), new_scale)
 
 
 def normalise_fnuz(qweight: torch.Tensor, scale: torch.Tensor,

@@ -1,8 +1,9 @@
 """Read the tensors of a checkpoint directory without loading whole files.
 
 `TensorSource.open(directory)` opens every `*.safetensors` file in the directory through
-`safetensors.safe_open` (mmap: a tensor is read when it is asked for, and `dtype`/`shape` read
-only the header). A directory without safetensors files may instead hold legacy
+`safetensors.safe_open`, which validates it, and maps it copy-on-write: a tensor is a view of the
+mapping, read from disk when it is touched and never copied, and `dtype`/`shape` read only the
+header. A directory without safetensors files may instead hold legacy
 `pytorch_model*.bin` files; those are read with `torch.load(weights_only=True, mmap=True)`, with
 torchao's tensor subclasses allow-listed and nothing else. A pickle that asks for anything else is
 refused with a `CheckpointError`; it never runs.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import pickle
 import re
@@ -59,11 +61,11 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def _check_header(path: Path) -> None:
+def _check_header(path: Path) -> tuple[dict, int]:
     """What safetensors itself does not refuse: a shard that is not a regular file (a FIFO would
     block its open), and a header that names a tensor twice (safetensors keeps the last one
     without a word). The header's length and JSON are checked here; its dtypes, shapes and
-    offsets by safetensors."""
+    offsets by safetensors. Returns the header and where the tensor data starts in the file."""
     try:
         size = files.check_regular(path)
         head = files.read_range(path, 0, 8)
@@ -86,6 +88,51 @@ def _check_header(path: Path) -> None:
         raise CheckpointError(str(path), f"not a readable safetensors file: header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointError(str(path), "not a readable safetensors file: header is not a JSON object")
+    return header, 8 + n
+
+
+class _MappedFile:
+    """One safetensors file mapped copy-on-write (MAP_PRIVATE): its tensors are views of the
+    mapping, never copies. Writable, so torch takes the views without a warning; a write changes
+    this process's pages only, never the file. The header was validated by safetensors first."""
+
+    def __init__(self, path: Path, header: dict, data_start: int):
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.header, self.data_start = header, data_start
+        self.start = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+
+    def _range(self, name: str) -> tuple[int, int]:
+        begin, end = self.header[name]["data_offsets"]
+        return self.data_start + begin, end - begin
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The tensor as a view of the file, or None for a dtype torch cannot view."""
+        entry = self.header[name]
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            return None
+        offset, nbytes = self._range(name)
+        if nbytes == 0:
+            return torch.empty(entry["shape"], dtype=dtype)
+        raw = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=offset)
+        if offset % dtype.itemsize:  # a writer that did not align the tensor: a view cannot be typed
+            raw = raw.clone()
+        return raw.view(dtype).reshape(entry["shape"])
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return self.start <= t.data_ptr() < self.start + len(self.map)
+
+    def release(self, name: str) -> None:
+        """Drop this process's pages of the tensor (the whole pages inside it): they count in its
+        memory until then, and come back from the file if read again."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        offset, nbytes = self._range(name)
+        first = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def torchao_safe_globals() -> list:
@@ -169,6 +216,7 @@ class TensorSource:
     def __init__(self, directory: str | None = None):
         self.directory = directory
         self._handles: dict[str, object] = {}  # safetensors path -> safe_open handle
+        self._maps: dict[str, _MappedFile] = {}  # safetensors path -> its mapping
         self._where: dict[str, str] = {}  # tensor name -> file path
         self._tensors: dict[str, torch.Tensor] = {}  # tensors held in memory (.bin, from_tensors)
         self._file_meta: dict[str, dict[str, str]] = {}
@@ -245,7 +293,7 @@ class TensorSource:
     def _open_safetensors(self, path: Path) -> None:
         from safetensors import safe_open
 
-        _check_header(path)
+        header, data_start = _check_header(path)
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
             names = list(handle.keys())
@@ -253,6 +301,7 @@ class TensorSource:
         except Exception as e:
             raise CheckpointError(str(path), f"not a readable safetensors file: {e}") from None
         self._handles[str(path)] = handle
+        self._maps[str(path)] = _MappedFile(path, header, data_start)
         self._file_meta[str(path)] = dict(meta)
         for n in names:
             self._claim(n, str(path))
@@ -332,13 +381,27 @@ class TensorSource:
         return self._file_meta.get(file, {})
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor: a view of the memory-mapped file where torch can view its dtype (writing to
+        it changes this process's copy only), else read by safetensors."""
         file = self.file_of(name)
         if name in self._tensors:
             return self._tensors[name]
         try:
-            return self._handles[file].get_tensor(name)
+            view = self._maps[file].tensor(name)
+            return view if view is not None else self._handles[file].get_tensor(name)
         except Exception as e:
             raise CheckpointError(name, f"unreadable in {file}: {e}") from None
+
+    def is_mapped(self, t: torch.Tensor) -> bool:
+        """Whether `t` is a view of one of the mapped files (its data never copied)."""
+        return any(m.holds(t) for m in self._maps.values())
+
+    def release(self, name: str) -> None:
+        """Give back the memory the pages of tensor `name` take in this process, once no view of it
+        is needed any more (a view still works: its pages are read from the file again)."""
+        mapped = self._maps.get(self.file_of(name))
+        if mapped is not None:
+            mapped.release(name)
 
     def dtype(self, name: str) -> torch.dtype:
         file = self.file_of(name)
@@ -360,6 +423,7 @@ class TensorSource:
 
     def close(self) -> None:
         self._handles.clear()
+        self._maps.clear()
         self._tensors.clear()
 
     def __enter__(self) -> "TensorSource":

@@ -28,11 +28,12 @@ here are weight-only.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded, schema
+from harness.quant import Decoded, StoredWeight, schema
 from harness.quant.source import TensorSource
 
 SUBCLASSES = {"Int8Tensor": "torchao-int8", "Float8Tensor": "torchao-float8"}
@@ -82,9 +83,40 @@ def _attr_dtype(weight: str, data: dict) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _expand(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """A per-block tensor [out/bo, in/bi] repeated over its blocks to [out, in]."""
-    return t.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+def dequantize(qdata: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, block: tuple[int, int],
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(float(q) - float(zero_point)) * scale, scale and zero point per [block] tile, rounded through
+    `dtype`, as the subclasses' `dequantize()`; written into `out` when given. The per-block
+    tensors [out/bo, in/bi] broadcast over a [out/bo, bo, in/bi, bi] view: never expanded."""
+    rows, cols = qdata.shape
+    if out is None:
+        out = torch.empty((rows, cols), dtype=torch.float32, device=qdata.device)
+    tiles = out.copy_(qdata).view(rows // block[0], block[0], cols // block[1], block[1])
+    if zero_point is not None:
+        tiles.sub_(zero_point.float()[:, None, :, None])
+    tiles.mul_(scale[:, None, :, None])
+    if dtype != torch.float32:
+        out.copy_(out.to(dtype))
+    return out
+
+
+@dataclass
+class StoredTorchao(StoredWeight):
+    """A torchao Int8Tensor / Float8Tensor weight as stored: qdata (memory-mapped), one scale (and
+    zero point) per block."""
+
+    qdata: torch.Tensor  # int8 or float8_e4m3fn [out, in]
+    scale: torch.Tensor  # float32 [out/bo, in/bi]
+    zero_point: torch.Tensor | None  # integer [out/bo, in/bi]; None when all zero (x - 0 is x)
+    block: tuple[int, int]
+    dtype: torch.dtype  # the original weight dtype, which the values are rounded through
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qdata.shape)
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        return dequantize(self.qdata, self.scale, self.zero_point, self.block, self.dtype, out)
 
 
 def granularity(block: tuple[int, int], shape: tuple[int, int]) -> str:
@@ -142,28 +174,20 @@ def decode(src: TensorSource, weight: str) -> Decoded:
     if (scale <= 0).any():
         raise CheckpointError(sname, "zero or negative scale")
 
-    asymmetric = False
-    if kind == "Int8Tensor":
-        w = q.float()
-        if zname in src.keys:
-            zp = src.get(zname)
-            if zp.dtype.is_floating_point or zp.dtype.is_complex:
-                raise CheckpointError(zname, f"zero point must be an integer tensor, got {zp.dtype}")
-            if zp.numel() != scale.numel():
-                raise CheckpointError(zname, f"zero point shape {tuple(zp.shape)} does not match scale shape {tuple(scale.shape)}")
-            zp = zp.reshape(nblocks)
-            asymmetric = bool((zp != 0).any())
-            w = w - _expand(zp.float(), block)
-        w = w * _expand(scale, block)
-    else:
-        if zname in src.keys:
+    zero_point = None
+    if zname in src.keys:
+        if kind != "Int8Tensor":
             raise CheckpointError(zname, "Float8Tensor has no zero point")
-        w = q.float() * _expand(scale, block)
-    if dtype != torch.float32:
-        w = w.to(dtype).float()
+        zero_point = src.get(zname)
+        if zero_point.dtype.is_floating_point or zero_point.dtype.is_complex:
+            raise CheckpointError(zname, f"zero point must be an integer tensor, got {zero_point.dtype}")
+        if zero_point.numel() != scale.numel():
+            raise CheckpointError(zname, f"zero point shape {tuple(zero_point.shape)} does not match scale shape {tuple(scale.shape)}")
+        zero_point = zero_point.reshape(nblocks)
+    asymmetric = zero_point is not None and bool((zero_point != 0).any())
 
     return Decoded(
         label=SUBCLASSES[kind],
-        weight=w,
+        weight=StoredTorchao(q, scale, zero_point if asymmetric else None, block, dtype),
         settings={"subclass": kind, "granularity": granularity(block, shape), "asymmetric": asymmetric},
     )

@@ -1,14 +1,17 @@
 """Linear modules of the reference model.
 
-Every weight is held as its effective (dequantized) float32 value. What quantization does to the
-numbers is modelled where it happens: in the decoded weight, in the requantization of fused FP8
-shards, and in the fake quantization of FP8 input activations.
+A linear holds its weight as loaded: an unquantized float32 weight as a parameter (a view of the
+memory-mapped checkpoint where the file allows), a quantized one in its stored form
+(`harness.quant.StoredWeight`), dequantized on every call and never cached, as an engine's kernel
+does. `weight` is the effective float32 value either way. What quantization does to the numbers is
+modelled where it happens: in the dequantized weight, in the requantization of fused FP8 shards,
+and in the fake quantization of FP8 input activations.
 """
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from harness.quant import fp8
+from harness.quant import StoredWeight, effective, fp8
 
 
 class InputQuant:
@@ -26,15 +29,35 @@ class InputQuant:
         return "static" if self.static_scale is not None else "dynamic-per-token"
 
 
+def _moved(weight, fn):
+    """A held weight after `nn.Module._apply`'s `fn` (a device move)."""
+    return fn(weight) if isinstance(weight, torch.Tensor) else weight.map(fn)
+
+
 class ReferenceLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, label: str,
+    """`weight`: a float32 tensor (registered as the parameter `weight`) or a `StoredWeight`
+    (kept as `stored`; reading `weight` dequantizes it)."""
+
+    def __init__(self, weight: "torch.Tensor | StoredWeight", bias: torch.Tensor | None, label: str,
                  input_quant: InputQuant | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.stored = None if isinstance(weight, torch.Tensor) else weight
+        if self.stored is None:
+            self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.label = label
         self.input_quant = input_quant
         self.out_features, self.in_features = weight.shape
+
+    def __getattr__(self, name: str):
+        if name == "weight" and self.__dict__.get("stored") is not None:
+            return self.stored.dequantize()
+        return super().__getattr__(name)
+
+    def _apply(self, fn, recurse=True):
+        if self.stored is not None:
+            self.stored = self.stored.map(fn)
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_quant is not None:
@@ -42,38 +65,67 @@ class ReferenceLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}->{self.out_features}, {self.label}, input={self.input_quant}"
+        held = "" if self.stored is None else ", dequantized per call"
+        return f"{self.in_features}->{self.out_features}, {self.label}, input={self.input_quant}{held}"
 
 
-class FusedLinear(ReferenceLinear):
-    """Shards that share one fused weight (one FP8 scale, one input scale)."""
+class FusedLinear(nn.Module):
+    """Shards that execute as one projection (one FP8 input scale; per-tensor FP8 shards also
+    share one requantized weight scale).
 
-    def __init__(self, weight, bias, label, input_quant, sizes: list[int]):
-        super().__init__(weight, bias, label, input_quant)
-        self.sizes = sizes
+    `parts`: one weight per shard, each a float32 tensor or a `StoredWeight`, kept as they are: the
+    fused weight is never materialised at load; calling the fused projection joins the shards'
+    effective weights into one matmul. A single [sum(sizes), in] tensor and `sizes` also work.
+    """
+
+    def __init__(self, parts, bias: torch.Tensor | None, label: str, input_quant: InputQuant | None,
+                 sizes: list[int] | None = None):
+        super().__init__()
+        self.parts = list(parts.split(sizes)) if isinstance(parts, torch.Tensor) else list(parts)
+        self.sizes = [p.shape[0] for p in self.parts]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.label = label
+        self.input_quant = input_quant
+        self.out_features, self.in_features = sum(self.sizes), self.parts[0].shape[1]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([effective(p) for p in self.parts])
 
     def shard(self, index: int) -> "ShardLinear":
         start = sum(self.sizes[:index])
-        return ShardLinear(self, start, start + self.sizes[index])
+        return ShardLinear(self, index, start, start + self.sizes[index])
+
+    def _apply(self, fn, recurse=True):
+        self.parts = [_moved(p, fn) for p in self.parts]
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quant is not None:
+            x = self.input_quant(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}->{self.out_features}, {self.label}, input={self.input_quant}, shards {self.sizes}"
 
 
 class ShardLinear(nn.Module):
-    """One checkpoint module's rows of a fused weight, called where the model calls that module.
+    """One checkpoint module's rows of a fused projection, called where the model calls that module.
 
-    Slicing the fused weight gives exactly the rows the fused matmul would produce.
+    Its weight is its own shard's (rows start:stop of the fused weight), dequantized on each call.
     """
 
-    def __init__(self, fused: FusedLinear, start: int, stop: int):
+    def __init__(self, fused: FusedLinear, index: int, start: int, stop: int):
         super().__init__()
         # A plain attribute, not a submodule: the fused weights are owned by the parent module.
         object.__setattr__(self, "fused", fused)
-        self.start, self.stop = start, stop
+        self.index, self.start, self.stop = index, start, stop
         self.label = fused.label
         self.out_features, self.in_features = stop - start, fused.in_features
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.fused.weight[self.start:self.stop]
+        return effective(self.fused.parts[self.index])
 
     @property
     def bias(self) -> torch.Tensor | None:

@@ -92,20 +92,26 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
         for parent, rule in architectures.fusion_groups(model):
             shards = [f"{parent}.{s}" if parent else s for s in rule.shards]
             reason = _unfusable(shards, decoded) if fuse else "fusion disabled (fuse=False)"
-            report.groups.append(FusedGroup(parent, rule.kind, shards, not reason, reason))
-            if not reason:
-                fused = _fuse([decoded[s] for s in shards], activation)
-                model.get_submodule(parent).register_module(rule.kind.replace("-", "_") + "_proj", fused)
-                for index, shard in enumerate(shards):
-                    replacements[shard] = fused.shard(index)
-                if rule.kind == "cross-kv":
-                    fused_kv[parent] = fused
+            if reason:
+                report.groups.append(FusedGroup(parent, rule.kind, shards, False, reason))
+                continue
+            fused, layout = _fuse([decoded[s] for s in shards], activation)
+            report.groups.append(FusedGroup(parent, rule.kind, shards, True, layout=layout))
+            model.get_submodule(parent).register_module(rule.kind.replace("-", "_") + "_proj", fused)
+            for index, shard in enumerate(shards):
+                replacements[shard] = fused.shard(index)
+                if layout == "one-weight":  # the shard's stored weight was read once and is not needed again
+                    src.release(_disk_key(src, f"{shard}.weight", arch, tied))
+                    report.storage[shard] = "requantized"
+            if rule.kind == "cross-kv":
+                fused_kv[parent] = fused
 
     with phase("assign"):
         for name, (dec, bias) in decoded.items():
             module = replacements.get(name) or ReferenceLinear(
-                dec.weight, bias, dec.label, _input_quant(dec, activation))
+                dec.stored, bias, dec.label, _input_quant(dec, activation))
             _set_submodule(model, name, module)
+            report.storage.setdefault(name, _storage(src, dec.stored))
         for name in architectures.attention_modules(model):
             if architectures.is_cross_attention(name):
                 cross_attention.install(model, name, fused_kv.get(name))
@@ -259,9 +265,8 @@ def _decode_linear(src, name, module, arch, tied, activation) -> tuple[Decoded, 
         raise CheckpointError(f"{weight_key.rsplit('.', 1)[0]}.input_scale",
                               "missing tensor: the static activation scheme needs an input_scale")
     expected = (module.out_features, module.in_features)
-    if tuple(dec.weight.shape) != expected:
-        raise CheckpointError(weight_key, f"decodes to shape {tuple(dec.weight.shape)}, "
-                                          f"the model expects {expected}")
+    if dec.shape != expected:
+        raise CheckpointError(weight_key, f"decodes to shape {dec.shape}, the model expects {expected}")
     bias = None
     if module.bias is not None:
         bias = src.get(f"{disk}.bias").float()
@@ -282,17 +287,26 @@ def _unfusable(shards: list[str], decoded) -> str:
     return ""
 
 
-def _fuse(parts: list[tuple[Decoded, torch.Tensor | None]], activation: str | None) -> FusedLinear:
+def _fuse(parts: list[tuple[Decoded, torch.Tensor | None]], activation: str | None) -> tuple[FusedLinear, str]:
+    """The fused projection of these shards, and its layout (FusedGroup.layout): per-tensor FP8
+    shards are requantized into one FP8 weight; every other shard keeps its stored weight as it is."""
     decs = [d for d, _ in parts]
+    layout = "per-shard"
     if decs[0].fp8 is not None:
         decs = fp8.requantize_fused(decs)
-    weight = torch.cat([d.weight for d in decs])
+        layout = "per-shard" if decs[0].fp8.per_channel else "one-weight"
     biases = [b for _, b in parts]
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else torch.zeros(d.weight.shape[0]) for d, b in zip(decs, biases)])
-    return FusedLinear(weight, bias, decs[0].label, _input_quant(decs[0], activation),
-                       [d.weight.shape[0] for d in decs])
+        bias = torch.cat([b if b is not None else torch.zeros(d.shape[0]) for d, b in zip(decs, biases)])
+    return FusedLinear([d.stored for d in decs], bias, decs[0].label, _input_quant(decs[0], activation)), layout
+
+
+def _storage(src: TensorSource, held) -> str:
+    """How a linear's weight is held (report.STORAGE)."""
+    if not isinstance(held, torch.Tensor):
+        return "stored"
+    return "mapped" if src.is_mapped(held) else "in-memory"
 
 
 def _activation_scheme(quant_config: dict | None) -> str | None:

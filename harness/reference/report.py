@@ -1,5 +1,6 @@
 """The load report: what the reference loader found on disk and what it made of it."""
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 
@@ -10,6 +11,11 @@ class FusedGroup:
     shards: list[str]  # in-memory FQNs, in fused order
     fused: bool
     reason: str = ""  # why the group stays unfused; empty when fused
+    # How a fused group holds its weights: "one-weight" (per-tensor FP8 shards requantized to the
+    # group's max scale into one new FP8 weight) or "per-shard" (each shard keeps its own stored
+    # weight and runs its own matmul where the model calls it; nothing is copied, and the fused
+    # projection, where called as one, joins them). Empty when unfused.
+    layout: str = ""
 
 
 @dataclass
@@ -28,6 +34,15 @@ class Disagreement:
         return cls(d.module or "-", f"{d.dialect}:{d.kind}", f"entry {d.entry!r}: {d.explanation}")
 
 
+# How the loader holds a linear's weight (LoadReport.storage).
+STORAGE = {
+    "mapped": "float32 on disk: a view of the memory-mapped file, never copied",
+    "in-memory": "a float32 tensor in memory: widened from half precision, quantized online, or read from a .bin",
+    "stored": "quantized, kept as stored (memory-mapped where the file allows), dequantized on every call",
+    "requantized": "per-tensor FP8 requantized to its fused group's max scale at load, dequantized on every call",
+}
+
+
 @dataclass
 class LoadReport:
     path: str
@@ -40,6 +55,7 @@ class LoadReport:
     disagreements: list[Disagreement] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    storage: dict[str, str] = field(default_factory=dict)  # in-memory FQN -> how its weight is held (STORAGE)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,15 +65,17 @@ class LoadReport:
 
     def summary(self) -> str:
         """A human-readable report for `harness load`."""
-        counts: dict[str, int] = {}
-        for label in self.modules.values():
-            counts[label] = counts.get(label, 0) + 1
         lines = [
             f"{self.path}: {self.architecture}, quant_method={self.quant_method or 'none'}",
-            "labels: " + ", ".join(f"{label}={n}" for label, n in sorted(counts.items())),
+            "labels: " + ", ".join(f"{label}={n}" for label, n in sorted(Counter(self.modules.values()).items())),
+            "weights: " + ", ".join(f"{how}={n}" for how, n in sorted(Counter(self.storage.values()).items())),
         ]
         fused = [g for g in self.groups if g.fused]
-        lines.append(f"fused groups: {len(fused)} of {len(self.groups)}")
+        layouts = Counter(g.layout for g in fused)
+        lines.append(f"fused groups: {len(fused)} of {len(self.groups)}"
+                     + (f" ({', '.join(f'{k}={n}' for k, n in layouts.items())})" if layouts else ""))
+        if "per-shard" in layouts:
+            lines.append("  per-shard: each shard keeps its own stored weight and matmul; nothing copied")
         for group in self.groups:
             if not group.fused:
                 lines.append(f"  unfused {group.parent} {group.kind}: {group.reason}")
