@@ -498,6 +498,14 @@ class VllmEngine(Engine):
     def module_diff(self, checkpoint: Checkpoint) -> R.ModuleDiff | None:
         return self._module_diff
 
+    def trace(self, prompts, sequences):
+        """Module traces recorded inside vLLM through ``apply_model`` (harness.traces.vllm)."""
+        from harness.traces import vllm as vllm_traces
+
+        requests = [(p.id, self._prompt(p, s), len(s)) for p, s in zip(prompts, sequences)]
+        return self._run("recording module traces",
+                         lambda: vllm_traces.trace(self.llm, self.arch, requests, self._log))
+
     def close(self) -> None:
         self.llm = None
         gc.collect()

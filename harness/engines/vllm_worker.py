@@ -270,7 +270,24 @@ def _mutate_skip_cross_kv_processing() -> None:
     base_loader.process_weights_after_loading = process_weights_after_loading
 
 
+def _mutate_gate_up_swapped() -> None:
+    """A merged linear's two checkpoint shards are loaded into each other's rows (gate_proj's
+    weight into up_proj's place and back), as a wrong shard order in a stacked-params mapping
+    would. Unquantized and compressed-tensors weights load through ``weight_loader_v2``."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    original = MergedColumnParallelLinear.weight_loader_v2
+
+    def weight_loader_v2(self, param, loaded_weight, loaded_shard_id=None):
+        if isinstance(loaded_shard_id, int) and len(self.output_sizes) == 2:
+            loaded_shard_id = 1 - loaded_shard_id
+        return original(self, param, loaded_weight, loaded_shard_id)
+
+    MergedColumnParallelLinear.weight_loader_v2 = weight_loader_v2
+
+
 MUTATIONS: dict[str, tuple[str, Any]] = {
+    "gate-up-swapped": ("gate_proj and up_proj loaded into each other's rows of gate_up_proj", _mutate_gate_up_swapped),
     "torchao-ignore-skip": ("vLLM's torchao config ignores its skip list", _mutate_torchao_ignore_skip),
     "fp8-first-shard-scale": ("fused per-tensor FP8 shards requantized to the first shard's scale, not the max",
                               _mutate_fp8_first_shard_scale),
@@ -378,6 +395,17 @@ def _torchao_label(weight) -> str:
     return f"torchao-{name}"
 
 
+def shard_layout(name: str, layer, packed: dict[str, list[str]]) -> tuple[list[str], list[int | None]]:
+    """The checkpoint shards a vLLM module holds, in output order, and their output sizes (None
+    where vLLM's ``output_partition_sizes`` does not say): ``packed_modules_mapping`` for a fused
+    module (qkv_proj -> q/k/v), else the module's own leaf name. The module reader and the module
+    traces (harness.traces.vllm) split fused modules with it."""
+    leaf = name.rsplit(".", 1)[-1]
+    names = list(packed.get(leaf, [leaf]))
+    sizes = list(getattr(layer, "output_partition_sizes", None) or [])
+    return names, sizes if len(sizes) == len(names) else [None] * len(names)
+
+
 class _Shards:
     """The checkpoint shards one vLLM linear holds (e.g. q, k, v of a qkv_proj), their output rows
     and bias rows, and the per-shard readings taken so far."""
@@ -385,10 +413,7 @@ class _Shards:
     def __init__(self, name: str, layer, packed: dict[str, list[str]]):
         import torch
 
-        leaf = name.rsplit(".", 1)[-1]
-        self.names = list(packed.get(leaf, [leaf]))
-        sizes = list(getattr(layer, "output_partition_sizes", None) or [])
-        self.sizes = sizes if len(sizes) == len(self.names) else [None] * len(self.names)
+        self.names, self.sizes = shard_layout(name, layer, packed)
         bias = getattr(layer, "bias", None)
         self.bias = bias.detach() if isinstance(bias, torch.Tensor) and bias.numel() else None
         self.readings: list[dict] = []
