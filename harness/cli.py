@@ -110,10 +110,16 @@ def _run(args) -> int:
         what = f" -k {args.k!r}" if args.k else ""
         raise UsageError(f"no cells selected (tier {args.tier}{', engine ' + args.engine if args.engine else ''}{what}); "
                          "`harness cells --tier all` lists them")
+    if args.jobs is None:
+        args.jobs = runner.default_jobs()
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
     for w in matrix.warnings(cells):
         print(w, file=sys.stderr)
+    if not args.dry_run:
+        from harness.bench import checkpoints
+
+        checkpoints.ensure_for_cells(m, cells)  # cpu-load's checkpoints are built on demand
     matrix.check_paths(m, cells)
     if args.dry_run:
         from harness import dryrun
@@ -209,11 +215,12 @@ def parser() -> argparse.ArgumentParser:
 
     # cells and run: the matrix on the engines (harness.runner)
     def selection(sp):
-        from harness.matrix import DEFAULT_PATH
+        from harness.matrix import DEFAULT_PATH, TIERS
 
         sp.add_argument("-k", metavar="EXPR", help="select cells with a pytest -k expression over their ids")
-        sp.add_argument("--tier", default="cpu-tiny", choices=["cpu-tiny", "gpu-tiny", "gpu-full", "all"],
-                        help="the tier to select (default: cpu-tiny)")
+        sp.add_argument("--tier", default="cpu-tiny", choices=[*TIERS, "all"],
+                        help="the tier to select (default: cpu-tiny; all: every tier but cpu-load, which is "
+                             "selected only by name)")
         sp.add_argument("--engine", metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
         sp.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (default: models.yaml)")
 
@@ -228,8 +235,9 @@ def parser() -> argparse.ArgumentParser:
                      help="write the baselines of cells that may become one (never failed/error/unsupported/waived)")
     run.add_argument("--baselines", metavar="DIR", default=None,
                      help="baselines root (default: baselines/ of this checkout)")
-    run.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
-                     help="run N (model, scheme) groups at once, each engine in its own child process (default: 1)")
+    run.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+                     help="run N (model, scheme) groups at once, each engine in its own child process (default: "
+                          "one per core, as many as the available memory holds; README, 'Run options')")
     run.add_argument("--dry-run", action="store_true",
                      help="check everything the run needs (matrix, environments, images, prompts, baselines) and print "
                           "what would run where, without loading a model; exit 1 when a cell is misconfigured")

@@ -9,7 +9,8 @@ Checks (each a records.Check named ``<kind>:<against>``):
 - ``greedy``: vLLM's check_logprobs_close rule. At the first step where the greedy tokens differ,
   each run's token must be in the other run's top-k. Reports that first divergence.
 - ``prompts``: both runs have the same prompt ids.
-- ``load-time``: the load-time ratio obtained / baseline.
+- ``load-time``: the load-time ratio obtained / baseline, calibrated by the in-run calibration
+  workload where both runs measured it.
 - ``module-diff``: vLLM's module-level conformance (from the record).
 
 ``verdict()`` applies the order of docs/design.md, "Verdicts"; ``judge()`` is verdict() with the
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 from harness import cpu
 from harness.accuracy import gates as accuracy_gates
 from harness.engines.base import fuses_shards
-from harness.records import Check, KnownFailureRef, Record, SequenceResult, platform_key
+from harness.records import Check, KnownFailureRef, LoadInfo, Record, SequenceResult, platform_key
 
 if TYPE_CHECKING:
     from harness.baselines import Baseline
@@ -276,16 +277,31 @@ def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[Seq
     return checks
 
 
+def load_ratio(obtained: LoadInfo, baseline: LoadInfo) -> tuple[float, bool]:
+    """(ratio, calibrated): the calibrated ratio (obtained load / its calibration) over (baseline
+    load / its calibration) when both recorded the ``calibration`` phase (harness.bench.calibration),
+    else the plain ratio of the load times (docs/design.md, "Load time")."""
+    ratio = obtained.seconds / baseline.seconds
+    cal_obt, cal_base = obtained.phases.get("calibration"), baseline.phases.get("calibration")
+    if cal_obt and cal_base and cal_obt > 0 and cal_base > 0:
+        return ratio / (cal_obt / cal_base), True
+    return ratio, False
+
+
 def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: bool) -> Check | None:
-    """Load-time ratio obtained / baseline. ``ok`` is False only when gated and the ratio exceeds
+    """Load-time ratio obtained / baseline, calibrated where both runs measured the calibration
+    workload (:func:`load_ratio`). ``ok`` is False only when gated and the ratio exceeds
     ``bound``; data["improved"] marks a ratio below 1/bound."""
     if record.load is None or baseline.load is None or baseline.load.seconds <= 0:
         return None
     s_obt, s_base = record.load.seconds, baseline.load.seconds
-    ratio = s_obt / s_base
+    ratio, calibrated = load_ratio(record.load, baseline.load)
     regressed = ratio > bound
     improved = ratio < 1 / bound
-    text = f"load {_fmt(s_obt)} s vs baseline {_fmt(s_base)} s: ratio {_fmt(ratio)}, bound {_fmt(bound)}"
+    text = f"load {_fmt(s_obt)} s vs baseline {_fmt(s_base)} s: {'calibrated ' if calibrated else ''}ratio {_fmt(ratio)}, bound {_fmt(bound)}"
+    if calibrated:
+        text += (f" (calibration {_fmt(record.load.phases['calibration'])} s vs "
+                 f"{_fmt(baseline.load.phases['calibration'])} s)")
     if not gated:
         text += " (measured, not gated on this tier)"
     elif regressed:
@@ -293,7 +309,7 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
     elif improved:
         text = "faster than 1/bound: " + text
     return Check(name="load-time:baseline", ok=not (gated and regressed), detail=text,
-                 data={"ratio": _safe(ratio), "seconds": s_obt, "baseline_seconds": s_base,
+                 data={"ratio": _safe(ratio), "calibrated": calibrated, "seconds": s_obt, "baseline_seconds": s_base,
                        "bound": bound, "gated": gated, "regressed": gated and regressed, "improved": gated and improved})
 
 

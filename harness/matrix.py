@@ -7,7 +7,8 @@ file and the key path, e.g.::
     models.yaml: models.llama.schemes.bnb-nf4.bounds.logprob: must be > 0
 
 ``expand(matrix, tier=None, engines=None)`` turns the matrix into a sorted list of ``Cell``s, one
-per model x scheme x engine, with every setting resolved (scheme > model > defaults).
+per model x scheme x engine, with every setting resolved (scheme > model > defaults); the
+on-demand tier cpu-load only when named.
 ``select(cells, expr)`` filters cells with pytest's own ``-k`` expression language, matching the
 way pytest matches keywords: case-insensitive substrings of the cell id (and of the cell's
 markers, as pytest also matches marker names).
@@ -30,14 +31,19 @@ from harness import architectures, files, yamldoc
 from harness.accuracy.spec import AccuracyTask, CellAccuracyTask
 
 ENGINES: tuple[str, ...] = ("reference", "transformers", "vllm")
-TIERS: tuple[str, ...] = ("cpu-tiny", "gpu-tiny", "gpu-full")
-# Tiers on which load time is gated (docs/design.md, "Load time": never on cpu-tiny, where Python overhead dominates).
-GATED_TIERS: frozenset[str] = frozenset({"gpu-tiny", "gpu-full"})
+TIERS: tuple[str, ...] = ("cpu-tiny", "cpu-load", "gpu-tiny", "gpu-full")
+# Tiers on which load time is gated (docs/design.md, "Load time": never on cpu-tiny, where Python
+# overhead dominates; cpu-load holds the benchmark checkpoints that are large enough to time).
+GATED_TIERS: frozenset[str] = frozenset({"cpu-load", "gpu-tiny", "gpu-full"})
+# CPU tiers (no GPU); and the tiers run only when selected by name (never by default nor in CI):
+# cpu-load's checkpoints are built on demand (harness.bench.checkpoints) and take minutes.
+CPU_TIERS: frozenset[str] = frozenset({"cpu-tiny", "cpu-load"})
+ON_DEMAND_TIERS: frozenset[str] = frozenset({"cpu-load"})
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
 UNPINNED = "unpinned"
 
 Engine = Literal["reference", "transformers", "vllm"]
-Tier = Literal["cpu-tiny", "gpu-tiny", "gpu-full"]
+Tier = Literal["cpu-tiny", "cpu-load", "gpu-tiny", "gpu-full"]
 # The transformers classes of harness.architectures (docs/design.md: one list of architectures).
 Arch = Literal[architectures.HF_CLASSES]  # type: ignore[valid-type]
 # Names that become part of a cell id: no dots (ids are dot-separated), no spaces, no shell.
@@ -393,9 +399,9 @@ def _check_references(m: Matrix, filename: str) -> None:
                 if kf.engine not in engines:
                     fail(f"{spath}.known_failures[{i}].engine", f"{kf.engine!r} is not one of this cell's engines ({', '.join(engines)})")
             hw = _merge_hardware(model.hardware, s.hardware)
-            if tier == "cpu-tiny" and (hw.gpus or 0) > 0:
-                fail(f"{spath}.hardware.gpus" if s.hardware and s.hardware.gpus else f"{mpath}.hardware.gpus", "cpu-tiny cells cannot need a GPU")
-            if tier != "cpu-tiny" and hw.gpus == 0:
+            if tier in CPU_TIERS and (hw.gpus or 0) > 0:
+                fail(f"{spath}.hardware.gpus" if s.hardware and s.hardware.gpus else f"{mpath}.hardware.gpus", f"{tier} cells cannot need a GPU")
+            if tier not in CPU_TIERS and hw.gpus == 0:
                 fail(f"{spath}.hardware.gpus" if s.hardware and s.hardware.gpus is not None else f"{mpath}.hardware.gpus", f"{tier} cells need at least one GPU")
             if s.fixture_scheme is not None and model.fixture is None:
                 fail(f"{spath}.fixture_scheme", "only fixture models load a fixture")
@@ -457,8 +463,11 @@ def _as_set(value: str | Iterable[str] | None, known: tuple[str, ...], what: str
 
 
 def expand(matrix: Matrix, tier: str | Iterable[str] | None = None, engines: str | Iterable[str] | None = None) -> list[Cell]:
-    """All cells of the matrix (optionally of some tiers / engines), sorted by id."""
+    """The cells of the matrix, sorted by id: of the tiers named (default: every tier but the
+    on-demand ones, which only a tier named selects) and the engines named (default: all)."""
     tiers = _as_set(tier, TIERS, "tier")
+    if tiers is None:
+        tiers = set(TIERS) - ON_DEMAND_TIERS
     engine_set = _as_set(engines, ENGINES, "engine")
     d = matrix.defaults
     cells: list[Cell] = []
@@ -475,7 +484,7 @@ def expand(matrix: Matrix, tier: str | Iterable[str] | None = None, engines: str
                     bounds.update({k: v for k, v in layer.model_dump().items() if v is not None})
             hw = _merge_hardware(model.hardware, s.hardware)
             if hw.gpus is None:
-                hw = hw.model_copy(update={"gpus": 0 if cell_tier == "cpu-tiny" else 1})
+                hw = hw.model_copy(update={"gpus": 0 if cell_tier in CPU_TIERS else 1})
             engine_envs = s.engines if s.engines is not None else model.engines
             task_names = s.accuracy if s.accuracy is not None else model.accuracy or []
             accuracy_engines = s.accuracy_engines if s.accuracy_engines is not None else model.accuracy_engines

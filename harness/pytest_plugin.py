@@ -55,7 +55,7 @@ __all__ = [
 
 def pytest_addoption(parser):
     g = parser.getgroup("harness", "the quantized-loading matrix (harness)")
-    g.addoption("--tier", default="cpu-tiny", choices=["cpu-tiny", "gpu-tiny", "gpu-full", "all"],
+    g.addoption("--tier", default="cpu-tiny", choices=["cpu-tiny", "cpu-load", "gpu-tiny", "gpu-full", "all"],
                 help="matrix tier to run (default: cpu-tiny)")
     g.addoption("--engine", default=None, metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
     g.addoption("--update-baselines", action="store_true", default=False,

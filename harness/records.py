@@ -146,6 +146,37 @@ class ModuleDiff(_Strict):
     detail: str
 
 
+class TraceStep(_Strict):
+    """One module of a localisation's path: its largest |Δ| on the localising prompt and the noise
+    it was compared with (null where one side did not record it)."""
+
+    module: str
+    delta: float | None = None
+    noise: float | None = None
+
+
+LocalisationKind = Literal["weights", "quantizer", "kernel", "attention", "input", "code", "module"]
+
+
+class Localisation(_Strict):
+    """Where two executions of a cell first diverge, module by module (harness.traces;
+    docs/design.md, "Localisation"). ``against`` is the other engine, or ``baseline`` (the
+    baseline's trace fingerprint). ``module`` is the first diverging module (None: none differs
+    beyond its noise), ``kind`` what the rule makes of it, ``prompt`` / ``position`` / ``delta`` /
+    ``noise`` the numbers behind it (``position`` None where the comparison has no positions,
+    the fingerprint's), ``path`` every compared module of that prompt from input to logits."""
+
+    against: str
+    module: str | None = None
+    kind: LocalisationKind | None = None
+    prompt: str | None = None
+    position: int | None = None
+    delta: float | None = None
+    noise: float | None = None
+    detail: str
+    path: list[TraceStep] = []
+
+
 class Accuracy(_Strict):
     """One accuracy task run through lm-eval on the cell's engine (harness.accuracy; docs/design.md,
     "Accuracy"). ``value`` is lm-eval's ``<metric>,<filter>`` result (None when lm-eval gave none),
@@ -195,7 +226,7 @@ class Record(_Strict):
     model: str
     scheme: str
     engine: EngineName
-    tier: Literal["cpu-tiny", "gpu-tiny", "gpu-full"]
+    tier: Literal["cpu-tiny", "cpu-load", "gpu-tiny", "gpu-full"]
     fixture: FixtureRef | None = None
     source: SourceRef | None = None
     engine_info: EngineInfo
@@ -206,6 +237,7 @@ class Record(_Strict):
     load: LoadInfo | None = None
     module_diff: ModuleDiff | None = None
     accuracy: list[Accuracy] = []  # the cell's accuracy tasks, run in the same engine child
+    localisation: list[Localisation] = []  # module-trace localisations (harness.traces), on demand
     started_at: str
     duration_s: float = Field(ge=0)
     verdict: Verdict | None = None

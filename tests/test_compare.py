@@ -247,6 +247,40 @@ def test_load_time_gated_regressed_and_improved():
     assert lt.data["ratio"] == pytest.approx(1.2) and "calibrat" not in lt.detail
 
 
+def _calibrated(seconds, calibration):
+    return R.LoadInfo(seconds=seconds, phases={"read": seconds / 2, "calibration": calibration})
+
+
+def test_load_time_calibrated_ratio_cancels_a_slower_machine():
+    b = baseline(record(load=_calibrated(1.0, 0.1)))
+    # twice the load time on a machine that runs the calibration workload twice as slowly: no regression
+    j = C.verdict(record(load=_calibrated(2.0, 0.2)), b, bounds=BOUNDS, gate_load_time=True)
+    assert j.verdict == "pass"
+    (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
+    assert lt.data["calibrated"] and lt.data["ratio"] == pytest.approx(1.0) and "calibrated ratio 1" in lt.detail
+
+
+def test_load_time_calibration_does_not_absorb_a_slower_loader():
+    b = baseline(record(load=_calibrated(1.0, 0.1)))
+    tight = BOUNDS.model_copy(update={"load_time": 1.1})
+    j = C.verdict(record(load=_calibrated(1.2, 0.1)), b, bounds=tight, gate_load_time=True)
+    assert j.verdict == "regressed"
+    (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
+    assert lt.data["ratio"] == pytest.approx(1.2) and lt.detail.startswith("slower than bound")
+
+
+def test_load_time_without_calibration_on_either_side_is_the_plain_ratio():
+    for obtained, base in ((_calibrated(2.0, 0.2), _load(1.0)), (_load(2.0), _calibrated(1.0, 0.1))):
+        ratio, calibrated = C.load_ratio(obtained, base)
+        assert (ratio, calibrated) == (pytest.approx(2.0), False)
+
+
+def test_cpu_load_cells_gate_load_time():
+    cells = {c.id: c for c in M.expand(M.load(), tier="cpu-load")}
+    assert cells and all(c.gate_load_time for c in cells.values())
+    assert not any(c.tier == "cpu-load" for c in M.expand(M.load()))  # on demand: only when named
+
+
 def test_judge_takes_settings_from_the_cell():
     cells = {c.id: c for c in M.expand(M.load())}
     cell = cells["llama.fp8-dynamic.transformers"]

@@ -125,7 +125,7 @@ def test_minimal_loads_and_resolves_settings():
         (("models.llama.schemes.bnb-nf4.bounds.load_time", 0.9),
          "models.yaml: models.llama.schemes.bnb-nf4.bounds.load_time: must be > 1"),
         (("models.llama.tier", "cpu-small"),
-         "models.yaml: models.llama.tier: 'cpu-small' is not one of 'cpu-tiny', 'gpu-tiny' or 'gpu-full'"),
+         "models.yaml: models.llama.tier: 'cpu-small' is not one of 'cpu-tiny', 'cpu-load', 'gpu-tiny' or 'gpu-full'"),
         (("models.llama.engines", {"reference": "cor"}),
          "models.yaml: models.llama.engines.reference: environment 'cor' is not defined under environments (defined: core, vllm-cpu-0.32)"),
         (("models.llama.schemes.unquantized", {"engines": {"vllm": "core"}}),

@@ -10,8 +10,10 @@ child writes, each atomically:
 - ``sequences_out`` (optional): the token sequences it scored, prompt id -> tokens;
 - ``witness`` (optional, reference only): the record of the reference executed unfused.
 
-Job fields: ``mode`` ("cell", or "continuation": the reference engine's greedy continuation only,
-written to ``sequences_out``), ``cell`` (a harness.matrix.Cell), ``path`` (a local checkpoint),
+Job fields: ``mode`` ("cell"; "continuation": the reference engine's greedy continuation only,
+written to ``sequences_out``; "trace": the module traces of ``sequences`` only, written to
+``trace``, harness.traces), ``options`` (the engine's, e.g. the reference's ``fuse``), ``cell``
+(a harness.matrix.Cell), ``path`` (a local checkpoint),
 ``sequences`` (prompt id -> tokens to score, or null), ``threads`` (torch threads; default 1, which
 also makes results independent of the core count), and the output paths above.
 
@@ -26,7 +28,10 @@ Test-only hooks (never set them outside tests): ``HARNESS_TEST_HOOK`` holds hook
   one format;
 - ``fault=NAME[:ARG]``: a degradation of harness.accuracy.faults (a dropped scale, a double-quant
   offset ignored, a skip list ignored, corrupted embedding rows after loading), which the accuracy
-  gate must catch.
+  gate must catch;
+- ``slow=FRACTION``: the reference loader does FRACTION more of its own reading and decoding
+  (harness.bench.slowdown; ``slow=0.2``: 20% slower), the load-time regression the load-time gate
+  must catch (harness.bench.detection).
 """
 from __future__ import annotations
 
@@ -95,6 +100,10 @@ def apply_hooks(cell_id: str) -> list:
                 return _halve(__original(*a, **kw))
 
             setattr(module, func_name, broken)
+        elif action == "slow":
+            from harness.bench import slowdown
+
+            slowdown.install(float(arg or 0))
         elif action == "fault":
             from harness.accuracy import faults
 
@@ -124,9 +133,9 @@ class _HookedEngine:
 
 
 def die_with_parent() -> None:
-    """Linux: SIGKILL this child when its parent dies (the runner, or the fork server, which exits
-    with the runner), so a cancelled job (SIGTERM, SIGKILL) leaves no engine running in its own
-    process group. Elsewhere a no-op."""
+    """Linux: SIGKILL this child when its parent dies (the runner, or harness.engines.forkserver,
+    which exits with the runner), so a cancelled job (SIGTERM, SIGKILL) leaves no engine running in
+    its own process group. Elsewhere a no-op."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -170,7 +179,7 @@ def run_job(job: dict) -> int:
     log(f"worker: {mode} {cell.id} (pid {os.getpid()}, {threads} torch thread(s))")
 
     try:
-        engine = base.engine_class(cell.engine)(cell)
+        engine = base.engine_class(cell.engine)(cell, job.get("options"))
         info = engine.info()
     except Exception as e:
         import traceback
@@ -191,6 +200,13 @@ def run_job(job: dict) -> int:
     def on_sequences(seqs):
         if job.get("sequences_out"):
             _write_json(job["sequences_out"], seqs)
+
+    if mode == "trace":  # module traces of the given sequences only (harness.traces)
+        failed = base.trace_cell(_HookedEngine(engine), checkpoint, job["sequences"], job["trace"], log=log)
+        if failed is not None:
+            R.save(job["record"], failed)
+        log(f"worker: done, traces {'not ' if failed else ''}recorded")
+        return 0
 
     witness = None
     if job.get("witness") and cell.engine == "reference":
@@ -225,37 +241,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def forked_main(job_path: str, log_path: str, env: dict[str, str], runner: int | None = None) -> None:
-    """Entry point of a child forked from the runner's fork server (multiprocessing "forkserver",
-    preloaded with torch and transformers by harness.engines._forkserver_preload): a new process
-    group, stdout and stderr to the cell's log, the job's environment, then the job. A child
-    forked after its runner (pid ``runner``) has gone exits at once, before it writes anything."""
-    die_with_parent()
-    if runner is not None:
-        try:
-            os.kill(runner, 0)
-        except ProcessLookupError:
-            os._exit(1)
-    os.setsid()
-    # multiprocessing hands every forked child the write end of the fork server's "parent alive"
-    # pipe; holding it would keep the fork server (this child's parent) alive after the runner
-    # dies, and with it this child. Closed, the fork server exits with the runner and
-    # die_with_parent() ends this child.
-    try:
-        from multiprocessing import forkserver
-
-        alive = forkserver._forkserver._forkserver_alive_fd
-        if alive is not None:
-            os.close(alive)
-            forkserver._forkserver._forkserver_alive_fd = None
-    except Exception:
-        pass
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    # a normal exit: multiprocessing then runs finalizers (e.g. unlinks tqdm's semaphores)
-    sys.exit(main([job_path]))

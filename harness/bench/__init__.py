@@ -1,0 +1,1 @@
+"""harness bench: the performance benchmarks (docs/design.md, "Load time"; README, "Benchmarks")."""

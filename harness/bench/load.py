@@ -1,0 +1,185 @@
+"""Load measurement: one load of one checkpoint by one engine, in a fresh child process.
+
+``measure(engine, path)`` starts ``python -m harness.bench.load`` and returns what the child
+measured (:class:`LoadResult`). The child imports everything the load imports lazily first (the
+engines' own warm-ups, harness.engines.reference/transformers ``warm_imports``), so import time is
+never load time, then records:
+
+- ``rss_after_imports_mb``: its resident set after the imports;
+- ``load_s``: the engine's load (``harness.reference.load``, or transformers' ``from_pretrained``
+  as the transformers engine calls it) plus touching every weight (a sum over every parameter
+  and buffer, so nothing lazily mapped is left unread);
+- ``forward_s``: one forward pass of a fixed 16-token prompt after it (``load_forward_s`` is their sum);
+- ``peak_mb``: the peak resident set (getrusage ``ru_maxrss``), and ``peak_extra_mb``, the peak
+  less the resident set after the imports: the memory the load itself needed;
+- ``phases``: the reference's load phases; ``profile``: a cProfile top-N when asked for.
+
+``floor(path)`` is the time to read the checkpoint's weight files from the page cache into one
+preallocated buffer (the fastest of three reads after a first one that fills the page cache): no
+loader can load the bytes faster than it can read them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ENGINES = ("reference", "transformers")
+PROMPT_TOKENS = 16
+PROFILE_TOP = 15
+
+
+@dataclass
+class LoadResult:
+    engine: str
+    load_s: float
+    forward_s: float
+    rss_after_imports_mb: float
+    peak_mb: float
+    phases: dict[str, float] = field(default_factory=dict)
+    profile: str | None = None
+
+    @property
+    def load_forward_s(self) -> float:
+        return self.load_s + self.forward_s
+
+    @property
+    def peak_extra_mb(self) -> float:
+        return self.peak_mb - self.rss_after_imports_mb
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def _peak_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB on Linux
+
+
+def _touch(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.float().sum() if t.is_floating_point() else t.sum()
+
+
+def _loader(engine: str, path: Path):
+    """The engine's load (after its warm-up), as a function returning the model."""
+    from harness.engines.base import Checkpoint
+
+    checkpoint = Checkpoint(path)
+    if engine == "reference":
+        from harness import reference
+        from harness.engines.reference import warm_imports
+
+        warm_imports(checkpoint)
+        return lambda: reference.load(path)
+    import torch
+    import transformers
+
+    from harness.engines.transformers import bnb_float_compute, warm_imports
+
+    warm_imports(checkpoint)
+    cls = getattr(transformers, checkpoint.config["architectures"][0])
+
+    def load():
+        model = cls.from_pretrained(path, device_map="cpu", dtype=torch.float32).eval()
+        bnb_float_compute(model)
+        return model
+
+    return load
+
+
+def _child(engine: str, path: Path, profile: bool) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    load = _loader(engine, path)
+    rss = _rss_mb()
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    t0 = time.perf_counter()
+    loaded = load()
+    model = loaded.model if engine == "reference" else loaded
+    _touch(model)
+    load_s = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=torch.arange(1, PROMPT_TOKENS + 1).unsqueeze(0), use_cache=False)
+    forward_s = time.perf_counter() - t1
+    phases = {k: float(v) for k, v in loaded.report.timings.items()} if engine == "reference" else {}
+    return asdict(LoadResult(engine=engine, load_s=load_s, forward_s=forward_s, rss_after_imports_mb=rss,
+                             peak_mb=_peak_mb(), phases=phases, profile=_top(profiler) if profiler else None))
+
+
+def _top(profiler) -> str:
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(PROFILE_TOP)
+    return out.getvalue()
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+            "PYTHONWARNINGS": "ignore"}
+
+
+def measure(engine: str, path: Path, profile: bool = False, timeout_s: float = 1800) -> LoadResult:
+    """One load of ``path`` by ``engine`` in a fresh child process."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    cmd = [sys.executable, "-m", "harness.bench.load", engine, str(path), *(["--profile"] if profile else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_child_env())
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"{path}: the {engine} load child failed (exit {done.returncode}): {tail[0]}")
+    return LoadResult(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def warm_page_cache(path: Path) -> None:
+    """Read every weight file once, so that every measurement reads from the page cache."""
+    from harness.bench.checkpoints import weight_files
+
+    for f in weight_files(path):
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+def floor(path: Path, repeats: int = 3) -> float:
+    """Seconds to read the weight files from the page cache into one preallocated buffer."""
+    from harness.bench.checkpoints import weight_files
+
+    files = weight_files(path)
+    buffer = bytearray(max(f.stat().st_size for f in files))
+    warm_page_cache(path)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                view = memoryview(buffer)
+                while (n := fh.readinto(view)):
+                    view = view[n:]
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+if __name__ == "__main__":  # python -m harness.bench.load ENGINE PATH [--profile]
+    print(json.dumps(_child(sys.argv[1], Path(sys.argv[2]), "--profile" in sys.argv[3:])))
