@@ -46,6 +46,36 @@ from harness.sequences import ScoredSequences
 __all__ = ["CellResult", "Runner", "default_results_dir", "group_key", "one_line", "progress_line", "summary_text"]
 
 
+# What one running cell may hold resident: a vLLM cell peaks at ~2 GiB here (1 GiB of it the KV
+# cache, VLLM_CPU_KVCACHE_SPACE=1), the most of any cpu-tiny cell.
+CELL_MEMORY_BYTES = 3 * 2**30
+
+
+def available_memory() -> int | None:
+    """The memory this machine can still give (/proc/meminfo's MemAvailable), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_jobs(threads: int | None = None) -> int:
+    """``harness run -j``'s default: a group per core (each cell runs ``threads`` torch threads;
+    a vLLM cell binds one core), at most as many as the available memory holds at
+    CELL_MEMORY_BYTES a running cell (a group runs one cell at a time)."""
+    threads = threads or int(os.environ.get(supervise.THREADS_ENV) or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    jobs = cores // threads
+    memory = available_memory()
+    if memory is not None:
+        jobs = min(jobs, memory // CELL_MEMORY_BYTES)
+    return max(1, jobs)
+
+
 def _engine_order(cell: Cell) -> int:
     return ENGINES.index(cell.engine)
 
@@ -190,10 +220,21 @@ class Runner:
             "sequences_out": str(sequences_out) if sequences_out else None,
             "witness": str(witness) if witness else None,
         }
-        env = self.matrix.environments[cell.environment].env
-        exit = self.supervisor.run(job, self.layout.job(record_path), log, supervise.child_env(env, self.threads),
-                                   fork=supervise.uses_fork_server(cell.engine, env), timeout=cell.timeout_s)
+        engine = "reference" if mode == "continuation" else cell.engine
+        exit = self.supervisor.run(job, self.layout.job(record_path), log, self._child_env(cell),
+                                   preload=supervise.preload_for(engine), timeout=cell.timeout_s)
         return supervise.child_record(cell, exit, record_path, info_path, log, record_expected=mode != "continuation")
+
+    def _child_env(self, cell: Cell) -> dict[str, str]:
+        return supervise.child_env(self.matrix.environments[cell.environment].env, self.threads)
+
+    def start_fork_servers(self) -> None:
+        """Start the fork servers the cells to run need, now: their imports (vLLM's take 7-9 s)
+        overlap the first cells instead of delaying the first cell of each engine environment."""
+        for cell in self.cells:
+            preload = supervise.preload_for(cell.engine)
+            if preload is not None and self.decided(cell) is None:
+                supervise.fork_server(preload, self._child_env(cell))
 
     # ---- judging -------------------------------------------------------------------------
     def unfused(self, raws: dict[str, R.Record]) -> R.Record | None:
@@ -292,6 +333,7 @@ class Runner:
             return rs
 
         keys = list(self.groups)
+        self.start_fork_servers()
         if jobs <= 1:
             for k in keys:
                 work(k)

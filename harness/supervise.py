@@ -1,23 +1,29 @@
 """Engine child processes: start, wait under a timeout, end, and turn what they left into a record.
 
 Every engine runs a cell in a child process (harness.engines.worker), in its own process group
-with its own log. By default the child is forked from a fork server that has already imported
-torch, transformers and the harness (``multiprocessing``'s "forkserver", started once per process
-that runs cells: ``harness run``, each pytest-xdist worker): ~1 s per cell instead of the imports'
-several seconds, records bit-identical to a fresh interpreter's. ``HARNESS_ISOLATION=spawn``
-starts ``python -m harness.engines.worker`` instead; engines that need a fresh interpreter (vLLM)
-and environments that set variables always get one.
+with its own log. By default the child is forked from a fork server (harness.engines.forkserver)
+that has already imported the engine's libraries: torch, transformers and the harness for every
+engine, vLLM too for vLLM. A server serves one (preload, environment) pair, so it has exactly the
+environment its children get, a matrix environment's ``env:`` included; it is started when the run
+starts (its imports overlap the first cells) or on the first cell that needs it, and ends with the
+process that started it. A cell then costs its own work: ~1 s of start instead of the imports'
+several seconds (vLLM's 7-9 s), with records bit-identical to a fresh interpreter's
+(tests/test_vllm_server.py). ``HARNESS_ISOLATION=spawn`` starts ``python -m harness.engines.worker``
+instead.
 
 A timeout (SIGTERM, then SIGKILL to the process group), a crash (a signal, an exit without a
 record) or an unreadable record becomes an ``error`` record carrying the end of the child's log
-(:func:`child_record`). :class:`Supervisor` ends every running child on an interrupt.
+(:func:`child_record`). :class:`Supervisor` ends every running child on an interrupt, and the fork
+servers with them.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,7 +42,9 @@ ISOLATION_ENV = "HARNESS_ISOLATION"  # "fork" (default): children forked from a 
 # when it reaches STAGE, one of STAGES: how the fault suite interrupts a run at each stage.
 SIGNAL_HOOK_ENV = "HARNESS_TEST_SIGNAL"
 STAGES = ("fork-server-start", "cell-running", "report-writing")
-SPAWN_ENGINES = frozenset({"vllm"})  # engines that always get a fresh interpreter
+DEFAULT_PRELOAD = "harness.engines._forkserver_preload"  # torch, transformers, the harness
+PRELOADS = {"vllm": "harness.engines._vllm_preload"}  # engines whose fork server imports more
+SERVER_REPLY_TIMEOUT_S = 600.0  # a fork server answers once its preload is imported
 
 
 def tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
@@ -68,8 +76,7 @@ def _signals_held():
     """SIGINT and SIGTERM held back while the body runs (main thread only): a child is started and
     registered, or not started at all, so an interrupt can always end it (docs/design.md, "Bad
     input and faults"). A signal that arrives meanwhile is noted and sent again when the body ends.
-    (A signal mask would not do: multiprocessing unblocks both while it starts its resource
-    tracker.)"""
+    (A signal mask would not do: the processes started meanwhile would inherit it.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -85,20 +92,6 @@ def _signals_held():
             os.kill(os.getpid(), caught[0])
 
 
-def _stop_fork_server() -> None:
-    """End the fork server this process started (it may still be importing its preload)."""
-    if _FORK_CONTEXT is None:
-        return
-    from multiprocessing import forkserver
-
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
 def _signal_name(code: int) -> str:
     try:
         return signal.Signals(-code).name
@@ -106,33 +99,15 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-_FORK_LOCK = threading.Lock()
-_FORK_CONTEXT = None
-
-
-def _fork_context():
-    """multiprocessing's "forkserver", preloaded with torch, transformers and the harness
-    (harness.engines._forkserver_preload). A forked child is as isolated as a spawned one: its own
-    address space and process group, its own log; nothing it does reaches the next cell."""
-    global _FORK_CONTEXT
-    with _FORK_LOCK:
-        if _FORK_CONTEXT is None:
-            import multiprocessing
-
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["harness.engines._forkserver_preload"])
-            _FORK_CONTEXT = ctx
-        return _FORK_CONTEXT
-
-
-def uses_fork_server(engine: str, environment_env: dict[str, str]) -> bool:
-    """Fork the child from the preloaded fork server, unless HARNESS_ISOLATION=spawn, the engine
-    needs a fresh interpreter (vLLM), or the environment sets variables that libraries read at
-    import time."""
+def preload_for(engine: str) -> str | None:
+    """The preload module of the fork server that forks the engine's children, or None when they
+    are spawned (``HARNESS_ISOLATION=spawn``, or not Linux)."""
     mode = os.environ.get(ISOLATION_ENV, "fork")
     if mode not in ("fork", "spawn"):
         raise ValueError(f"{ISOLATION_ENV}={mode!r}: expected 'fork' or 'spawn'")
-    return mode == "fork" and sys.platform == "linux" and engine not in SPAWN_ENGINES and not environment_env
+    if mode == "spawn" or sys.platform != "linux":
+        return None
+    return PRELOADS.get(engine, DEFAULT_PRELOAD)
 
 
 def child_env(environment_env: dict[str, str], threads: int) -> dict[str, str]:
@@ -151,53 +126,163 @@ def child_env(environment_env: dict[str, str], threads: int) -> dict[str, str]:
 
 
 class Child:
-    """An engine child: forked from the fork server, or spawned as ``python -m harness.engines.worker``.
-    Either way it leads its own process group, which kill() ends whole."""
+    """An engine child. It leads its own process group, which kill() ends whole."""
 
-    def __init__(self, proc, fork: bool):
-        self.proc = proc
-        self.fork = fork
-
-    @classmethod
-    def start(cls, job_path: Path, log: Path, env: dict[str, str], fork: bool) -> Child:
-        if fork:
-            from harness.engines import worker
-
-            proc = _fork_context().Process(target=worker.forked_main, args=(str(job_path), str(log), env, os.getpid()),
-                                           name=f"harness-{job_path.stem}")
-            stage("fork-server-start")
-            proc.start()
-            return cls(proc, True)
-        with open(log, "w") as logf:
-            proc = subprocess.Popen([sys.executable, "-m", "harness.engines.worker", str(job_path)],
-                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                    env=env, cwd=str(REPO_ROOT), start_new_session=True)
-        return cls(proc, False)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    pid: int | None
 
     def wait(self, timeout: float | None) -> int | None:
         """The exit status (negative: killed by that signal), or None when ``timeout`` passed."""
-        if self.fork:
-            self.proc.join(timeout)
-            return self.proc.exitcode
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """SIGTERM to the child's process group, SIGKILL after a grace period."""
+        for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
+            if self.pid is not None:
+                try:
+                    os.killpg(self.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            if self.wait(grace) is not None:
+                return
+
+
+class Spawned(Child):
+    """``python -m harness.engines.worker JOB`` in a new session."""
+
+    def __init__(self, job_path: Path, log: Path, env: dict[str, str]):
+        with open(log, "w") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-m", "harness.engines.worker", str(job_path)],
+                                         stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                         env=env, cwd=str(REPO_ROOT), start_new_session=True)
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float | None) -> int | None:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
 
-    def kill(self) -> None:
-        """SIGTERM to the child's process group, SIGKILL after a grace period."""
-        for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
+
+class Forked(Child):
+    """A child forked by a fork server, which reports on the child's connection its pid (once it
+    leads its own session) and then its exit status."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn = conn
+        self.pid = None
+        self.code: int | None = None
+        self._buffer = b""
+
+    def _message(self, timeout: float | None) -> tuple[str, int] | None:
+        """The next message (``pid N`` or ``exit CODE``), or None when ``timeout`` passed.
+        The server gone without a word: its children were killed with it (worker.die_with_parent)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            self.conn.settimeout(left)
             try:
-                os.killpg(self.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                if self.fork and self.proc.exitcode is None:
-                    self.proc.kill()  # not yet its own group leader
-            if self.wait(grace) is not None:
-                return
+                chunk = self.conn.recv(4096)
+            except TimeoutError:
+                return None
+            except OSError:
+                chunk = b""
+            if not chunk:
+                return ("exit", -signal.SIGKILL)
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        what, _, value = line.decode().partition(" ")
+        return what, int(value)
+
+    def started(self, log: Path) -> Forked:
+        """Wait for the pid; a server that ended before forking leaves the reason in the log."""
+        message = self._message(SERVER_REPLY_TIMEOUT_S)
+        if message is not None and message[0] == "pid":
+            self.pid = message[1]
+            return self
+        self.code = message[1] if message is not None else 1
+        with open(log, "a") as f:
+            f.write("harness: the fork server ended or did not answer before this cell's child started\n")
+        self.conn.close()
+        return self
+
+    def wait(self, timeout: float | None) -> int | None:
+        if self.code is None:
+            message = self._message(timeout)
+            if message is None:
+                return None
+            self.code = message[1]
+            self.conn.close()
+        return self.code
+
+
+class ForkServer:
+    """A harness.engines.forkserver process: it has the environment of the children it forks and
+    ends when this process ends (its stdin is our pipe) or on stop()."""
+
+    def __init__(self, preload: str, env: dict[str, str]):
+        self.address = f"\0harness-forkserver-{os.getpid()}-{secrets.token_hex(8)}"  # abstract: no file
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(self.address)
+            listener.listen(64)
+            alive, self._alive = os.pipe()
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "harness.engines.forkserver", preload, str(listener.fileno())],
+                    stdin=alive, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT),
+                    start_new_session=True, pass_fds=(listener.fileno(),))
+            finally:
+                os.close(alive)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, job_path: Path, log: Path) -> Forked:
+        conn = socket.socket(socket.AF_UNIX)
+        child = Forked(conn)
+        try:
+            conn.connect(self.address)
+            conn.sendall(json.dumps({"job": str(job_path), "log": str(log)}).encode() + b"\n")
+        except OSError:
+            pass  # started() then finds the connection closed
+        return child.started(log)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        os.close(self._alive)
+        self.proc.wait()
+
+
+_SERVERS: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def fork_server(preload: str, env: dict[str, str]) -> ForkServer:
+    """This process's fork server for the preload module and the children's environment, started
+    now (in the background: its imports overlap whatever runs meanwhile) unless it is running."""
+    key = (preload, tuple(sorted(env.items())))
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(key)
+        if server is None or not server.alive():
+            server = _SERVERS[key] = ForkServer(preload, env)
+        return server
+
+
+def stop_fork_servers() -> None:
+    with _SERVERS_LOCK:
+        servers = list(_SERVERS.values())
+        _SERVERS.clear()
+    for server in servers:
+        server.stop()
+
+
+def start_child(job_path: Path, log: Path, env: dict[str, str], preload: str | None) -> Child:
+    """Fork the child from the preload's fork server, or spawn it when ``preload`` is None."""
+    if preload is None:
+        return Spawned(job_path, log, env)
+    stage("fork-server-start")
+    return fork_server(preload, env).fork(job_path, log)
 
 
 @dataclass
@@ -218,7 +303,8 @@ class Supervisor:
         self._stopping = False
         self._lock = threading.Lock()
 
-    def run(self, job: dict, job_path: Path, log: Path, env: dict[str, str], *, fork: bool, timeout: float) -> Exit:
+    def run(self, job: dict, job_path: Path, log: Path, env: dict[str, str], *, preload: str | None,
+            timeout: float) -> Exit:
         """Write the job, start its child and wait for it under ``timeout``."""
         R.atomic_write_text(job_path, json.dumps(job) + "\n")
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -228,7 +314,7 @@ class Supervisor:
             if self._stopping:
                 raise KeyboardInterrupt("the run was interrupted")
             with _signals_held():
-                child = Child.start(job_path, log, env, fork=fork)
+                child = start_child(job_path, log, env, preload)
                 self._children.add(child)
         try:
             stage("cell-running")
@@ -249,7 +335,7 @@ class Supervisor:
             children = list(self._children)
         for child in children:
             child.kill()
-        _stop_fork_server()
+        stop_fork_servers()
 
 
 def child_record(cell, exit: Exit, record_path: Path, info_path: Path, log: Path, *,

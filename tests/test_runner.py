@@ -7,15 +7,18 @@ while the rest of the matrix goes on, and a cell run on its own scores the same 
 The children are slow to start (torch + transformers), so the runs here use `-j 2` and few cells.
 """
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from harness import cli
+from harness import cli, runner, supervise
 from harness import records as R
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,3 +289,68 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_in_ci():
         assert "[1/2] unsupported      whisper.bnb-nf4.transformers  (needs a GPU)" in stream.text
         assert "    baseline refused: no" in stream.text
         assert ("1/2" in stream.text.replace("[1/2]", "") and "unsupported 1" in stream.text) == tty  # tqdm's bar
+
+
+# ---------------------------------------------------------------------- fork server, -j default
+
+
+def _light_server(tmp_path):
+    """A fork server that preloads the worker module only (its children need no torch here)."""
+    return supervise.fork_server("harness.engines.worker", supervise.child_env({"MARK": str(tmp_path)}, 1))
+
+
+def test_a_forked_child_reports_its_exit_status_and_is_killed_on_timeout(tmp_path):
+    server = _light_server(tmp_path)
+    try:
+        missing = server.fork(tmp_path / "no-such-job.json", tmp_path / "missing.log")
+        assert missing.wait(60) == 1  # the worker's traceback goes to the cell's log
+        assert "FileNotFoundError" in (tmp_path / "missing.log").read_text()
+        fifo = tmp_path / "job.fifo"  # the worker blocks reading it: a hang
+        os.mkfifo(fifo)
+        hung = server.fork(fifo, tmp_path / "hung.log")
+        assert hung.wait(0.5) is None
+        assert os.getpgid(hung.pid) == hung.pid  # its own process group, for killpg
+        hung.kill()
+        assert hung.wait(0) == -signal.SIGTERM
+    finally:
+        supervise.stop_fork_servers()
+    assert server.proc.poll() is not None
+
+
+def test_a_fork_server_and_its_children_end_with_the_process_that_started_them(tmp_path):
+    fifo = tmp_path / "job.fifo"
+    os.mkfifo(fifo)
+    script = (f"import time\nfrom pathlib import Path\nfrom harness import supervise\n"
+              f"s = supervise.fork_server('harness.engines.worker', supervise.child_env({{}}, 1))\n"
+              f"c = s.fork(Path({str(fifo)!r}), Path({str(tmp_path / 'c.log')!r}))\n"
+              f"print(s.proc.pid, c.pid, flush=True)\ntime.sleep(600)\n")
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                               env=supervise.child_env({}, 1))
+    pids = [int(p) for p in starter.stdout.readline().split()]
+    starter.kill()
+    starter.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "the fork server or its child outlived the runner"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_default_jobs_is_a_group_per_core_where_memory_allows(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(runner, "available_memory", lambda: 64 * 2**30)
+    assert runner.default_jobs(threads=1) == 8
+    assert runner.default_jobs(threads=2) == 4  # a cell's torch threads take cores too
+    monkeypatch.setattr(runner, "available_memory", lambda: 7 * runner.CELL_MEMORY_BYTES - 1)
+    assert runner.default_jobs(threads=1) == 6
+    monkeypatch.setattr(runner, "available_memory", lambda: runner.CELL_MEMORY_BYTES // 2)
+    assert runner.default_jobs(threads=1) == 1
+    monkeypatch.setattr(runner, "available_memory", lambda: None)
+    assert runner.default_jobs(threads=1) == 8

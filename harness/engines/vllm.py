@@ -149,6 +149,19 @@ def bind_core() -> str:
     return str(chosen)
 
 
+def set_environment() -> None:
+    """The variables vLLM runs with here, set before vLLM is imported (a fresh child's probe sets
+    them, the vLLM fork server before its preload): vLLM reads some at import, e.g.
+    ``VLLM_LOGGING_LEVEL`` configures its logger. ``VLLM_CPU_OMP_THREADS_BIND`` is not among them:
+    vLLM reads it when the engine starts (:func:`bind_core`)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def mutations_from_env() -> list[str]:
     return [m.strip() for m in (os.environ.get(MUTATION_ENV) or "").split(",") if m.strip()]
 
@@ -360,12 +373,7 @@ class VllmEngine(Engine):
 
     # ---- load ------------------------------------------------------------------------------
     def _environment(self) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        set_environment()
 
     def choose_dtype(self, checkpoint: Checkpoint) -> str:
         if os.environ.get(DTYPE_ENV):
