@@ -283,6 +283,10 @@ def _put(trace: PromptTrace, name: str, output, inp) -> None:
 
 
 def _rows(x):
+    """[positions, features]: vLLM's token tensors are already [num_tokens, ...]; an encoder's
+    batched [1, frames, features] loses its batch dimension."""
+    if x.dim() >= 3 and x.shape[0] == 1:
+        x = x[0]
     return x.reshape(x.shape[0], -1) if x.dim() >= 1 else x.reshape(1, 1)
 
 
