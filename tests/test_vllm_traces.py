@@ -1,10 +1,11 @@
 """Module traces recorded inside vLLM (harness.traces.vllm, ``VllmEngine.trace``), against the
-reference's traces of the same sequences on llama unquantized (float32, where vLLM matches the
-reference to ~1e-6 per module): hooks fire for every projection of every layer, names and shapes
-are transformers', every module agrees, and a loading fault inside vLLM (the test-only
-``HARNESS_VLLM_MUTATION=gate-up-swapped``) is localised to the module it breaks.
+reference's traces of the same sequences, float32 (where vLLM matches the reference to ~1e-6 per
+module): on llama unquantized, hooks fire for every projection of every layer, names, shapes and
+order are transformers', every module agrees; and a loading fault inside vLLM (the test-only
+``HARNESS_VLLM_MUTATION=merged-shards-swapped``) is localised to the module it breaks: gate_proj on
+llama, the cross-attention k_proj on whisper (issue 14's "swapped k/v in cross-attention").
 
-Two vLLM engine starts (~30 s each here), each in its own interpreter: the mutation patches
+Three vLLM engine starts (~30 s each here), each in its own interpreter: the mutation patches
 vLLM's classes for the life of the process.
 """
 from __future__ import annotations
@@ -51,21 +52,20 @@ torch.save(engine.trace(prompts, [sequences[p.id] for p in prompts]), sys.argv[3
 """
 
 
-def vllm_traces(tmp: Path, sequences: dict[str, list[int]], mutation: str | None) -> list:
-    out = tmp / f"traces-{mutation or 'control'}.pt"
+def vllm_traces(tmp: Path, cell: str, sequences: dict[str, list[int]], mutation: str | None) -> list:
+    out = tmp / f"traces-{cell}-{mutation or 'control'}.pt"
     env = {k: v for k, v in os.environ.items() if k != MUTATION_ENV}
     if mutation:
         env[MUTATION_ENV] = mutation
-    proc = subprocess.run([sys.executable, "-c", CHILD, CELL, json.dumps(sequences), str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", CHILD, cell, json.dumps(sequences), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def reference():
+def reference_traces(cell_id: str) -> tuple[dict[str, list[int]], list]:
     """The reference's traces of prompt + its own greedy continuation, and those sequences."""
-    cell = next(c for c in matrix.load().cells(tier="cpu-tiny") if c.id == CELL.replace(".vllm", ".reference"))
+    cell = next(c for c in matrix.load().cells(tier="cpu-tiny") if c.id == cell_id.replace(".vllm", ".reference"))
     ckpt = base.resolve_checkpoint(cell)
     engine = ReferenceEngine(cell)
     engine.load(ckpt)
@@ -78,8 +78,13 @@ def reference():
 
 
 @pytest.fixture(scope="module")
+def reference():
+    return reference_traces(CELL)
+
+
+@pytest.fixture(scope="module")
 def control(reference, tmp_path_factory):
-    return vllm_traces(tmp_path_factory.mktemp("vllm-traces"), reference[0], None)
+    return vllm_traces(tmp_path_factory.mktemp("vllm-traces"), CELL, reference[0], None)
 
 
 def relative_delta(ours, theirs) -> float:
@@ -130,7 +135,7 @@ def test_every_module_matches_the_reference_in_float32(reference, control):
 
 def test_a_loading_fault_inside_vllm_is_localised_to_its_module(reference, control, tmp_path):
     _, ref = reference
-    broken = vllm_traces(tmp_path, reference[0], "gate-up-swapped")
+    broken = vllm_traces(tmp_path, CELL, reference[0], "merged-shards-swapped")
     gate = "model.layers.0.mlp.gate_proj"
     for r, v, c in zip(ref, broken, control):
         name, delta = first_beyond(r, v)
@@ -138,3 +143,16 @@ def test_a_loading_fault_inside_vllm_is_localised_to_its_module(reference, contr
         assert relative_delta(v.inputs[gate], r.inputs[gate]) <= REL_TOL  # equal inputs: the module is wrong
         assert not torch.equal(v.weights[gate], r.weights[gate])  # ... through its weight
         assert torch.equal(c.weights[gate], r.weights[gate])
+
+
+def test_swapped_cross_attention_kv_inside_vllm_is_localised_to_k_proj(tmp_path):
+    cell = "whisper.unquantized.vllm"
+    sequences, ref = reference_traces(cell)
+    broken = vllm_traces(tmp_path, cell, sequences, "merged-shards-swapped")
+    k_proj = "model.decoder.layers.0.encoder_attn.k_proj"
+    for r, v in zip(ref, broken):
+        assert v.outputs[k_proj].shape == r.outputs[k_proj].shape  # encoder positions, split from kv_proj
+        name, delta = first_beyond(r, v)
+        assert name == k_proj, (r.prompt, name, delta)
+        assert relative_delta(v.inputs[k_proj], r.inputs[k_proj]) <= REL_TOL
+        assert not torch.equal(v.weights[k_proj], r.weights[k_proj])

@@ -270,10 +270,11 @@ def _mutate_skip_cross_kv_processing() -> None:
     base_loader.process_weights_after_loading = process_weights_after_loading
 
 
-def _mutate_gate_up_swapped() -> None:
-    """A merged linear's two checkpoint shards are loaded into each other's rows (gate_proj's
-    weight into up_proj's place and back), as a wrong shard order in a stacked-params mapping
-    would. Unquantized and compressed-tensors weights load through ``weight_loader_v2``."""
+def _mutate_merged_shards_swapped() -> None:
+    """The two checkpoint shards of a merged linear are loaded into each other's rows: gate_proj
+    into up_proj's place and back, Whisper's cross-attention k_proj into v_proj's (its kv_proj is a
+    MergedColumnParallelLinear too), as a wrong shard order in a stacked-params mapping would.
+    Unquantized and compressed-tensors weights load through ``weight_loader_v2``."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
     original = MergedColumnParallelLinear.weight_loader_v2
@@ -287,7 +288,8 @@ def _mutate_gate_up_swapped() -> None:
 
 
 MUTATIONS: dict[str, tuple[str, Any]] = {
-    "gate-up-swapped": ("gate_proj and up_proj loaded into each other's rows of gate_up_proj", _mutate_gate_up_swapped),
+    "merged-shards-swapped": ("a merged linear's two shards (gate/up, Whisper's cross-attention k/v) loaded into each "
+                              "other's rows", _mutate_merged_shards_swapped),
     "torchao-ignore-skip": ("vLLM's torchao config ignores its skip list", _mutate_torchao_ignore_skip),
     "fp8-first-shard-scale": ("fused per-tensor FP8 shards requantized to the first shard's scale, not the max",
                               _mutate_fp8_first_shard_scale),
