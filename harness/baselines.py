@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from harness import files, verdicts
 from harness.noise import Noise, NoiseError
+from harness.traces.fingerprint import Fingerprint
 from harness.records import (
     CpuInfo,
     FixtureRef,
@@ -140,6 +141,7 @@ class Baseline(_Strict):
     load: LoadInfo | None = None
     noise: Noise | None = None  # measured when the baseline was written (harness.noise)
     sequences: list[BaselineSequence]
+    fingerprint: Fingerprint | None = None  # the module trace's fingerprint (harness.traces.fingerprint)
 
     def record_sequences(self) -> list[SequenceResult]:
         """The sequences in the result record's shape, for compare."""
@@ -170,7 +172,10 @@ class Baseline(_Strict):
         )
 
     def to_text(self) -> str:
-        return render_json(self.model_dump())
+        data = self.model_dump()
+        if data["fingerprint"] is None:  # files without one stay as they were before fingerprints
+            del data["fingerprint"]
+        return render_json(data)
 
 
 # ------------------------------------------------------------------------------- file access
@@ -377,6 +382,11 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
     new = Baseline.from_record(record, commit=commit if commit is not None else git_commit())
     new.noise = noise
     messages, material = describe_changes(old, new)
+    if old is not None and old.fingerprint is not None:
+        if old.sequences == new.sequences:
+            new.fingerprint = old.fingerprint
+        else:
+            messages.append("trace fingerprint dropped: the results changed (harness run --update-fingerprints adds it again)")
     if old is not None and old.noise != noise:
         messages.append("measured noise recorded" if old.noise is None else "measured noise changed")
         material = True
@@ -388,6 +398,21 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
     atomic_write_text(path, new.to_text())
     obtained_path_for(root, record.tier, record.cell).unlink(missing_ok=True)
     return Change(record.cell, path, "new" if old is None and not unreadable else "updated", messages)
+
+
+def set_fingerprint(root: str | Path, tier: str, cell_id: str, fingerprint: Fingerprint) -> str:
+    """Store ``fingerprint`` in the cell's existing baseline, nothing else of the file changed
+    (``harness run --update-fingerprints``); returns what was done, one line."""
+    baseline = read(root, tier, cell_id)
+    path = path_for(root, tier, cell_id)
+    if baseline is None:
+        return f"{path}: no baseline, no fingerprint written"
+    if baseline.fingerprint == fingerprint:
+        return f"{path}: trace fingerprint unchanged"
+    kind = "added" if baseline.fingerprint is None else "refreshed"
+    baseline.fingerprint = fingerprint
+    atomic_write_text(path, baseline.to_text())
+    return f"{path}: trace fingerprint {kind} ({len(fingerprint.modules)} modules)"
 
 
 def write_obtained(root: str | Path, record: Record) -> Path:

@@ -149,7 +149,8 @@ def measure(cell: Cell, record: Record) -> Noise:
         return Noise.model_validate_json(a_out.read_text())
 
 
-def _child(job: dict, out: Path, tmp: str, capability: str | None) -> None:
+def _child(job: dict, out: Path, tmp: str, capability: str | None, module: str = "harness.noise") -> None:
+    """Run ``python -m <module> JOB OUT`` under ``capability`` (harness.traces.noise runs its own child)."""
     job_path = Path(tmp) / f"{out.stem}.job.json"
     job_path.write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
@@ -157,7 +158,7 @@ def _child(job: dict, out: Path, tmp: str, capability: str | None) -> None:
         env["ATEN_CPU_CAPABILITY"] = capability
     env.setdefault("OMP_NUM_THREADS", "1")
     try:
-        p = subprocess.run([sys.executable, "-m", "harness.noise", str(job_path), str(out)], env=env,
+        p = subprocess.run([sys.executable, "-m", module, str(job_path), str(out)], env=env,
                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise NoiseError(f"noise probe ({job['role']}) timed out after {PROBE_TIMEOUT_S} s") from None

@@ -133,8 +133,9 @@ class ErrorInfo(_Strict):
 
 
 class LoadInfo(_Strict):
-    """``seconds``: the load time (median of ``samples`` when repeated). ``phases``: named phase
-    timings (the engine's own: read, decode, fuse, ...)."""
+    """``seconds``: the load time (on a gated tier, the statistic of ``samples`` that
+    harness.bench.calibration names). ``phases``: named phase timings (the engine's own: read,
+    decode, fuse, ...; ``calibration``: the in-run calibration workload, docs/design.md, "Load time")."""
 
     seconds: float = Field(ge=0)
     phases: dict[str, float] = {}

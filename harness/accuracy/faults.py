@@ -11,6 +11,13 @@ loaded model right after it:
 | ``fp8-scale-dropped:GLOB`` | the ``weight_scale`` of the FP8 weights matching GLOB read as 1.0 |
 | ``skip-ignored`` | online quantization ignores the skip rules: every linear is quantized, ``lm_head`` included |
 | ``rows:PARAM:LO-HI[,LO-HI...]:FACTOR`` | after loading, those rows of parameter PARAM multiplied by FACTOR (embedding or LM-head rows of tokens the logprob prompts never use: the logprob cells cannot see it) |
+| ``tensor-scaled:GLOB:FACTOR`` | the checkpoint tensors matching GLOB (on-disk names) read multiplied by FACTOR: a wrong FP8 ``weight_scale``, a corrupted bnb ``absmax`` |
+| ``tensors-swapped:A:B`` | the checkpoint tensors under prefix A read from prefix B and the other way round: a loader that swaps k and v |
+| ``mask-shifted:GLOB`` | after loading, the attention modules matching GLOB (in-memory names) attend with a causal mask off by one (each position also sees the next) |
+
+The last three are the module-trace localisation's faults (docs/design.md, "Localisation"); they
+change the reference's own reading (harness.quant.source.TensorSource) or its modules, never
+another engine's.
 
 ``rows`` works on every engine: in-process on the model, in vLLM through ``LLM.apply_model``.
 """
@@ -89,11 +96,80 @@ def _rows(arg: str | None) -> Callable:
     return after_load
 
 
+def _tensor_read(transform: Callable) -> None:
+    """Patch the reference's tensor reading: ``transform(source, name)`` returns the tensor read."""
+    from harness.quant.source import TensorSource
+
+    original = TensorSource.get
+
+    def get(self, name):
+        return transform(lambda n: original(self, n), name)
+
+    TensorSource.get = get
+
+
+def _tensor_scaled(arg: str | None) -> None:
+    glob, _, factor = (arg or "").rpartition(":")
+    if not glob:
+        raise ValueError(f"fault tensor-scaled: expected GLOB:FACTOR, got {arg!r}")
+
+    def transform(read, name):
+        t = read(name)
+        return (t * float(factor)).to(t.dtype) if fnmatch.fnmatchcase(name, glob) else t
+
+    _tensor_read(transform)
+
+
+def _tensors_swapped(arg: str | None) -> None:
+    a, _, b = (arg or "").partition(":")
+    if not a or not b:
+        raise ValueError(f"fault tensors-swapped: expected PREFIX_A:PREFIX_B, got {arg!r}")
+
+    def transform(read, name):
+        if name.startswith(a):
+            return read(b + name[len(a):])
+        if name.startswith(b):
+            return read(a + name[len(b):])
+        return read(name)
+
+    _tensor_read(transform)
+
+
+def _mask_shifted(arg: str | None) -> Callable:
+    def shift(module) -> None:
+        import torch
+
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            n = hidden.shape[1]
+            kwargs["attention_mask"] = torch.ones(n, n, dtype=torch.bool, device=hidden.device).tril(diagonal=1)[None, None]
+            return original(*args[:2], **kwargs)  # the mask by keyword (Llama's third positional)
+
+        module.forward = forward
+
+    def after_load(engine) -> None:
+        from harness.traces.record import torch_module
+
+        model = torch_module(engine.model)
+        hits = [m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, arg or "")]
+        if not hits:
+            raise ValueError(f"fault mask-shifted: no module matches {arg!r}")
+        for m in hits:
+            shift(m)
+
+    return after_load
+
+
 FAULTS: dict[str, Callable[[str | None], Callable | None]] = {
     "bnb-dq-no-offset": _bnb_dq_no_offset,
     "fp8-scale-dropped": _fp8_scale_dropped,
     "skip-ignored": _skip_ignored,
     "rows": _rows,
+    "tensor-scaled": _tensor_scaled,
+    "tensors-swapped": _tensors_swapped,
+    "mask-shifted": _mask_shifted,
 }
 
 

@@ -396,6 +396,41 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
             pass
 
 
+def trace_cell(engine: Engine, checkpoint: Callable[[], Checkpoint], sequences: dict[str, list[int]], out: str, *,
+               log: Callable[[str], None] = lambda s: None) -> R.Record | None:
+    """Load the cell and record the module traces of ``sequences`` (prompt id -> tokens) to ``out``
+    (harness.traces.save): docs/design.md, "Localisation". None on success; the error record when
+    the engine cannot run or fails (never raises for the engine's own failures)."""
+    from harness import traces
+
+    cell = engine.cell
+    info = R.EngineInfo(name=cell.engine, environment=cell.environment, platform=R.cpu_platform())
+    try:
+        info = engine.info()
+        ckpt = checkpoint()
+        reason = engine.probe(ckpt)
+        if reason:
+            return R.Record.for_cell(cell, engine_info=info, status="unsupported", unsupported_reason=reason)
+        engine.load(ckpt)
+        prompts = [p for p in prompts_for(cell, ckpt) if p.id in sequences]
+        t0 = time.perf_counter()
+        recorded = engine.trace(prompts, [sequences[p.id] for p in prompts])
+        traces.save(out, recorded)
+        log(f"traces: {len(recorded)} prompt(s), {len(recorded[0].order) if recorded else 0} modules, "
+            f"{time.perf_counter() - t0:.2f} s, {os.path.getsize(out)} bytes")
+        return None
+    except Exception as e:
+        tb = traceback.format_exc()
+        log(tb)
+        return R.Record.for_cell(cell, engine_info=info, status="error",
+                                 error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__, log_tail=tb))
+    finally:
+        try:
+            engine.close()
+        except Exception:
+            pass
+
+
 def _sequences_to_score(prompts: list[EnginePrompt], greedy: list[R.Greedy],
                         sequences: dict[str, list[int]] | None, log: Callable[[str], None]) -> list[list[int]]:
     """Per prompt, the given sequence where it starts with the prompt, else prompt + this engine's

@@ -49,3 +49,19 @@ def weight_probe(in_features: int) -> torch.Tensor:
 
     g = torch.Generator().manual_seed(in_features)
     return torch.randn(in_features, WEIGHT_PROJECTIONS, generator=g, dtype=torch.float32)
+
+
+def save(path, traces: list[PromptTrace]) -> None:
+    """Write traces with torch.save (plain dicts, lists and tensors: loadable with weights_only)."""
+    import torch
+
+    torch.save([{"prompt": t.prompt, "order": t.order, "outputs": t.outputs, "inputs": t.inputs,
+                 "weights": t.weights, "quantizers": sorted(t.quantizers)} for t in traces], path)
+
+
+def load(path) -> list[PromptTrace]:
+    import torch
+
+    return [PromptTrace(prompt=d["prompt"], order=d["order"], outputs=d["outputs"], inputs=d["inputs"],
+                        weights=d["weights"], quantizers=set(d["quantizers"]))
+            for d in torch.load(path, weights_only=True)]

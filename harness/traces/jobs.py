@@ -1,0 +1,190 @@
+"""Module traces in a run (docs/design.md, "Localisation"): the runner's trace children, the
+localisation of a judged cell, and refreshing its baseline's fingerprint.
+
+Nothing here runs in a normal run. A cell is traced when ``harness run --trace`` asks, or when it
+is judged ``failed`` or ``regressed``: then each engine involved runs once more in a trace child
+(worker mode ``trace``: load, record the traces of the cell's scored sequences, nothing else), and
+
+- against each engine whose check failed (with ``--trace``: each other ok engine of the group),
+  the two traces are compared module by module (harness.traces.diff), the reference executed
+  unfused where the other engine does not fuse (the cross-engine rule's witness), with the
+  per-module noise of a baseline fingerprint measured that way, else measured now;
+- against the baseline (regressed, or ``--trace``), the cell's trace against the fingerprint the
+  baseline stores (harness.traces.fingerprint).
+
+``--update-fingerprints`` adds or refreshes the fingerprint of the baseline of each cell that
+passes against it, nothing else of the file.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from harness import baselines as B
+from harness import records as R
+from harness.engines.base import fuses_shards
+from harness.layout import group_key
+from harness.matrix import ENGINES
+from harness.noise import NoiseError
+
+if TYPE_CHECKING:
+    from harness.matrix import Cell
+    from harness.runner import Runner
+    from harness.traces import PromptTrace
+    from harness.traces.noise import Measured, ModuleNoise
+
+LOCALISED_VERDICTS = ("failed", "regressed")
+
+
+class TraceUnavailable(Exception):
+    """A trace child did not record traces; ``str()`` is one line."""
+
+
+class Tracer:
+    def __init__(self, runner: Runner, *, always: bool = False):
+        self.runner = runner
+        self.always = always  # --trace: every cell, not only failed or regressed ones
+        self._lock = threading.Lock()
+        self._traces: dict[tuple, list[PromptTrace]] = {}
+        self._noise: dict[tuple, Measured | str] = {}
+
+    # ---- children -------------------------------------------------------------------------
+    def traces(self, cell: Cell, fuse: bool | None, sequences: dict[str, list[int]]) -> list[PromptTrace]:
+        """The cell's traces of ``sequences`` (the reference executed fused or not as ``fuse``
+        says; None: as the engine executes), from a trace child, once per run."""
+        from harness import traces
+
+        variant = "" if fuse is None else ".fused" if fuse else ".unfused"
+        key = (cell.id, variant)
+        with self._lock:
+            if key in self._traces:
+                return self._traces[key]
+        layout = self.runner.layout
+        out = layout.root / "traces" / f"{cell.id}{variant}.pt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.unlink(missing_ok=True)
+        failed = self.runner._run_child(cell, mode="trace", sequences=sequences,
+                                        record_path=layout.root / "raw" / f"{cell.id}{variant}.trace.json",
+                                        log=layout.log(f"{cell.id}{variant}.trace"),
+                                        extra={"trace": str(out), "options": None if fuse is None else {"fuse": fuse}})
+        if failed is not None:
+            why = failed.error.message if failed.error else failed.unsupported_reason or failed.status
+            raise TraceUnavailable(f"{cell.id}: traces not recorded: {why}")
+        if not out.exists():
+            raise TraceUnavailable(f"{cell.id}: traces not recorded: the trace child wrote none")
+        recorded = traces.load(out)
+        with self._lock:
+            self._traces[key] = recorded
+        return recorded
+
+    def measured(self, cell: Cell, fuse: bool, sequences: dict[str, list[int]]) -> Measured | str:
+        """The per-module noise of the cell's reference executed fused or not (harness.traces.noise),
+        once per group and execution; a one-line reason when it could not be measured."""
+        from harness.traces import noise
+
+        key = (group_key(cell), fuse)
+        if key not in self._noise:
+            try:
+                self._noise[key] = noise.measure(cell, sequences, fuse)
+            except NoiseError as e:
+                self._noise[key] = str(e)
+        return self._noise[key]
+
+    # ---- localisation ----------------------------------------------------------------------
+    def wanted(self, record: R.Record) -> bool:
+        return record.status == "ok" and (self.always or record.verdict in LOCALISED_VERDICTS)
+
+    def localise(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> list[R.Localisation]:
+        """The record's localisations (empty when the cell is not traced)."""
+        if not self.wanted(record):
+            return []
+        sequences = {s.prompt.id: s.scored.tokens for s in record.sequences}
+        out = [self._against_engine(cell, engine, sequences) for engine in self._engines(record, raws)]
+        if self.always or record.verdict == "regressed":
+            out.append(self._against_baseline(cell, record, sequences))
+        return [loc for loc in out if loc is not None]
+
+    def _engines(self, record: R.Record, raws: dict[str, R.Record]) -> list[str]:
+        if self.always:
+            return [e for e, r in raws.items() if e != record.engine and r.status == "ok"]
+        failing = {c.name.partition(":")[2] for c in record.checks if not c.ok}
+        return [e for e in ENGINES if e in failing and e in raws and raws[e].status == "ok"]
+
+    def _against_engine(self, cell: Cell, engine: str, sequences) -> R.Localisation | None:
+        from harness.traces import diff
+
+        other = next((c for c in self.runner.groups[group_key(cell)] if c.engine == engine), None)
+        fused = fuses_shards(cell.engine) and fuses_shards(engine)
+        if other is None or (not fused and "reference" not in (cell.engine, engine)
+                             and fuses_shards(cell.engine) != fuses_shards(engine)):
+            return None
+        try:
+            mine = self.traces(cell, fused if cell.engine == "reference" else None, sequences)
+            theirs = self.traces(other, fused if engine == "reference" else None, sequences)
+        except TraceUnavailable as e:
+            return R.Localisation(against=engine, detail=str(e))
+        noise, note = self._noise_for(cell, fused, sequences)
+        return diff.cross_engine(mine, theirs, engine, noise, note)
+
+    def _noise_for(self, cell: Cell, fused: bool, sequences) -> tuple[ModuleNoise | None, str]:
+        """A stored fingerprint's noise measured on this execution, else measured now."""
+        measured_by = "reference" if fused else "reference-unfused"
+        for c in self.runner.groups[group_key(cell)]:
+            try:
+                baseline = B.read(self.runner.baselines_root, c.tier, c.id)
+            except B.BaselineError:
+                continue
+            fp = baseline.fingerprint if baseline is not None else None
+            if fp is not None and fp.noise_measured_by == measured_by:
+                return fp.noise(), f" (noise: {c.id}'s baseline fingerprint)"
+        m = self.measured(cell, fused, sequences)
+        if isinstance(m, str):
+            return None, f" (per-module noise not measured: {m})"
+        return m.noise, " (noise measured now)"
+
+    def _against_baseline(self, cell: Cell, record: R.Record, sequences) -> R.Localisation | None:
+        from harness.traces import fingerprint
+        from harness.traces.localise import localise
+
+        try:
+            baseline = B.read(self.runner.baselines_root, cell.tier, cell.id)
+        except B.BaselineError as e:
+            return R.Localisation(against="baseline", detail=f"baseline unreadable: {e}")
+        if baseline is None:
+            return None
+        if baseline.fingerprint is None:
+            return R.Localisation(against="baseline", detail="the baseline stores no trace fingerprint "
+                                                            "(harness run --update-fingerprints adds one)")
+        stored = {s.prompt.id: [r.token for r in s.scored] for s in baseline.sequences}
+        same = {pid: tokens for pid, tokens in sequences.items() if stored.get(pid) == tokens}
+        if not same:
+            return R.Localisation(against="baseline", detail="no prompt scored the baseline's sequence: "
+                                                            "the fingerprint cannot be compared")
+        try:
+            mine = self.traces(cell, None, sequences)
+        except TraceUnavailable as e:
+            return R.Localisation(against="baseline", detail=str(e))
+        skipped = sorted(set(sequences) - set(same))
+        note = f"; prompts {', '.join(skipped)} scored other sequences than the baseline's, not compared" if skipped else ""
+        return localise(fingerprint.deltas(baseline.fingerprint, [t for t in mine if t.prompt in same]),
+                        "baseline", note)
+
+    # ---- fingerprints ----------------------------------------------------------------------
+    def refresh_fingerprint(self, cell: Cell, record: R.Record) -> str | None:
+        """Add or refresh the fingerprint of the baseline ``record`` passed against; returns what
+        was done, one line (None when the record did not pass)."""
+        from harness.traces import fingerprint
+
+        if record.verdict != "pass":
+            return None
+        sequences = {s.prompt.id: s.scored.tokens for s in record.sequences}
+        fused = fuses_shards(cell.engine)
+        m = self.measured(cell, fused, sequences)
+        if isinstance(m, str):
+            return f"fingerprint not written: per-module noise not measured: {m}"
+        try:
+            mine = m.a if cell.engine == "reference" else self.traces(cell, None, sequences)
+        except TraceUnavailable as e:
+            return f"fingerprint not written: {e}"
+        fp = fingerprint.make(mine, cell.engine, fused, m.a, m.b, m.noise)
+        return B.set_fingerprint(self.runner.baselines_root, cell.tier, cell.id, fp)
