@@ -20,6 +20,11 @@ not fuse shards (transformers) is in the group (docs/design.md, "Fusion rule").
 that may become a baseline is written (printing what changed) and then judged again against what
 was written, so the run's verdict says "pass" with the old verdict in its reason; failed, error,
 unsupported and waived cells are refused (harness.verdicts).
+
+**Traces.** A cell judged failed or regressed (every cell with ``trace``) is localised module by
+module against the engines it disagrees with and against its baseline's fingerprint;
+``update_fingerprints`` refreshes the fingerprint of each baseline a cell passes against
+(harness.traces.jobs; docs/design.md, "Localisation"). A normal run records no traces.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from harness.engines.base import fuses_shards
 from harness.layout import Layout, default_results_dir, group_key
 from harness.matrix import ENGINES, Cell, Matrix, expand
 from harness.sequences import ScoredSequences
+from harness.traces.jobs import Tracer
 
 __all__ = ["CellResult", "Runner", "default_results_dir", "group_key", "one_line", "progress_line", "summary_text"]
 
@@ -97,13 +103,15 @@ class Runner:
     def __init__(self, matrix: Matrix, cells: Sequence[Cell], *, results: str | Path,
                  baselines_root: str | Path = B.DEFAULT_ROOT, update_baselines: bool = False,
                  matrix_path: str | Path | None = None, threads: int | None = None,
-                 echo: Callable[[str], None] | None = None):
+                 echo: Callable[[str], None] | None = None, trace: bool = False, update_fingerprints: bool = False):
         self.matrix = matrix
         self.cells = sorted(cells, key=lambda c: (group_key(c), _engine_order(c)))
         self.results = Path(results)
         self.layout = Layout(self.results)
         self.baselines_root = Path(baselines_root)
         self.update_baselines = update_baselines
+        self.update_fingerprints = update_fingerprints
+        self.tracer = Tracer(self, always=trace)
         self.matrix_dir = Path(matrix_path).resolve().parent if matrix_path else supervise.REPO_ROOT
         self.threads = threads or int(os.environ.get(supervise.THREADS_ENV) or 1)
         self.echo = echo or (lambda s: None)
@@ -203,7 +211,8 @@ class Runner:
             return rec
 
     def _run_child(self, cell: Cell, *, mode: str, sequences, record_path: Path, log: Path,
-                   sequences_out: Path | None = None, witness: Path | None = None) -> R.Record | None:
+                   sequences_out: Path | None = None, witness: Path | None = None,
+                   extra: dict | None = None) -> R.Record | None:
         """Run the engine child under the cell's timeout: its record, or an error record for a
         timeout, a crash or a missing record (None in continuation mode on success)."""
         info_path = self.layout.info(record_path)
@@ -219,11 +228,12 @@ class Runner:
             "info": str(info_path),
             "sequences_out": str(sequences_out) if sequences_out else None,
             "witness": str(witness) if witness else None,
+            **(extra or {}),  # a trace child's output path and engine options (harness.traces.jobs)
         }
         engine = "reference" if mode == "continuation" else cell.engine
         exit = self.supervisor.run(job, self.layout.job(record_path), log, self._child_env(cell),
                                    preload=supervise.preload_for(engine), timeout=cell.timeout_s)
-        return supervise.child_record(cell, exit, record_path, info_path, log, record_expected=mode != "continuation")
+        return supervise.child_record(cell, exit, record_path, info_path, log, record_expected=mode == "cell")
 
     def _child_env(self, cell: Cell) -> dict[str, str]:
         return supervise.child_env(self.matrix.environments[cell.environment].env, self.threads)
@@ -287,7 +297,20 @@ class Runner:
                 "verdict_reason": f"{j2.reason}; baseline {kind} by --update-baselines ({was})"})
         if outcome.obtained is not None:
             result.messages.append(f"obtained result written beside the baseline: {outcome.obtained}")
+        self._trace(result, raws)
         return result
+
+    def _trace(self, result: CellResult, raws: dict[str, R.Record]) -> None:
+        """Module traces (harness.traces.jobs): the localisation of a failed or regressed cell (of
+        every cell under ``trace``), and its baseline's fingerprint under ``update_fingerprints``."""
+        found = self.tracer.localise(result.cell, result.record, raws)
+        if found:
+            result.record = result.record.model_copy(update={"localisation": found})
+            result.messages += [f"localisation against {loc.against}: {loc.detail}" for loc in found]
+        if self.update_fingerprints:
+            done = self.tracer.refresh_fingerprint(result.cell, result.record)
+            if done:
+                result.messages.append(done)
 
     def finish(self, result: CellResult) -> CellResult:
         R.save(self.layout.record(result.cell.id), result.record)
