@@ -127,13 +127,15 @@ def _run(args) -> int:
         return dryrun.report(m, cells, matrix_path=args.matrix, baselines_root=args.baselines, tier=args.tier)
     results = Path(args.results or runner.default_results_dir())
     # where the run writes, checked before any cell runs (docs/design.md, "Bad input and faults")
-    for option, path, written in (("--results", results, True), ("--baselines", args.baselines, args.update_baselines)):
+    for option, path, written in (("--results", results, True), ("--baselines", args.baselines,
+                                                                      args.update_baselines or args.update_fingerprints)):
         problem = files.writable_dir_problem(path) if written else None
         if problem:
             raise UsageError(f"{path}: {problem} ({option})")
     progress = Progress(len(cells))
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
-                      matrix_path=args.matrix, echo=progress.echo)
+                      matrix_path=args.matrix, echo=progress.echo, trace=args.trace,
+                      update_fingerprints=args.update_fingerprints)
     r.prepare(fresh=True)
     mode = " (updating baselines)" if args.update_baselines else ""
     progress.echo(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
@@ -171,6 +173,15 @@ def _pin(args) -> int:
     from harness import pin
 
     return pin.run(args)
+
+
+def _bench(args) -> int:
+    from harness import bench
+
+    try:
+        return bench.run(args)
+    except bench.UsageError as e:
+        raise UsageError(str(e)) from None
 
 
 def _finish(args, m, cells, r, results_list, wall: float) -> int:
@@ -233,6 +244,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--results", metavar="DIR", help="results directory (default: results/<UTC timestamp>)")
     run.add_argument("--update-baselines", action="store_true",
                      help="write the baselines of cells that may become one (never failed/error/unsupported/waived)")
+    run.add_argument("--trace", action="store_true",
+                     help="record module traces of every cell and localise it against the other engines and its "
+                          "baseline's fingerprint (failed and regressed cells are always localised)")
+    run.add_argument("--update-fingerprints", action="store_true",
+                     help="add or refresh the trace fingerprint of the baseline of each cell that passes against it "
+                          "(nothing else of the baseline changes)")
     run.add_argument("--baselines", metavar="DIR", default=None,
                      help="baselines root (default: baselines/ of this checkout)")
     run.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
@@ -265,6 +282,13 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("pipeline", help="write the Buildkite pipeline (YAML) for the matrix to stdout")
     buildkite.add_arguments(pl)
     pl.set_defaults(func=buildkite.run)
+
+    from harness import bench
+
+    bn = sub.add_parser("bench", help="measure load, decode, the load-time gate and the matrix's wall time; "
+                                      "write BENCHMARKS.md")
+    bench.add_arguments(bn)
+    bn.set_defaults(func=_bench)
 
     from harness.accuracy import build as accuracy_build
 
