@@ -6,7 +6,8 @@ order are transformers', every module agrees; and a loading fault inside vLLM (t
 llama, the cross-attention k_proj on whisper (issue 14's "swapped k/v in cross-attention").
 
 Three vLLM engine starts (~30 s each here), each in its own interpreter: the mutation patches
-vLLM's classes for the life of the process.
+vLLM's classes for the life of the process. The conversion of a recording into transformers'
+shape is also tested alone, without vLLM.
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from harness import matrix
 from harness.engines import base
 from harness.engines.reference import ReferenceEngine
 from harness.engines.vllm import MUTATION_ENV
+from harness.traces import vllm as vllm_traces_module
 
-if importlib.util.find_spec("vllm") is None:  # not imported here: the child imports it
-    pytest.skip("vLLM is not installed", allow_module_level=True)
+# vLLM is not imported here: the engine children import it
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 ROOT = Path(__file__).resolve().parent.parent
 CELL = "llama.unquantized.vllm"
@@ -104,6 +106,7 @@ def first_beyond(ref_trace, trace) -> tuple[str, float] | None:
     return name, relative_delta(trace.outputs[name], ref_trace.outputs[name])
 
 
+@needs_vllm
 def test_hooks_fire_for_every_projection_in_transformers_names_and_shapes(reference, control):
     sequences, ref = reference
     for r, v in zip(ref, control):
@@ -121,6 +124,7 @@ def test_hooks_fire_for_every_projection_in_transformers_names_and_shapes(refere
         assert not v.outputs["lm_head"].isnan().any()
 
 
+@needs_vllm
 def test_every_module_matches_the_reference_in_float32(reference, control):
     _, ref = reference
     for r, v in zip(ref, control):
@@ -133,6 +137,7 @@ def test_every_module_matches_the_reference_in_float32(reference, control):
             assert torch.equal(w, r.weights[name]), name  # the same effective weights, bit for bit
 
 
+@needs_vllm
 def test_a_loading_fault_inside_vllm_is_localised_to_its_module(reference, control, tmp_path):
     _, ref = reference
     broken = vllm_traces(tmp_path, CELL, reference[0], "merged-shards-swapped")
@@ -145,6 +150,7 @@ def test_a_loading_fault_inside_vllm_is_localised_to_its_module(reference, contr
         assert torch.equal(c.weights[gate], r.weights[gate])
 
 
+@needs_vllm
 def test_swapped_cross_attention_kv_inside_vllm_is_localised_to_k_proj(tmp_path):
     cell = "whisper.unquantized.vllm"
     sequences, ref = reference_traces(cell)
@@ -156,3 +162,63 @@ def test_swapped_cross_attention_kv_inside_vllm_is_localised_to_k_proj(tmp_path)
         assert name == k_proj, (r.prompt, name, delta)
         assert relative_delta(v.inputs[k_proj], r.inputs[k_proj]) <= REL_TOL
         assert not torch.equal(v.weights[k_proj], r.weights[k_proj])
+
+
+# ------------------------------------------------------------------- the conversion, without vLLM
+
+LAYER = "model.layers.0"
+HF_NAMES = ["model", "model.embed_tokens", "model.layers", LAYER, f"{LAYER}.self_attn",
+            *(f"{LAYER}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")), f"{LAYER}.mlp",
+            *(f"{LAYER}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj", "act_fn")), "model.norm", "lm_head"]
+
+
+def recording(n: int = 5) -> dict:
+    """What read_back returns for a one-layer Llama scored on ``n`` tokens (hidden 4, q 8, kv 4,
+    MLP 6), with the LM head's two calls in the order vLLM makes them (the sampled token first)."""
+    g = torch.Generator().manual_seed(0)
+    out = {name: torch.randn(n, width, generator=g) for name, width in (
+        ("", 4), ("model.embed_tokens", 4), (LAYER, 4), (f"{LAYER}.self_attn", 4),
+        (f"{LAYER}.self_attn.qkv_proj", 16), (f"{LAYER}.self_attn.attn", 8), (f"{LAYER}.self_attn.o_proj", 4),
+        (f"{LAYER}.mlp", 4), (f"{LAYER}.mlp.gate_up_proj", 12), (f"{LAYER}.mlp.act_fn", 6),
+        (f"{LAYER}.mlp.down_proj", 4), ("model.norm", 4))}
+    logits = torch.randn(n, 10, generator=g)
+    hidden = out[""]
+    return {"order": list(out), "outputs": out,
+            "inputs": {f"{LAYER}.self_attn.qkv_proj": torch.randn(n, 4, generator=g)},
+            "classes": {name: "SiluAndMul" if name.endswith("act_fn") else "Module" for name in out},
+            "logits": [("lm_head", hidden[n - 1:].clone(), logits[n - 1:]), ("lm_head", hidden[:n - 1].clone(), logits[:n - 1])],
+            "shards": {f"{LAYER}.self_attn.qkv_proj": (["q_proj", "k_proj", "v_proj"], [8, 4, 4]),
+                       f"{LAYER}.self_attn.o_proj": (["o_proj"], [4]),
+                       f"{LAYER}.mlp.gate_up_proj": (["gate_proj", "up_proj"], [6, 6]),
+                       f"{LAYER}.mlp.down_proj": (["down_proj"], [4])},
+            "silent": [], "uncalled": {"model": "its hooks never fire"}, "_logits": logits}
+
+
+def test_a_recording_becomes_transformers_names_shards_and_positions():
+    raw = recording()
+    converted = vllm_traces_module.prompt_trace(raw, "p0", 5, vllm_traces_module.hf_names_of_vllm(HF_NAMES, "LlamaForCausalLM"))
+    t, qkv, gate_up = converted.trace, raw["outputs"][f"{LAYER}.self_attn.qkv_proj"], raw["outputs"][f"{LAYER}.mlp.gate_up_proj"]
+    assert t.order == ["model.embed_tokens", LAYER, f"{LAYER}.self_attn", f"{LAYER}.self_attn.q_proj",
+                       f"{LAYER}.self_attn.k_proj", f"{LAYER}.self_attn.v_proj", f"{LAYER}.self_attn.o_proj",
+                       f"{LAYER}.mlp", f"{LAYER}.mlp.gate_proj", f"{LAYER}.mlp.up_proj", f"{LAYER}.mlp.down_proj",
+                       "model.norm", "lm_head"]
+    assert torch.equal(t.outputs[f"{LAYER}.self_attn.q_proj"], qkv[:, :8])
+    assert torch.equal(t.outputs[f"{LAYER}.self_attn.v_proj"], qkv[:, 12:])
+    assert torch.equal(t.outputs[f"{LAYER}.mlp.up_proj"], gate_up[:, 6:])
+    for shard in ("q_proj", "k_proj", "v_proj"):  # one input, the fused module's
+        assert torch.equal(t.inputs[f"{LAYER}.self_attn.{shard}"], raw["inputs"][f"{LAYER}.self_attn.qkv_proj"])
+    assert torch.equal(t.outputs["lm_head"], raw["_logits"])  # both calls, in position order
+    assert torch.equal(t.inputs["lm_head"], raw["outputs"][""])
+    assert set(converted.left_out) == {"model", f"{LAYER}.self_attn.attn", f"{LAYER}.mlp.act_fn"}
+
+
+def test_a_recording_without_any_hook_fired_says_vllm_ran_a_compiled_graph():
+    raw = recording()
+    raw.update(order=[], outputs={}, inputs={}, logits=[], silent=list(raw["shards"]))
+    with pytest.raises(RuntimeError, match="no module hook fired .* compiled graph"):
+        vllm_traces_module.prompt_trace(raw, "p0", 5, {})
+
+
+def test_a_sequence_not_scored_in_one_pass_over_every_position_is_refused():
+    with pytest.raises(RuntimeError, match="in 1 forward passes over 5 positions; a trace needs one pass over all of them"):
+        vllm_traces_module.prompt_trace(recording(5), "p0", 6, {})
