@@ -175,6 +175,15 @@ def _pin(args) -> int:
     return pin.run(args)
 
 
+def _bench(args) -> int:
+    from harness import bench
+
+    try:
+        return bench.run(args)
+    except bench.UsageError as e:
+        raise UsageError(str(e)) from None
+
+
 def _finish(args, m, cells, r, results_list, wall: float) -> int:
     """The verdict table, the baseline changes, the report; the exit status (harness.verdicts)."""
     from harness import runner, supervise
@@ -273,6 +282,13 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("pipeline", help="write the Buildkite pipeline (YAML) for the matrix to stdout")
     buildkite.add_arguments(pl)
     pl.set_defaults(func=buildkite.run)
+
+    from harness import bench
+
+    bn = sub.add_parser("bench", help="measure load, decode, the load-time gate and the matrix's wall time; "
+                                      "write BENCHMARKS.md")
+    bench.add_arguments(bn)
+    bn.set_defaults(func=_bench)
 
     from harness.accuracy import build as accuracy_build
 

@@ -1,1 +1,203 @@
-"""harness bench: the performance benchmarks (docs/design.md, "Load time"; README, "Benchmarks")."""
+"""``harness bench``: the performance benchmarks of issue 13 (README, "Benchmarks").
+
+Parts, each selectable with ``--parts``: ``load`` (harness.bench.load, on the sizes of
+harness.bench.checkpoints), ``decode`` (harness.bench.decode), ``detection`` (harness.bench.detection,
+on models.yaml's cpu-load cells) and ``matrix`` (harness.bench.matrix_run, ``--before REF`` vs
+HEAD). ``--quick`` runs the S size only, and by default the load and decode parts. The figures go
+to BENCHMARKS.md (``--output``) and, with ``--json``, to stdout (harness.bench.report).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from harness.bench import checkpoints
+from harness.bench.calibration import REPO_ROOT
+
+PARTS = ("load", "decode", "detection", "matrix")
+QUICK_PARTS = ("load", "decode")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from harness.bench import matrix_run
+    from harness.matrix import DEFAULT_PATH
+
+    p.add_argument("--parts", metavar="P[,P]", help=f"the parts to run: {', '.join(PARTS)} (default: all; "
+                                                     f"with --quick: {', '.join(QUICK_PARTS)})")
+    p.add_argument("--quick", action="store_true", help="the S size only (about two minutes with the default parts)")
+    p.add_argument("--sizes", metavar="S[,M,L]", help="the checkpoint sizes of the load part (default: S,M,L)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="load measurements per engine and checkpoint, each in a fresh child; the median is reported")
+    p.add_argument("--before", default=matrix_run.DEFAULT_BEFORE, metavar="REF",
+                   help=f"the git ref the matrix part compares HEAD with (default: {matrix_run.DEFAULT_BEFORE})")
+    p.add_argument("--matrix-k", metavar="EXPR", help="matrix: only the cells of this -k expression on both sides "
+                                                       "(a reduced check of the part; target 4 is then not judged)")
+    p.add_argument("--choice-runs", type=int, default=5, metavar="N", help="detection: clean runs to choose the rule on")
+    p.add_argument("--held-out-runs", type=int, default=13, metavar="N", help="detection: held-out clean runs")
+    p.add_argument("--slowed-runs", type=int, default=8, metavar="N", help="detection: held-out runs per slowdown")
+    p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (detection's cpu-load cells)")
+    p.add_argument("--output", metavar="FILE", default=str(REPO_ROOT / "BENCHMARKS.md"), help="where to write the report")
+    p.add_argument("--json", action="store_true", help="also print the figures as JSON on stdout")
+
+
+class UsageError(Exception):
+    """A bad option: one line, exit 2 (harness.cli)."""
+
+
+def _parts(args) -> list[str]:
+    parts = [p.strip() for p in (args.parts or ",".join(QUICK_PARTS if args.quick else PARTS)).split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        raise UsageError(f"--parts: unknown part {', '.join(map(repr, bad))} (known: {', '.join(PARTS)})")
+    return parts
+
+
+def _sizes(args) -> list[str]:
+    sizes = ["S"] if args.quick else [s.strip() for s in (args.sizes or ",".join(checkpoints.SIZES)).split(",") if s.strip()]
+    bad = [s for s in sizes if s not in checkpoints.SIZES]
+    if bad:
+        raise UsageError(f"--sizes: unknown size {', '.join(map(repr, bad))} (known: {', '.join(checkpoints.SIZES)})")
+    return sizes
+
+
+# ------------------------------------------------------------------------------------- parts
+
+
+def _median_of(results: list) -> object:
+    return sorted(results, key=lambda r: r.load_s)[len(results) // 2]
+
+
+def load_part(sizes: list[str], repeats: int, echo: Callable[[str], None]) -> tuple[list[dict], dict]:
+    from harness.bench import load
+
+    rows, kept = [], {}
+    for size in sizes:
+        for fmt in checkpoints.FORMATS:
+            path = checkpoints.build(size, fmt, echo)
+            floor = load.floor(path)
+            row = {"size": size, "format": fmt, "checkpoint_mb": checkpoints.megabytes(path), "floor_s": floor}
+            for engine in load.ENGINES:
+                r = _median_of([load.measure(engine, path) for _ in range(max(1, repeats))])
+                kept[(size, fmt, engine)] = r
+                row |= {f"{engine}_s": r.load_s, f"{engine}_forward_s": r.load_forward_s,
+                        f"{engine}_peak_mb": r.peak_mb, f"{engine}_peak_extra_mb": r.peak_extra_mb}
+            echo(f"  load {size} {fmt}: {row['checkpoint_mb']:.0f} MB, floor {floor:.3f} s, reference "
+                 f"{row['reference_s']:.3f} s, transformers {row['transformers_s']:.3f} s")
+            rows.append(row)
+    return rows, kept
+
+
+def load_profile(rows: list[dict], kept: dict) -> tuple[str, str]:
+    """(title, text): the reference's load phases of every case and a cProfile of the slowest
+    (reference over transformers)."""
+    from harness.bench import load
+
+    worst = max(rows, key=lambda r: r["reference_s"] / r["transformers_s"])
+    phases = [f"{r['size']} {r['format']}: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                     kept[(r['size'], r['format'], 'reference')].phases.items())
+              for r in rows]
+    prof = load.measure("reference", checkpoints.build(worst["size"], worst["format"], lambda _: None), profile=True)
+    return (f"reference load ({worst['size']} {worst['format']}, the slowest against transformers)",
+            "reference load phases, seconds:\n" + "\n".join(phases) + "\n\n" + (prof.profile or ""))
+
+
+def decode_part(echo: Callable[[str], None]) -> list[dict]:
+    from harness.bench import decode
+
+    rows = []
+    for fmt in checkpoints.FORMATS:
+        r = decode.measure(fmt, checkpoints.build("S", fmt, echo))
+        echo(f"  decode {fmt}: {1e3 * r.decode_s:.2f} ms, fill {1e3 * r.fill_s:.2f} ms ({r.ratio:.2f}x)")
+        rows.append({"format": fmt, "shape": list(r.shape), "decode_s": r.decode_s, "fill_s": r.fill_s, "ratio": r.ratio})
+    return rows
+
+
+def decode_profile(rows: list[dict]) -> tuple[str, str]:
+    import cProfile
+    import io
+    import pstats
+
+    from harness.bench import decode
+
+    worst = max(rows, key=lambda r: r["ratio"])
+    profiler = cProfile.Profile()
+    profiler.runcall(decode.measure, worst["format"], checkpoints.build("S", worst["format"], lambda _: None))
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
+    return f"decode ({worst['format']}, the slowest against fill)", out.getvalue()
+
+
+def detection_part(args, echo: Callable[[str], None]) -> dict:
+    from harness import matrix
+    from harness.bench import detection
+
+    m = matrix.load(args.matrix)
+    cells = m.cells(tier="cpu-load")
+    if not cells:
+        raise UsageError(f"{args.matrix}: no cpu-load cells: the detection part needs the load-time set")
+    checkpoints.ensure_for_cells(m, cells, echo)
+    paths = {c.id: (m._dir / c.path).resolve() for c in cells}
+    d = detection.measure(cells, paths, choice_runs=args.choice_runs, held_out_runs=args.held_out_runs,
+                          slowed_runs=args.slowed_runs, echo=echo)
+    return {**d.rates, "rule": d.rule.describe(), "repeats": d.rule.repeats, "statistic": d.rule.statistic,
+            "threshold": d.rule.threshold, "injected": d.injected, "cells": len(cells), "clean_runs": d.clean_runs,
+            "false_alarm_runs": round((d.rates["false_alarm"] or 0) * d.clean_runs),
+            "clean_cell_runs": d.clean_cell_runs, "clean_cell_false_alarms": d.clean_cell_false_alarms,
+            "slowed_cell_runs": d.slowed_cell_runs, "predicted_false_alarm": d.predicted_false_alarm,
+            "candidates": [vars(c) for c in d.candidates], "seconds": d.seconds}
+
+
+def matrix_part(before: str, select: str | None, echo: Callable[[str], None]) -> tuple[dict, str]:
+    from harness.bench import matrix_run
+
+    b, a = matrix_run.measure(before, echo, select)
+    slowest = "\n".join(f"{cell}: {s:.1f} s" for cell, s in a.slowest)
+    return ({"before_s": b.seconds, "after_s": a.seconds, "before": f"{b.ref} {b.commit[:10]}",
+             "after": f"HEAD {a.commit[:10]}", "before_exit": b.exit_code, "after_exit": a.exit_code, "select": select},
+            f"the slowest cells after (cell duration):\n{slowest}")
+
+
+# ----------------------------------------------------------------------------------- the run
+
+
+def run(args) -> int:
+    from harness import cpu
+    from harness.bench import report
+
+    parts, sizes = _parts(args), _sizes(args)
+    echo = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 - stdout is for --json
+    fig: dict = {"load": None, "decode": None, "detection": None, "matrix": None, "machine": cpu.describe(),
+                 "cores": os.cpu_count(), "profiles": {}, "notes": []}
+    t0 = time.perf_counter()
+    if "load" in parts:
+        echo(f"bench: load, sizes {','.join(sizes)}")
+        fig["load"], kept = load_part(sizes, args.repeats, echo)
+    if "decode" in parts:
+        echo("bench: decode")
+        fig["decode"] = decode_part(echo)
+    if "detection" in parts:
+        echo("bench: detection (cpu-load cells)")
+        fig["detection"] = detection_part(args, echo)
+    if "matrix" in parts:
+        echo(f"bench: matrix, {args.before} vs HEAD")
+        fig["matrix"], slowest = matrix_part(args.before, args.matrix_k, echo)
+    fig["notes"] += [f"{p}: not measured (not among --parts {','.join(parts)})" for p in PARTS if p not in parts]
+    fig["targets"] = report.targets(fig)
+    missed = {t["target"][0] for t in fig["targets"] if t["ok"] is False}
+    for target, profile in (("1", lambda: load_profile(fig["load"], kept)), ("2", lambda: decode_profile(fig["decode"]))):
+        if target in missed:
+            title, text = profile()
+            fig["profiles"][title] = text
+    if "4" in missed:
+        fig["profiles"]["matrix (after)"] = slowest
+    Path(args.output).write_text(report.markdown(fig))
+    echo(f"bench: done in {time.perf_counter() - t0:.0f} s; {args.output}")
+    for t in fig["targets"]:
+        echo(f"  {'n/a ' if t['ok'] is None else 'pass' if t['ok'] else 'MISS'}  {t['target']} ({t['detail']})")
+    if args.json:
+        print(report.to_json(fig))
+    return 0

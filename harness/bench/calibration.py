@@ -8,14 +8,16 @@ calibrated ratio (load / calibration, obtained, over the same of the baseline; h
 (a checkpoint's bytes), converts its half-precision values to float32 (a decode) and reduces them
 (memory bandwidth). Its size is fixed, so a slower loader is never calibrated away.
 
-``timed_load(load_once, repeats)`` runs the calibration, ``repeats`` loads, the calibration again,
-and returns the LoadInfo: ``seconds`` the fastest load (the statistic chosen from measurements,
-docs/design.md, "Load time"), ``samples`` every load, ``phases["calibration"]`` the faster of the
-two calibrations, plus the engine's own phases of its fastest load.
+``timed_load(load_once, gated)`` runs, on a gated tier, the calibration, ``LOAD_REPEATS`` loads,
+the calibration again, and returns the LoadInfo: ``seconds`` the ``STATISTIC`` of the loads (the
+rule chosen from measurements, docs/design.md, "Load time"), ``samples`` every load,
+``phases["calibration"]`` the faster of the two calibrations, plus the engine's own phases of the
+load reported.
 """
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +26,13 @@ from harness import records as R
 
 # 32 MiB of float16 values (16 Mi elements): about as long as a small load's read and decode here.
 CALIBRATION_BYTES = 32 << 20
-# The repetitions of the workload in one calibration (the fastest is kept).
-CALIBRATION_REPEATS = 3
+# The timed passes of the workload before the loads (the fastest of them and of the pass after the
+# loads is kept).
+CALIBRATION_REPEATS = 2
+# The loads a gated cell times and the statistic it reports: the rule chosen from measurements
+# (harness.bench.detection; BENCHMARKS.md, target 3). The bound is models.yaml's load_time.
+LOAD_REPEATS = 5
+STATISTIC = "min"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -56,22 +63,36 @@ def workload(path: Path) -> float:
     return seconds
 
 
-def calibrate(repeats: int = CALIBRATION_REPEATS) -> float:
-    """The calibration: the fastest of ``repeats`` passes of the workload, in seconds."""
+def calibrate(repeats: int = CALIBRATION_REPEATS, warm: bool = True) -> float:
+    """The calibration: the fastest of ``repeats`` passes of the workload, in seconds; with
+    ``warm``, after a first pass that brings the file into the page cache and the code paths in."""
     path = calibration_file()
-    workload(path)  # the first pass brings the file into the page cache and the code paths in
+    if warm:
+        workload(path)
     return min(workload(path) for _ in range(repeats))
 
 
-def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], repeats: int = 1,
-               calibrated: bool = True) -> R.LoadInfo:
-    """Time ``repeats`` loads (``load_once() -> (seconds, phases)``), between two calibrations
-    when ``calibrated``. The caller keeps whatever the last load produced."""
-    before = calibrate() if calibrated else None
-    runs = [load_once() for _ in range(max(1, repeats))]
-    after = calibrate() if calibrated else None
-    seconds, phases = min(runs, key=lambda r: r[0])
-    phases = dict(phases)
-    if calibrated:
+def load_statistic(samples: list[float], statistic: str | None = None) -> float:
+    """The load time a cell reports from its timed loads: their minimum or median."""
+    statistic = statistic or STATISTIC
+    if statistic == "min":
+        return min(samples)
+    if statistic == "median":
+        return float(statistics.median(samples))
+    raise ValueError(f"unknown load statistic {statistic!r} (min, median)")
+
+
+def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: bool) -> R.LoadInfo:
+    """Time the loads of one cell (``load_once() -> (seconds, phases)``): on a gated tier,
+    ``LOAD_REPEATS`` loads between two calibrations; elsewhere one load, uncalibrated. The caller
+    keeps whatever the last load produced."""
+    repeats = LOAD_REPEATS if gated else 1
+    before = calibrate() if gated else None
+    runs = [load_once() for _ in range(repeats)]
+    after = calibrate(1, warm=False) if gated else None
+    samples = [s for s, _ in runs]
+    seconds = load_statistic(samples)
+    phases = dict(min(runs, key=lambda r: abs(r[0] - seconds))[1])  # the phases of the load reported
+    if gated:
         phases["calibration"] = min(before, after)
-    return R.LoadInfo(seconds=seconds, phases=phases, samples=[s for s, _ in runs] if repeats > 1 else [])
+    return R.LoadInfo(seconds=seconds, phases=phases, samples=samples if repeats > 1 else [])

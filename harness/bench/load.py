@@ -63,12 +63,22 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB on Linux
 
 
+def _plain(t) -> list:
+    """The plain tensors holding ``t``'s data (a quantized tensor subclass holds several)."""
+    if hasattr(t, "__tensor_flatten__") and type(t).__name__ not in ("Tensor", "Parameter"):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _plain(getattr(t, n))]
+    return [t]
+
+
 def _touch(model) -> None:
+    """Read every weight: a sum over every parameter's and buffer's data."""
     import torch
 
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            t.float().sum() if t.is_floating_point() else t.sum()
+            for plain in _plain(t.data if isinstance(t, torch.nn.Parameter) else t):
+                plain.reshape(-1).sum(dtype=torch.float32)
 
 
 def _loader(engine: str, path: Path):

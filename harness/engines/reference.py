@@ -3,8 +3,8 @@
 Version: the harness package version (models.yaml pins it in the ``core`` environment). Load time:
 the load report's total, with its phases (skeleton, read, decode, fuse, assign), after the modules
 a load imports lazily are imported (:func:`warm_imports`: an import is no load time). On a gated
-tier the load is timed ``LOAD_REPEATS`` times between two calibrations
-(harness.bench.calibration; docs/design.md, "Load time"). Fused groups
+tier the load is timed several times between two calibrations (harness.bench.calibration;
+docs/design.md, "Load time"). Fused groups
 follow docs/design.md, "Fusion rule" (``fuse=True``, as an inference engine executes them); the runner may also ask for
 the unfused variant, the witness that engines which do not fuse (transformers) are compared with.
 Online schemes (``online-*``) pass their quantization config to ``reference.load(quantization=)``.
@@ -16,9 +16,6 @@ import time
 
 from harness import records as R
 from harness.engines.base import Checkpoint, InProcessEngine, device, online_quantization
-
-# Loads timed per cell on a gated tier (the fastest counts), chosen from measurements (harness bench).
-LOAD_REPEATS = 3
 
 
 def harness_version() -> str:
@@ -50,8 +47,7 @@ class ReferenceEngine(InProcessEngine):
         from harness.bench.calibration import timed_load
 
         warm_imports(checkpoint, online_quantization(self.cell))
-        gated = self.cell.gate_load_time
-        return timed_load(lambda: self._load_once(checkpoint), LOAD_REPEATS if gated else 1, calibrated=gated)
+        return timed_load(lambda: self._load_once(checkpoint), gated=self.cell.gate_load_time)
 
     def _load_once(self, checkpoint: Checkpoint) -> tuple[float, dict[str, float]]:
         from harness import reference

@@ -4,7 +4,7 @@ exactly what a user of transformers gets, run in-process in the child.
 Load time: the wall time of ``from_pretrained`` (its only phase), after the modules it imports
 lazily are imported (:func:`warm_imports`: the model's modeling module, the quantizer and its
 library; an import is no load time, in every isolation mode). On a gated tier it is timed
-``LOAD_REPEATS`` times between two calibrations (harness.bench.calibration). How it is driven:
+several times between two calibrations (harness.bench.calibration). How it is driven:
 
 - Forward passes use ``use_cache=False``. harness.scoring re-runs the whole sequence at every
   greedy step, so a cache buys nothing; without one no cache code path can make two engines
@@ -35,7 +35,6 @@ import time
 
 from harness import records as R
 from harness.engines.base import Checkpoint, InProcessEngine, device, online_quantization
-from harness.engines.reference import LOAD_REPEATS
 
 
 class _NoCache:
@@ -101,8 +100,7 @@ class TransformersEngine(InProcessEngine):
 
             kwargs["quantization_config"] = AutoQuantizationConfig.from_dict(online)
         warm_imports(checkpoint, online)
-        gated = self.cell.gate_load_time
-        return timed_load(lambda: self._load_once(checkpoint, kwargs), LOAD_REPEATS if gated else 1, calibrated=gated)
+        return timed_load(lambda: self._load_once(checkpoint, kwargs), gated=self.cell.gate_load_time)
 
     def _load_once(self, checkpoint: Checkpoint, kwargs: dict) -> tuple[float, dict[str, float]]:
         import torch

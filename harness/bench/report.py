@@ -1,0 +1,180 @@
+"""The bench's figures as BENCHMARKS.md and JSON, with a pass/miss line per target of issue 13.
+
+``figures`` is the JSON document ``harness bench --json`` prints::
+
+    {"load": [{size, format, checkpoint_mb, floor_s, reference_s, transformers_s,
+               reference_forward_s, transformers_forward_s, reference_peak_mb, transformers_peak_mb,
+               reference_peak_extra_mb, transformers_peak_extra_mb}],
+     "decode": [{format, shape, decode_s, fill_s, ratio}],
+     "detection": {slowdown_10, slowdown_20, slowdown_50, false_alarm, ...},
+     "matrix": {before_s, after_s, before, after},
+     "machine": harness.cpu.describe(), "targets": [...], "profiles": {...}, "notes": [...]}
+
+``*_forward_s`` is load plus one forward pass; ``*_peak_mb`` the peak resident set of the load's
+child and ``*_peak_extra_mb`` that peak less the resident set after the imports. A figure not
+measured is null, with the reason in ``notes``.
+"""
+from __future__ import annotations
+
+import json
+
+LOAD_VS_TRANSFORMERS = 1.5
+PEAK_VS_CHECKPOINT = 1.3
+PER_GB_SPREAD = 1.2
+DECODE_VS_FILL = 3.0
+DETECT_AT_20 = 0.95
+FALSE_ALARM = 0.01
+MATRIX_SPEEDUP = 0.5
+
+
+def _all(rows, pred) -> bool | None:
+    values = [pred(r) for r in rows]
+    if not values or any(v is None for v in values):
+        return None
+    return all(values)
+
+
+def _per_gb_spread(load: list[dict]) -> float | None:
+    """The largest, over formats, of max/min reference seconds per GB across sizes (None: < 2 sizes)."""
+    spreads = []
+    for fmt in {r["format"] for r in load}:
+        per_gb = [r["reference_s"] / (r["checkpoint_mb"] / 1e3) for r in load if r["format"] == fmt and r["reference_s"]]
+        if len(per_gb) >= 2:
+            spreads.append(max(per_gb) / min(per_gb))
+    return max(spreads) if spreads else None
+
+
+def targets(fig: dict) -> list[dict]:
+    """One entry per target: {target, ok (True / False / None: not measured), detail}."""
+    load, decode, det, mx = fig.get("load") or [], fig.get("decode") or [], fig.get("detection") or {}, fig.get("matrix") or {}
+    measured = [r for r in load if r.get("reference_s") is not None and r.get("transformers_s") is not None]
+    spread = _per_gb_spread(load)
+    out = [
+        ("1a load+forward <= transformers' load+forward",
+         _all(measured, lambda r: r["reference_forward_s"] <= r["transformers_forward_s"]), "every size and format"),
+        (f"1b load <= {LOAD_VS_TRANSFORMERS}x transformers' load",
+         _all(measured, lambda r: r["reference_s"] <= LOAD_VS_TRANSFORMERS * r["transformers_s"]), "every size and format"),
+        (f"1c peak extra memory <= {PEAK_VS_CHECKPOINT}x checkpoint",
+         _all(measured, lambda r: r["reference_peak_extra_mb"] <= PEAK_VS_CHECKPOINT * r["checkpoint_mb"]), "reference"),
+        (f"1d time per GB constant within {round(100 * (PER_GB_SPREAD - 1))}% across sizes",
+         None if spread is None else spread <= PER_GB_SPREAD,
+         "not measured (one size)" if spread is None else f"largest max/min over formats: {spread:.2f}"),
+        (f"2 decode within {DECODE_VS_FILL:g}x of fill",
+         _all(decode, lambda r: r["ratio"] <= DECODE_VS_FILL), "worst ratio "
+         + (f"{max(r['ratio'] for r in decode):.2f}" if decode else "not measured")),
+        (f"3 detection >= {100 * DETECT_AT_20:g}% at 20%, false alarms < {100 * FALSE_ALARM:g}%",
+         None if det.get("slowdown_20") is None or det.get("false_alarm") is None
+         else det["slowdown_20"] >= DETECT_AT_20 and _false_alarm_ok(det),
+         _detection_detail(det)),
+        (f"4 matrix after <= {MATRIX_SPEEDUP}x before", _matrix_ok(mx), _matrix_detail(mx)),
+    ]
+    return [{"target": t, "ok": ok, "detail": d} for t, ok, d in out]
+
+
+def _matrix_measured(mx: dict) -> bool:
+    """Both sides timed on the whole default run (a -k reduced check is not the target's figure)."""
+    return mx.get("before_s") is not None and mx.get("after_s") is not None and not mx.get("select")
+
+
+def _matrix_ok(mx: dict) -> bool | None:
+    return mx["after_s"] <= MATRIX_SPEEDUP * mx["before_s"] if _matrix_measured(mx) else None
+
+
+def _matrix_detail(mx: dict) -> str:
+    if mx.get("before_s") is None:
+        return "not measured"
+    text = f"{mx['after_s']:.0f} s vs {mx['before_s']:.0f} s ({mx['after_s'] / mx['before_s']:.2f}x)"
+    return text + (f"; only -k {mx['select']!r}: not judged" if mx.get("select") else "")
+
+
+def _false_alarm_ok(det: dict) -> bool:
+    """Observed false alarms < 1% of clean runs, and, where the runs are too few to show it
+    (fewer than 100), the normal model's predicted rate too."""
+    if det["false_alarm"] >= FALSE_ALARM:
+        return False
+    return det.get("clean_runs", 0) >= 1 / FALSE_ALARM or (det.get("predicted_false_alarm") or 1.0) < FALSE_ALARM
+
+
+def _detection_detail(det: dict) -> str:
+    if det.get("slowdown_20") is None:
+        return "not measured"
+    return (f"at 20%: {100 * det['slowdown_20']:.0f}% of {det['slowed_cell_runs']['slowdown_20']} cell-runs; false alarms: "
+            f"{det['false_alarm_runs']} of {det['clean_runs']} runs ({det['clean_cell_false_alarms']} of "
+            f"{det['clean_cell_runs']} cell-runs), model-predicted {100 * det['predicted_false_alarm']:.2g}% per run")
+
+
+def _mark(ok: bool | None) -> str:
+    return "not measured" if ok is None else "pass" if ok else "MISS"
+
+
+def _num(x, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _load_table(load: list[dict]) -> list[str]:
+    lines = ["| size | format | checkpoint MB | floor s | reference s | transformers s | reference load+forward s | "
+             "transformers load+forward s | reference peak extra MB | transformers peak extra MB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in load:
+        lines.append(f"| {r['size']} | {r['format']} | {r['checkpoint_mb']:.0f} | {_num(r['floor_s'])} | "
+                     f"{_num(r['reference_s'])} | {_num(r['transformers_s'])} | {_num(r['reference_forward_s'])} | "
+                     f"{_num(r['transformers_forward_s'])} | {_num(r['reference_peak_extra_mb'], '.0f')} | "
+                     f"{_num(r['transformers_peak_extra_mb'], '.0f')} |")
+    return lines
+
+
+def _decode_table(decode: list[dict]) -> list[str]:
+    lines = ["| format | weight | decode ms | fill ms | decode / fill |", "|---|---|---:|---:|---:|"]
+    for r in decode:
+        lines.append(f"| {r['format']} | {'x'.join(map(str, r['shape']))} | {1e3 * r['decode_s']:.2f} | "
+                     f"{1e3 * r['fill_s']:.2f} | {r['ratio']:.2f} |")
+    return lines
+
+
+def _detection_lines(det: dict) -> list[str]:
+    if not det:
+        return ["not measured"]
+    lines = [f"Rule: {det['rule']}.", "",
+             "| slowdown injected (nominal) | measured | cell-runs | flagged |", "|---:|---:|---:|---:|"]
+    for key in ("slowdown_10", "slowdown_20", "slowdown_50"):
+        lines.append(f"| {key.split('_')[1]}% | {_num(det['injected'].get(key), '+.1%')} | "
+                     f"{det['slowed_cell_runs'].get(key, 0)} | {_num(det.get(key), '.0%')} |")
+    lines += ["", f"Clean held-out runs: {det['clean_runs']} (of {det['cells']} cells each), "
+                  f"{det['false_alarm_runs']} with a false alarm ({_num(det['false_alarm'], '.1%')}); "
+                  f"{det['clean_cell_false_alarms']} of {det['clean_cell_runs']} clean cell-runs flagged; the normal "
+                  f"model of their spread predicts {det['predicted_false_alarm']:.2g} false alarms per run.",
+              f"Detection took {det['seconds']:.0f} s.", "", "Candidates (chosen on the clean choice runs):", "",
+              "| loads | statistic | spread | threshold |", "|---:|---|---:|---:|"]
+    lines += [f"| {c['repeats']} | {c['statistic']} | {100 * c['spread']:.1f}% | {c['threshold']:.3f} |"
+              for c in det["candidates"]]
+    return lines
+
+
+def markdown(fig: dict) -> str:
+    m = fig.get("machine") or {}
+    lines = ["# Benchmarks", "",
+             "Written by `harness bench` (README, \"Benchmarks\"); one run. Timings on a shared or busy machine are "
+             "noisy: compare the ratios within this run, not the seconds across runs.", "",
+             f"Machine: {m.get('model', '?')}; {fig.get('cores', '?')} cores; kernels {', '.join(m.get('flags') or []) or '-'}"
+             f"; torch CPU capability {m.get('capability') or '-'}.", "",
+             "## Targets (issue 13)", ""]
+    lines += [f"- **{_mark(t['ok'])}**: {t['target']} ({t['detail']})" for t in fig.get("targets") or []]
+    lines += ["", "## Load", "", "`floor s`: reading the checkpoint's weight files from the page cache into one "
+              "preallocated buffer (no loader reads its bytes faster). Load: the engine's load plus touching every "
+              "weight, in a fresh child process, imports excluded; peak extra: peak RSS less the RSS after imports.", ""]
+    lines += _load_table(fig.get("load") or []) if fig.get("load") else ["not measured"]
+    lines += ["", "## Decode", ""] + (_decode_table(fig["decode"]) if fig.get("decode") else ["not measured"])
+    lines += ["", "## Load-time detection (cpu-load)", ""] + _detection_lines(fig.get("detection") or {})
+    mx = fig.get("matrix") or {}
+    lines += ["", "## Matrix (`harness run`, cpu-tiny, default options)", ""]
+    lines += ([f"Before ({mx['before']}): {mx['before_s']:.0f} s. After ({mx['after']}): {mx['after_s']:.0f} s."]
+              if mx.get("before_s") is not None else ["not measured"])
+    for name, text in (fig.get("profiles") or {}).items():
+        lines += ["", f"## Where the time goes: {name}", "", "```", text.rstrip(), "```"]
+    if fig.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in fig["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(fig: dict) -> str:
+    return json.dumps(fig, indent=1, default=str)

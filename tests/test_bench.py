@@ -1,0 +1,218 @@
+"""harness bench's pieces on a TINY size or fake measurements (the real figures come from `harness bench`)."""
+import math
+import random
+import sys
+import time
+import types
+
+import pytest
+
+from harness import cli
+from harness import matrix as M
+from harness.bench import calibration, checkpoints, detection, report, slowdown
+from harness.bench.detection import CellRun
+
+CELLS = ("a.unquantized.reference", "b.bnb-nf4.reference", "c.bnb-nf4.transformers")
+
+
+def _run(rng, spread=0.01, slow=0.0, level=1.0, loads=5):
+    """One fake run: every cell's loads ~ level * (1 + slow) with log-normal noise, calibration 1."""
+    return [CellRun(c, tuple(level * (1 + slow) * math.exp(rng.gauss(0, spread)) for _ in range(loads)), 1.0, slow)
+            for c in CELLS]
+
+
+def test_rule_from_quiet_runs_catches_20_percent_and_not_clean_runs():
+    rng = random.Random(0)
+    rule, candidates = detection.choose([_run(rng) for _ in range(6)])
+    assert {(c.repeats, c.statistic) for c in candidates} == {(1, "min"), (3, "min"), (3, "median"), (5, "min"), (5, "median")}
+    assert 1.0 < rule.threshold < 1.2
+    baseline = [CellRun(cr.cell, cr.samples[:rule.repeats], cr.calibration) for cr in _run(random.Random(1))]
+    clean = [_run(rng) for _ in range(20)]
+    slowed = {0.2: [cr for _ in range(10) for cr in _run(rng, slow=0.2)]}
+    ev = detection.evaluate(rule, baseline, clean, slowed)
+    assert ev["rates"]["slowdown_20"] == 1.0 and ev["false_alarm"] == 0.0
+    assert ev["injected"]["slowdown_20"] == pytest.approx(0.2, abs=0.05)
+    assert ev["clean_cell_runs"] == 20 * len(CELLS)
+
+
+def test_rule_threshold_follows_the_noise_and_counts_a_false_alarm():
+    rng = random.Random(2)
+    quiet, _ = detection.choose([_run(rng, spread=0.01) for _ in range(6)])
+    noisy, _ = detection.choose([_run(rng, spread=0.05) for _ in range(6)])
+    assert noisy.threshold > quiet.threshold
+    baseline = _run(random.Random(3), spread=0.0)
+    outlier = [CellRun(cr.cell, tuple(s * (2.0 if cr.cell == CELLS[0] else 1.0) for s in cr.samples), 1.0)
+               for cr in _run(rng, spread=0.0)]
+    ev = detection.evaluate(quiet, baseline, [_run(rng, spread=0.0), outlier], {})
+    assert ev["false_alarm"] == 0.5 and ev["clean_cell_false_alarms"] == 1
+
+
+def test_a_slower_machine_is_calibrated_away():
+    rng = random.Random(4)
+    rule, _ = detection.choose([_run(rng) for _ in range(5)])
+    baseline = _run(random.Random(5), spread=0.0)
+    slower = [CellRun(cr.cell, tuple(2 * s for s in cr.samples), 2.0) for cr in _run(rng, spread=0.0)]
+    assert detection.evaluate(rule, baseline, [slower], {})["false_alarm"] == 0.0
+
+
+def test_choosing_needs_three_runs():
+    with pytest.raises(ValueError, match=">= 3 clean choice runs"):
+        detection.choose([_run(random.Random(6))] * 2)
+
+
+@pytest.fixture
+def fake_loader(monkeypatch):
+    """A module with a loader entry point and its work (a busy loop), as harness.reference is."""
+    mod = types.ModuleType("fake_loader")
+    mod.calls = 0
+
+    def work(seconds=0.002):
+        mod.calls += 1
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def load(n=20):
+        for _ in range(n):
+            mod.work()
+
+    mod.work, mod.load = work, load
+    monkeypatch.setitem(sys.modules, "fake_loader", mod)
+    return mod
+
+
+def test_slowdown_repeats_the_loaders_work_inside_a_load_only(fake_loader):
+    state = slowdown.install(0.5, entry="fake_loader:load", work=("fake_loader:work", "fake_loader:missing"))
+    t0 = time.perf_counter()
+    fake_loader.load()
+    elapsed = time.perf_counter() - t0
+    assert fake_loader.calls > 20  # repeated work, not a sleep
+    assert state.injected >= 0.5 * (elapsed - state.injected) * 0.9
+    assert state.injected <= 0.5 * (elapsed - state.injected) + 0.01  # at most one call over
+    before = fake_loader.calls
+    fake_loader.work()  # outside a load (a lazy decode in forward): never repeated
+    assert fake_loader.calls == before + 1
+
+
+def test_slowdown_needs_a_positive_fraction():
+    with pytest.raises(ValueError, match="fraction > 0"):
+        slowdown.Slowdown(0.0)
+
+
+def test_worker_hook_slow_installs_the_slowdown(monkeypatch):
+    from harness.engines import worker
+
+    seen = []
+    monkeypatch.setattr(slowdown, "install", lambda fraction: seen.append(fraction))
+    monkeypatch.setenv(worker.HOOK_ENV, "slow=0.2@*.reference")
+    worker.apply_hooks("llama.unquantized.transformers")
+    worker.apply_hooks("llama.unquantized.reference")
+    assert seen == [0.2]
+
+
+@pytest.fixture
+def small_calibration(monkeypatch, tmp_path):
+    monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "CALIBRATION_BYTES", 1 << 16)
+
+
+def test_timed_load_gated_repeats_and_calibrates(small_calibration, monkeypatch):
+    monkeypatch.setattr(calibration, "LOAD_REPEATS", 3)
+    times = iter([0.3, 0.1, 0.2])
+    info = calibration.timed_load(lambda: (t := next(times), {"read": t / 2}), gated=True)
+    assert info.samples == [0.3, 0.1, 0.2] and info.seconds == 0.1 and info.phases["read"] == 0.05
+    assert info.phases["calibration"] > 0
+    ungated = calibration.timed_load(lambda: (0.5, {"read": 0.2}), gated=False)
+    assert ungated.samples == [] and ungated.seconds == 0.5 and "calibration" not in ungated.phases
+
+
+def test_load_statistic_names_a_bad_statistic():
+    assert calibration.load_statistic([3.0, 1.0, 2.0], "median") == 2.0
+    with pytest.raises(ValueError, match="unknown load statistic 'mean'"):
+        calibration.load_statistic([1.0], "mean")
+
+
+def test_checkpoint_names_sizes_and_parameters():
+    assert checkpoints.name("M", "bnb-nf4") == "llama-M-bnb-nf4"
+    assert checkpoints.parameters("S", 512) == pytest.approx(46e6, rel=0.01)
+    assert checkpoints.parameters("M", 512) < checkpoints.parameters("L", 512)
+    with pytest.raises(ValueError, match="unknown benchmark size 'XL'"):
+        checkpoints.dims("XL")
+    with pytest.raises(ValueError, match="unknown benchmark format 'gguf'"):
+        checkpoints.name("S", "gguf")
+
+
+def test_cpu_load_cells_are_built_on_demand(monkeypatch, tmp_path):
+    monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path))
+    m = M.load()
+    m._dir = tmp_path.parent
+    cells = [c.model_copy(update={"path": f"{tmp_path.name}/{checkpoints.name('M', 'bnb-nf4')}"})
+             for c in m.cells(tier="cpu-load") if c.scheme == "bnb-nf4"]
+    built = []
+    monkeypatch.setattr(checkpoints, "build", lambda size, fmt, echo: built.append((size, fmt)))
+    checkpoints.ensure_for_cells(m, cells, echo=lambda _: None)
+    assert built == [("M", "bnb-nf4")] * len(cells)
+    (tmp_path / checkpoints.name("M", "bnb-nf4")).mkdir()
+    checkpoints.ensure_for_cells(m, cells, echo=lambda _: None)  # there: nothing built
+    assert len(built) == len(cells)
+
+
+def _figures(**over):
+    load = [{"size": s, "format": "bnb-nf4", "checkpoint_mb": mb, "floor_s": 0.01, "reference_s": t,
+             "transformers_s": 0.5, "reference_forward_s": t + 0.1, "transformers_forward_s": 0.7,
+             "reference_peak_mb": 900, "transformers_peak_mb": 900, "reference_peak_extra_mb": mb,
+             "transformers_peak_extra_mb": mb} for s, mb, t in (("S", 100, 0.1), ("M", 400, 0.4))]
+    fig = {"load": load, "decode": [{"format": "bnb-nf4", "shape": [5632, 2048], "decode_s": 0.02, "fill_s": 0.01,
+                                     "ratio": 2.0}], "detection": None, "matrix": None, "machine": {}, "notes": []}
+    fig.update(over)
+    return fig
+
+
+def test_targets_pass_miss_and_not_measured():
+    marks = {t["target"][:2]: t["ok"] for t in report.targets(_figures())}
+    assert marks == {"1a": True, "1b": True, "1c": True, "1d": True, "2 ": True, "3 ": None, "4 ": None}
+    slow = _figures(matrix={"before_s": 100.0, "after_s": 80.0, "before": "x", "after": "y"},
+                    decode=[{"format": "fp8", "shape": [1, 1], "decode_s": 0.04, "fill_s": 0.01, "ratio": 4.0}])
+    marks = {t["target"][:2]: t["ok"] for t in report.targets(slow)}
+    assert marks["4 "] is False and marks["2 "] is False
+    reduced = _figures(matrix={"before_s": 100.0, "after_s": 10.0, "before": "x", "after": "y", "select": "llama"})
+    assert {t["target"][:2]: t["ok"] for t in report.targets(reduced)}["4 "] is None
+
+
+def test_time_per_gb_spread_is_judged_across_sizes():
+    fig = _figures()
+    fig["load"][1]["reference_s"] = 0.8  # M twice as slow per GB as S
+    t = {t["target"][:2]: t for t in report.targets(fig)}["1d"]
+    assert t["ok"] is False and "2.00" in t["detail"]
+
+
+def test_markdown_has_a_line_per_target_and_the_tables():
+    fig = _figures()
+    fig["targets"] = report.targets(fig)
+    text = report.markdown(fig)
+    assert text.count("\n- **") == len(fig["targets"])
+    assert "| M | bnb-nf4 | 400 |" in text and "| bnb-nf4 | 5632x2048 | 20.00 | 10.00 | 2.00 |" in text
+
+
+def test_bench_rejects_unknown_parts_and_sizes(capsys):
+    assert cli.main(["bench", "--parts", "load,speed"]) == 2
+    assert "unknown part 'speed'" in capsys.readouterr().err
+    assert cli.main(["bench", "--sizes", "XL"]) == 2
+    assert "unknown size 'XL'" in capsys.readouterr().err
+
+
+def test_bench_quick_decode_on_a_tiny_size(monkeypatch, tmp_path, capsys):
+    """The decode part end to end through the CLI, on TINY checkpoints built by the producers."""
+    monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(checkpoints, "LAYER", dict(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                                   num_key_value_heads=1))
+    monkeypatch.setattr(checkpoints, "FORMATS", ("bnb-nf4",))
+    out = tmp_path / "BENCHMARKS.md"
+    assert cli.main(["bench", "--quick", "--parts", "decode", "--output", str(out), "--json"]) == 0
+    import json
+
+    fig = json.loads(capsys.readouterr().out)
+    assert [r["format"] for r in fig["decode"]] == ["bnb-nf4"]
+    assert all(r["shape"] == [128, 64] and r["decode_s"] > 0 and r["fill_s"] > 0 for r in fig["decode"])
+    assert fig["load"] is None and any("load: not measured" in n for n in fig["notes"])
+    assert "## Decode" in out.read_text()
