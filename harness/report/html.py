@@ -31,7 +31,7 @@ from harness.records import Record
 from harness.report import charts, counts_of, state_of
 from harness.report.merge import Entry, Merged
 from harness.verdicts import ROWS, SEVERITY, STATES, needs_attention, worst
-from harness.report import accuracy
+from harness.report import accuracy, localisation
 
 LOG_LINES = 60  # lines of an engine log shown
 MAX_PROMPTS = 6  # charts per check
@@ -247,6 +247,7 @@ def _panel(slot: _Slot, merged: Merged, baselines) -> dict:
         "module_diff": r.module_diff, "family_share": slot.family_share,
         "tf": _teacher_forced(r), "greedy": _greedy(r), "load": _load(r, merged.history.get(r.cell, [])),
         "log": _log_tail(slot.entry), "checks": r.checks, "accuracy": accuracy.rows(r),
+        "localisation": localisation.rows(r),
         "provenance": _provenance(slot.entry, baselines.get(r) if baselines else None),
     }
 

@@ -16,7 +16,8 @@ Per module, in execution order, one row (one line of the baseline file):
   module's own code from the module itself.
 
 A fresh projection moved where |fresh - stored| exceeds the projection noise plus half a unit in
-the stored value's last digit (the rounding). The fingerprint holds no positions.
+the stored value's last digit (the rounding). The fingerprint holds no positions. A leaf's input
+with no row of its own is an earlier module's output: where that module agrees, so does the input.
 """
 from __future__ import annotations
 
@@ -176,6 +177,8 @@ def deltas(fp: Fingerprint, traces: list[PromptTrace]) -> list[PromptDeltas]:
             p.outputs[r.module] = _moved(r.out[i], project(t.outputs[r.module]), r.noise[1])
             if r.input is not None and r.module in t.inputs:
                 p.inputs[r.module] = _moved(r.input[i], project(t.inputs[r.module]), r.input_noise[1])
+            elif r.module in t.inputs:  # no row: the input is an earlier module's output, compared there
+                p.inputs[r.module] = Delta(0.0, 0.0)
             if r.weight is not None and r.module in t.weights:
                 fresh = project_weight(t.weights[r.module])
                 tolerance = WEIGHT_RTOL * max(abs(v) for v in fresh) + max(half_unit(s) for s in r.weight)

@@ -9,8 +9,8 @@ is judged ``failed`` or ``regressed``: then each engine involved runs once more 
   the two traces are compared module by module (harness.traces.diff), the reference executed
   unfused where the other engine does not fuse (the cross-engine rule's witness), with the
   per-module noise of a baseline fingerprint measured that way, else measured now;
-- against the baseline (regressed, or ``--trace``), the cell's trace against the fingerprint the
-  baseline stores (harness.traces.fingerprint).
+- against the baseline, the cell's trace against the fingerprint the baseline stores
+  (harness.traces.fingerprint).
 
 ``--update-fingerprints`` adds or refreshes the fingerprint of the baseline of each cell that
 passes against it, nothing else of the file.
@@ -100,8 +100,7 @@ class Tracer:
             return []
         sequences = {s.prompt.id: s.scored.tokens for s in record.sequences}
         out = [self._against_engine(cell, engine, sequences) for engine in self._engines(record, raws)]
-        if self.always or record.verdict == "regressed":
-            out.append(self._against_baseline(cell, record, sequences))
+        out.append(self._against_baseline(cell, record, sequences))
         return [loc for loc in out if loc is not None]
 
     def _engines(self, record: R.Record, raws: dict[str, R.Record]) -> list[str]:

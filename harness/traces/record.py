@@ -85,7 +85,7 @@ class _Recorder:
     def _describe_leaf(self, name: str, module) -> None:
         weight = effective_weight(module)
         if weight is not None and weight.dim() == 2:
-            self.trace.weights[name] = weight.float().cpu() @ weight_probe(weight.shape[1])
+            self.trace.weights[name] = weight.detach().float().cpu() @ weight_probe(weight.shape[1])
         if quantizes_input(module):
             self.trace.quantizers.add(name)
 
