@@ -6,7 +6,8 @@ parametrized with the matrix's cells of the selected tier and engines; the test 
 also matches the markers below, and the test's own file and function names).
 
 Options: ``--tier`` (default cpu-tiny; ``all``), ``--engine NAME[,NAME]``,
-``--update-baselines``, ``--results DIR`` (default results/pytest-<UTC timestamp>, shared by xdist
+``--update-baselines``, ``--harness-trace`` (``harness run --trace``: pytest's own ``--trace`` is its
+debugger), ``--results DIR`` (default results/pytest-<UTC timestamp>, shared by xdist
 workers), ``--baselines DIR`` (default baselines/), ``--matrix FILE`` (default models.yaml).
 
 Markers (registered in pyproject.toml): the tier (``cpu_tiny``, ``gpu_tiny``, ``gpu_full``), the
@@ -60,6 +61,9 @@ def pytest_addoption(parser):
     g.addoption("--engine", default=None, metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
     g.addoption("--update-baselines", action="store_true", default=False,
                 help="write the baselines of cells that may become one (never failed/error/unsupported/waived)")
+    g.addoption("--harness-trace", action="store_true", default=False,
+                help="record module traces of every cell and localise it (harness run --trace; failed and "
+                     "regressed cells are always localised)")
     g.addoption("--results", default=None, metavar="DIR", help="results directory (default: results/pytest-<timestamp>)")
     g.addoption("--baselines", default=None, metavar="DIR", help="baselines root (default: baselines/)")
     g.addoption("--matrix", default=None, metavar="FILE", help="matrix file (default: models.yaml)")
@@ -75,6 +79,7 @@ class _State:
         self.matrix_path = Path(opt.matrix or DEFAULT_PATH)
         self.baselines = Path(opt.baselines) if opt.baselines else baselines.DEFAULT_ROOT
         self.update = bool(opt.update_baselines)
+        self.trace = bool(opt.harness_trace)
         self.tier = None if opt.tier == "all" else opt.tier
         self.engines = opt.engine
         self.results: Path | None = None
@@ -162,7 +167,7 @@ def pytest_collection_finish(session):
     from harness.runner import Runner
 
     state.runner = Runner(state.matrix, cells, results=state.results, baselines_root=state.baselines,
-                          update_baselines=state.update, matrix_path=state.matrix_path)
+                          update_baselines=state.update, matrix_path=state.matrix_path, trace=state.trace)
 
 
 @pytest.fixture
