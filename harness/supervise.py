@@ -45,6 +45,7 @@ STAGES = ("fork-server-start", "cell-running", "report-writing")
 DEFAULT_PRELOAD = "harness.engines._forkserver_preload"  # torch, transformers, the harness
 PRELOADS = {"vllm": "harness.engines._vllm_preload"}  # engines whose fork server imports more
 SERVER_REPLY_TIMEOUT_S = 600.0  # a fork server answers once its preload is imported
+MAX_SERVERS = 4  # a harness run needs one per engine environment: ~0.5-1 GB each
 
 
 def tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
@@ -167,8 +168,9 @@ class Forked(Child):
     """A child forked by a fork server, which reports on the child's connection its pid (once it
     leads its own session) and then its exit status."""
 
-    def __init__(self, conn: socket.socket):
+    def __init__(self, conn: socket.socket, server: ForkServer):
         self.conn = conn
+        self.server = server
         self.pid = None
         self.code: int | None = None
         self._buffer = b""
@@ -201,19 +203,23 @@ class Forked(Child):
         if message is not None and message[0] == "pid":
             self.pid = message[1]
             return self
-        self.code = message[1] if message is not None else 1
+        self._ended(message[1] if message is not None else 1)
         with open(log, "a") as f:
             f.write("harness: the fork server ended or did not answer before this cell's child started\n")
-        self.conn.close()
         return self
+
+    def _ended(self, code: int) -> None:
+        self.code = code
+        self.conn.close()
+        with _SERVERS_LOCK:
+            self.server.children -= 1
 
     def wait(self, timeout: float | None) -> int | None:
         if self.code is None:
             message = self._message(timeout)
             if message is None:
                 return None
-            self.code = message[1]
-            self.conn.close()
+            self._ended(message[1])
         return self.code
 
 
@@ -222,6 +228,7 @@ class ForkServer:
     ends when this process ends (its stdin is our pipe) or on stop()."""
 
     def __init__(self, preload: str, env: dict[str, str]):
+        self.children = 0  # running or being forked (under _SERVERS_LOCK)
         self.address = f"\0harness-forkserver-{os.getpid()}-{secrets.token_hex(8)}"  # abstract: no file
         with socket.socket(socket.AF_UNIX) as listener:
             listener.bind(self.address)
@@ -239,8 +246,9 @@ class ForkServer:
         return self.proc.poll() is None
 
     def fork(self, job_path: Path, log: Path) -> Forked:
+        """Fork a child (counted in ``children`` by :func:`fork_server`)."""
         conn = socket.socket(socket.AF_UNIX)
-        child = Forked(conn)
+        child = Forked(conn, self)
         try:
             conn.connect(self.address)
             conn.sendall(json.dumps({"job": str(job_path), "log": str(log)}).encode() + b"\n")
@@ -258,14 +266,20 @@ _SERVERS: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def fork_server(preload: str, env: dict[str, str]) -> ForkServer:
+def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False) -> ForkServer:
     """This process's fork server for the preload module and the children's environment, started
-    now (in the background: its imports overlap whatever runs meanwhile) unless it is running."""
+    now (in the background: its imports overlap whatever runs meanwhile) unless it is running;
+    ``for_child``: counted as forking a child until that child has ended. A process whose
+    environment keeps changing (tests) keeps at most MAX_SERVERS: the oldest idle ones end."""
     key = (preload, tuple(sorted(env.items())))
     with _SERVERS_LOCK:
         server = _SERVERS.get(key)
         if server is None or not server.alive():
+            idle = [k for k, s in _SERVERS.items() if s.children == 0]
+            for old in idle[:max(0, len(_SERVERS) + 1 - MAX_SERVERS)]:
+                _SERVERS.pop(old).stop()
             server = _SERVERS[key] = ForkServer(preload, env)
+        server.children += for_child
         return server
 
 
@@ -282,7 +296,7 @@ def start_child(job_path: Path, log: Path, env: dict[str, str], preload: str | N
     if preload is None:
         return Spawned(job_path, log, env)
     stage("fork-server-start")
-    return fork_server(preload, env).fork(job_path, log)
+    return fork_server(preload, env, for_child=True).fork(job_path, log)
 
 
 @dataclass
@@ -325,6 +339,8 @@ class Supervisor:
         finally:
             with self._lock:
                 self._children.discard(child)
+        if self._stopping:  # kill_all() from another thread (-j): a killed child leaves no record
+            raise KeyboardInterrupt("the run was interrupted")
         if code is None:
             child.kill()
         return Exit(code, started, time.perf_counter() - t0)

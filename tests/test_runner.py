@@ -294,27 +294,45 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_in_ci():
 # ---------------------------------------------------------------------- fork server, -j default
 
 
-def _light_server(tmp_path):
-    """A fork server that preloads the worker module only (its children need no torch here)."""
-    return supervise.fork_server("harness.engines.worker", supervise.child_env({"MARK": str(tmp_path)}, 1))
+LIGHT = "harness.engines.worker"  # a preload for fork servers whose children need no torch here
+
+
+def _fork(tmp_path, job: Path, name: str, mark: str = ""):
+    env = supervise.child_env({"MARK": mark}, 1)
+    return supervise.start_child(job, tmp_path / f"{name}.log", env, LIGHT)
 
 
 def test_a_forked_child_reports_its_exit_status_and_is_killed_on_timeout(tmp_path):
-    server = _light_server(tmp_path)
     try:
-        missing = server.fork(tmp_path / "no-such-job.json", tmp_path / "missing.log")
+        missing = _fork(tmp_path, tmp_path / "no-such-job.json", "missing")
         assert missing.wait(60) == 1  # the worker's traceback goes to the cell's log
         assert "FileNotFoundError" in (tmp_path / "missing.log").read_text()
         fifo = tmp_path / "job.fifo"  # the worker blocks reading it: a hang
         os.mkfifo(fifo)
-        hung = server.fork(fifo, tmp_path / "hung.log")
+        hung = _fork(tmp_path, fifo, "hung")
         assert hung.wait(0.5) is None
         assert os.getpgid(hung.pid) == hung.pid  # its own process group, for killpg
         hung.kill()
         assert hung.wait(0) == -signal.SIGTERM
     finally:
         supervise.stop_fork_servers()
-    assert server.proc.poll() is not None
+    assert missing.server.proc.poll() is not None
+
+
+def test_a_process_whose_environment_keeps_changing_keeps_few_fork_servers(tmp_path, monkeypatch):
+    monkeypatch.setattr(supervise, "MAX_SERVERS", 2)
+    fifo = tmp_path / "job.fifo"
+    os.mkfifo(fifo)
+    try:
+        busy = _fork(tmp_path, fifo, "busy", mark="a")  # its server has a running child: it stays
+        idle = supervise.fork_server(LIGHT, supervise.child_env({"MARK": "b"}, 1))
+        third = supervise.fork_server(LIGHT, supervise.child_env({"MARK": "c"}, 1))
+        assert idle.proc.wait(10) is not None  # the oldest idle one ended
+        assert busy.server.alive() and third.alive()
+        assert busy.wait(0.5) is None
+        busy.kill()
+    finally:
+        supervise.stop_fork_servers()
 
 
 def test_a_fork_server_and_its_children_end_with_the_process_that_started_them(tmp_path):
