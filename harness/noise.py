@@ -355,10 +355,11 @@ def _three_up(x: float) -> float:
     return up if up >= x else x
 
 
-def run(job: dict, out: Path) -> None:
+def load_reference(job: dict):
+    """A noise child's reference engine, loaded fused or not as ``job`` says, and the cell's
+    prompts by id (harness.traces.noise's child loads it the same way)."""
     import torch
 
-    from harness import cpu
     from harness.engines import base
     from harness.engines.reference import ReferenceEngine
     from harness.matrix import Cell
@@ -368,7 +369,16 @@ def run(job: dict, out: Path) -> None:
     engine = ReferenceEngine(cell, {"fuse": job["fuse"]})
     checkpoint = base.resolve_checkpoint(cell)
     engine.load(checkpoint)
-    prompts = {p.id: p for p in base.prompts_for(cell, checkpoint)}
+    return engine, {p.id: p for p in base.prompts_for(cell, checkpoint)}
+
+
+def run(job: dict, out: Path) -> None:
+    import torch
+
+    from harness import cpu
+
+    engine, prompts = load_reference(job)
+    cell = engine.cell
     sequences: dict[str, list[int]] = job["sequences"]
     runs = {pid: _score(engine, prompts[pid], tokens, cell.top_k) for pid, tokens in sequences.items()}
     if job["role"] == "record":

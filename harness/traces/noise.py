@@ -70,20 +70,11 @@ def noise_between(a: list[PromptTrace], b: list[PromptTrace], measured_by: str, 
 
 
 def run(job: dict, out: Path) -> None:
-    import torch
-
     from harness import traces
-    from harness.engines import base
-    from harness.engines.reference import ReferenceEngine
-    from harness.matrix import Cell
 
-    torch.set_num_threads(1)
-    cell = Cell.model_validate(job["cell"])
-    engine = ReferenceEngine(cell, {"fuse": job["fuse"]})
-    checkpoint = base.resolve_checkpoint(cell)
-    engine.load(checkpoint)
-    prompts = [p for p in base.prompts_for(cell, checkpoint) if p.id in job["sequences"]]
-    traces.save(out, engine.trace(prompts, [job["sequences"][p.id] for p in prompts]))
+    engine, prompts = logprob_noise.load_reference(job)
+    ids = [pid for pid in prompts if pid in job["sequences"]]
+    traces.save(out, engine.trace([prompts[pid] for pid in ids], [job["sequences"][pid] for pid in ids]))
 
 
 def main(argv: list[str] | None = None) -> int:
