@@ -102,12 +102,14 @@ def serve(listener: socket.socket, alive: int) -> tuple[socket.socket, dict]:
             children[pid] = conn
 
 
-def become_child(conn: socket.socket, request: dict) -> list[str]:
-    """In a forked child: its own session (told to the client), stdio as a spawned child's, and
-    the worker's command line. Returns the worker's arguments."""
+def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
+    """In a child forked by the server (pid ``server``): its own session (told to the client),
+    stdio as a spawned child's, and the worker's command line. Returns the worker's arguments."""
     from harness.engines import worker
 
     worker.die_with_parent()
+    if os.getppid() != server:  # the server ended before the child could ask to die with it
+        os._exit(1)
     os.setsid()
     conn.sendall(f"pid {os.getpid()}\n".encode())
     conn.close()
@@ -126,8 +128,9 @@ def main() -> int:
     preload, listen_fd = sys.argv[1], int(sys.argv[2])
     listener = socket.socket(fileno=listen_fd)
     importlib.import_module(preload)
+    server = os.getpid()
     conn, request = serve(listener, sys.stdin.fileno())
-    args = become_child(conn, request)
+    args = become_child(conn, request, server)
     from harness.engines import worker
 
     return worker.main(args)
