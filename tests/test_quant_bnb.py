@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 bnbf = pytest.importorskip("bitsandbytes.functional")
 
 from harness.errors import CheckpointError  # noqa: E402
-from harness.quant import bnb, formats  # noqa: E402
+from harness.quant import LOOKUP_CHUNK, bnb, formats  # noqa: E402
 from harness.quant.source import TensorSource  # noqa: E402
 
 W = "model.layers.0.self_attn.k_proj.weight"
@@ -65,6 +65,37 @@ def test_decode_matches_bitsandbytes(quant_type, double, blocksize, out, inp, dt
     assert d.weight.dtype == torch.float32 and d.weight.shape == (out, inp)
     assert d.settings == {"quant_type": quant_type, "blocksize": blocksize, "double_quant": double}
     assert torch.equal(d.weight, oracle(packed, state))
+
+
+@pytest.mark.parametrize("quant_type,double,blocksize,shape,dtype", [
+    ("nf4", False, 64, (300, 512), torch.float32),  # several lookup chunks, rows of whole blocks
+    ("fp4", True, 64, (257, 1100), torch.bfloat16),  # blocks straddle rows, a short last block
+    ("nf4", True, 128, (129, 1027), torch.float16),  # an odd element count: the last byte half used
+])
+def test_large_weight_decodes_like_bitsandbytes_whole_and_by_rows(quant_type, double, blocksize, shape, dtype):
+    """The chunked decode of a weight larger than one lookup chunk, whole and a block of rows at a
+    time (Stored4bit.rows, what a large linear's forward uses), equals bitsandbytes bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(*shape, generator=g) * 0.1).to(dtype)
+    sd, packed, state = quantized_state_dict(w, quant_type, blocksize, double)
+    expect = oracle(packed, state)
+    stored = formats.decode_weight(TensorSource.from_tensors(sd), W).stored
+    assert isinstance(stored, bnb.Stored4bit) and shape[0] * shape[1] > 2 * LOOKUP_CHUNK
+    assert torch.equal(stored.dequantize(), expect)
+    step = stored.row_alignment * max(1, 40 // stored.row_alignment)
+    for start in range(0, shape[0], step):
+        stop = min(shape[0], start + step)
+        assert torch.equal(stored.rows(start, stop).dequantize(), expect[start:stop]), (start, stop)
+
+
+def test_dequantize_into_an_output_the_table_cannot_view():
+    """An `out` at an odd float offset (no int64 view of it) still receives the exact values."""
+    torch.manual_seed(3)
+    sd, packed, state = quantized_state_dict(torch.randn(8, 64))
+    stored = formats.decode_weight(TensorSource.from_tensors(sd), W).stored
+    buffer = torch.full((1 + 8 * 64,), 7.0)
+    out = buffer[1:].view(8, 64)
+    assert stored.dequantize(out) is out and torch.equal(out, oracle(packed, state)) and buffer[0] == 7.0
 
 
 def test_safetensors_roundtrip_and_ownership(tmp_path):

@@ -158,19 +158,51 @@ def test_requantize_per_tensor_within_one_step(scales, seed):
     for before, after in zip(shards, fused):
         assert after.fp8.scale.item() == smax.item()
         assert after.fp8.input_scale.item() == pytest.approx(0.1 * len(scales))
-        assert after.fp8.qweight.dtype == torch.float8_e4m3fn
-        assert torch.equal(after.weight, after.fp8.qweight.float() * smax)
-        step = torch.maximum(fp8_step(after.fp8.qweight.float()), fp8_step(before.weight / smax)) * smax
+        assert after.fp8.codes().dtype == torch.float8_e4m3fn
+        assert torch.equal(after.weight, after.fp8.codes().float() * smax)
+        step = torch.maximum(fp8_step(after.fp8.codes().float()), fp8_step(before.weight / smax)) * smax
         assert ((after.weight - before.weight).abs() <= step).all()
     top = max(range(len(scales)), key=lambda i: scales[i])
     assert torch.equal(fused[top].weight, shards[top].weight)  # the max-scale shard is unchanged
+
+
+@pytest.mark.parametrize("dq_dtype", [torch.float32, torch.float16])
+def test_requantized_codes_are_each_element_requantized(dq_dtype):
+    """The 256-entry code map gives every element what requantizing it on its own gives
+    (quantize(q * scale, max scale), dequantized in dq_dtype), the stored bytes untouched."""
+    shards = [_shard(7, 64, 300, 0.01), _shard(8, 32, 300, 0.03)]
+    stored = [s.fp8.qweight.clone() for s in shards]
+    fused = F8.requantize_fused(shards, dq_dtype)
+    for before, after, kept in zip(shards, fused, stored):
+        expect = F8.quantize((before.fp8.qweight.to(dq_dtype) * before.fp8.scale.to(dq_dtype)).float(), torch.tensor(0.03))
+        assert torch.equal(after.fp8.codes().view(torch.uint8), expect.view(torch.uint8))
+        assert torch.equal(after.fp8.qweight.view(torch.uint8), kept.view(torch.uint8))
+        assert torch.equal(after.weight, expect.float() * 0.03)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_large_weight_dequantizes_like_the_cast_whole_and_by_rows(per_channel):
+    """float32(q) * scale over several lookup chunks, whole and a block of rows at a time."""
+    g = torch.Generator().manual_seed(4)
+    q = (torch.randn(700, 300, generator=g) * 80).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q.view(torch.uint8)[3, :4] = torch.tensor([0x00, 0x80, 0x7F, 0xFF], dtype=torch.uint8)  # +-0, NaN
+    scale = torch.rand(700, 1, generator=g) + 0.01 if per_channel else torch.tensor(0.02)
+    parts = Fp8Parts(q, scale)
+    expect = q.float() * scale
+
+    def same(a, b):  # bit for bit, a NaN where the cast gives one
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+    assert expect.isnan().sum() == 2 and same(parts.dequantize(), expect)
+    for start in range(0, 700, 96):
+        assert same(parts.rows(start, min(700, start + 96)).dequantize(), expect[start:start + 96])
 
 
 def test_requantize_equal_scales_is_identity():
     shards = [_shard(1, 4, 8, 0.05), _shard(2, 4, 8, 0.05)]
     for a, b in zip(shards, F8.requantize_fused(shards)):
         assert torch.equal(a.weight, b.weight)
-        assert torch.equal(a.fp8.qweight.view(torch.uint8), b.fp8.qweight.view(torch.uint8))
+        assert torch.equal(a.fp8.codes().view(torch.uint8), b.fp8.codes().view(torch.uint8))
 
 
 def test_requantize_per_channel_concatenates_unchanged():
@@ -199,7 +231,7 @@ def test_requantize_saturates():
     a = Decoded("fp8-tensor", q.float() * 2, Fp8Parts(q, torch.tensor(2.0)))
     b = Decoded("fp8-tensor", q.float(), Fp8Parts(q, torch.tensor(1.0)))
     fused = F8.requantize_fused([a, b])
-    assert fused[1].fp8.qweight.float().tolist() == [[224.0, -224.0]]
+    assert fused[1].fp8.codes().float().tolist() == [[224.0, -224.0]]
     assert torch.isfinite(fused[0].weight).all()
 
 

@@ -32,10 +32,15 @@ class StoredWeight:
     """
 
     shape: tuple[int, int]
+    row_alignment = 1  # `rows` takes ranges whose bounds are multiples of this (or the last row)
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The effective float32 weight, written into `out` (a contiguous [out, in] float32
         tensor) when given; never cached, so that only the stored form stays in memory."""
+        raise NotImplementedError
+
+    def rows(self, start: int, stop: int) -> "StoredWeight":
+        """Rows start:stop of the weight in their stored form (views, nothing copied)."""
         raise NotImplementedError
 
     def map(self, fn) -> "StoredWeight":
@@ -48,6 +53,24 @@ class StoredWeight:
 def effective(weight: "torch.Tensor | StoredWeight") -> torch.Tensor:
     """The float32 value of a weight held as a tensor or in its stored form."""
     return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+
+
+# Codes decoded at a time by `lookup_bytes`: the int32 indices and the values of one chunk stay in
+# cache. A power of two, so that a chunk holds whole bitsandbytes blocks.
+LOOKUP_CHUNK = 1 << 16
+
+
+def lookup_bytes(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, finish=None,
+                 chunk: int = LOOKUP_CHUNK) -> None:
+    """out[i] = table[codes[i]] for flat uint8 `codes` and a flat `out` of the table's dtype,
+    `chunk` codes at a time through int32 indices (never an int64 temporary); `finish(start,
+    stop)` then runs on each chunk of `out` while it is in cache."""
+    index = torch.empty(min(chunk, codes.numel()), dtype=torch.int32, device=codes.device)
+    for start in range(0, codes.numel(), chunk):
+        stop = min(start + chunk, codes.numel())
+        torch.index_select(table, 0, index[:stop - start].copy_(codes[start:stop]), out=out[start:stop])
+        if finish is not None:
+            finish(start, stop)
 
 
 def finite_bounds(t: torch.Tensor) -> tuple[float, float] | None:
@@ -63,9 +86,12 @@ def finite_bounds(t: torch.Tensor) -> tuple[float, float] | None:
 class Fp8Parts(StoredWeight):
     """What an FP8 weight is made of: its stored form, kept so that fused shards can be requantized."""
 
-    qweight: torch.Tensor  # float8_e4m3fn, [out, in]
+    qweight: torch.Tensor  # float8_e4m3fn, [out, in], as stored
     scale: torch.Tensor  # float32: shape () or (1,) per tensor, (out, 1) per channel
     input_scale: torch.Tensor | None = None  # float32 scalar, static schemes only
+    # uint8 [256]: once requantized (fp8.requantize_fused), the code each stored code stands for;
+    # the stored bytes are never rewritten. None: the stored codes are the codes.
+    remap: torch.Tensor | None = None
 
     @property
     def per_channel(self) -> bool:
@@ -75,10 +101,20 @@ class Fp8Parts(StoredWeight):
     def shape(self) -> tuple[int, int]:
         return tuple(self.qweight.shape)
 
+    def codes(self) -> torch.Tensor:
+        """The weight's float8 codes (the stored ones through `remap`), materialised."""
+        if self.remap is None:
+            return self.qweight
+        return self.remap[self.qweight.view(torch.uint8).int()].view(self.qweight.dtype)
+
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         from harness.quant import fp8
 
-        return fp8.dequantize(self.qweight, self.scale, out)
+        return fp8.dequantize(self.qweight, self.scale, out, self.remap)
+
+    def rows(self, start: int, stop: int) -> "Fp8Parts":
+        scale = self.scale.reshape(-1, 1)[start:stop] if self.per_channel else self.scale
+        return Fp8Parts(self.qweight[start:stop], scale, self.input_scale, self.remap)
 
 
 @dataclass(init=False)

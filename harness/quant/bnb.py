@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded, StoredWeight, finite_bounds
+from harness.quant import Decoded, StoredWeight, finite_bounds, lookup_bytes
 from harness.quant.source import TensorSource
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -60,11 +60,6 @@ def code_table(quant_type: str) -> torch.Tensor:
     data = {"nf4": _NF4, "fp4": _FP4}[quant_type]
     t = torch.tensor(data, dtype=torch.float32)
     return t.div_(t.abs().max())
-
-
-# Packed bytes decoded at a time: the int32 indices and the float32 values of one chunk stay in
-# cache. A multiple of every blocksize / 2, so a chunk holds whole blocks.
-CHUNK_BYTES = 1 << 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,8 +114,8 @@ def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_type: str, bloc
     float32 result here is rounded through it. `out`: a contiguous float32 tensor of `shape` to
     write into (else one is allocated).
 
-    Chunk by chunk: bytes to int32 indices, one lookup per byte into a 256-entry table of code
-    pairs written straight into the output, then the multiply by each block's absmax.
+    One lookup per byte into a 256-entry table of code pairs, written straight into the output,
+    then, while the chunk is in cache, the multiply by each block's absmax (`lookup_bytes`).
     """
     n = math.prod(shape)
     if nested is not None:
@@ -132,14 +127,12 @@ def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_type: str, bloc
     if not result.is_contiguous() or result.storage_offset() % 2:  # no int64 view of it
         return result.copy_(dequantize(packed, absmax, quant_type, blocksize, shape, dtype))
     flat = result.view(-1)
-    full = n // blocksize * blocksize
-    table, pairs = _pair_table(quant_type, packed.device), flat[:full].view(torch.int64)
-    index = torch.empty(min(CHUNK_BYTES, full // 2), dtype=torch.int32, device=packed.device)
-    for start in range(0, full // 2, CHUNK_BYTES):
-        stop = min(start + CHUNK_BYTES, full // 2)
-        chunk = index[:stop - start].copy_(packed[start:stop])
-        torch.index_select(table, 0, chunk, out=pairs[start:stop])
+    full = n // blocksize * blocksize  # whole blocks: whole bytes, since blocksizes are even
+
+    def finish(start: int, stop: int) -> None:
         _finish(flat[2 * start:2 * stop], absmax[2 * start // blocksize:2 * stop // blocksize], blocksize, dtype)
+
+    lookup_bytes(_pair_table(quant_type, packed.device), packed[:full // 2], flat[:full].view(torch.int64), finish)
     if full < n:  # a last, short block
         tail = flat[full:]
         tail.copy_(code_table(quant_type).to(tail.device)[unpack_nibbles(packed[full // 2:], n - full).int()])
@@ -169,6 +162,17 @@ class Stored4bit(StoredWeight):
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         return dequantize(self.packed, self.absmax, self.quant_type, self.blocksize, self.shape, self.dtype,
                           out=out)
+
+    @property
+    def row_alignment(self) -> int:
+        """Rows that hold a whole number of blocks (blocks run over the flattened weight)."""
+        return self.blocksize // math.gcd(self.shape[1], self.blocksize)
+
+    def rows(self, start: int, stop: int) -> "Stored4bit":
+        cols = self.shape[1]
+        first, last = start * cols, stop * cols  # first is a block boundary (row_alignment)
+        return Stored4bit(self.packed[first // 2:(last + 1) // 2], self.absmax[first // self.blocksize:-(-last // self.blocksize)],
+                          self.quant_type, self.blocksize, (stop - start, cols), self.dtype)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,10 +25,12 @@ static quant kernels do.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded, Fp8Parts
+from harness.quant import LOOKUP_CHUNK, Decoded, Fp8Parts, lookup_bytes
 from harness.quant.source import TensorSource
 
 FP8 = torch.float8_e4m3fn
@@ -111,11 +113,36 @@ def decode(src: TensorSource, weight: str) -> Decoded:
     )
 
 
-def dequantize(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The effective weight float32(q) * scale, written into `out` when given (no other temporary)."""
+def dequantize(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
+               remap: torch.Tensor | None = None) -> torch.Tensor:
+    """The effective weight float32(q) * scale, written into `out` when given; with `remap`
+    (Fp8Parts.remap), q is remap[stored code].
+
+    float32(q) is looked up per byte in a 256-entry table (torch's own float8 -> float32 cast is
+    several times slower on CPU), and a chunk of whole rows is scaled while it is in cache.
+    """
+    rows, cols = qweight.shape
     if out is None:
-        out = torch.empty(qweight.shape, dtype=torch.float32, device=qweight.device)
-    return out.copy_(qweight).mul_(scale)
+        out = torch.empty((rows, cols), dtype=torch.float32, device=qweight.device)
+    per_row = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
+    flat = out.view(-1)
+
+    def finish(start: int, stop: int) -> None:
+        chunk = flat[start:stop].view(-1, cols)
+        chunk.mul_(per_row if per_row.dim() == 0 else per_row[start // cols:stop // cols])
+
+    table = _float_table(qweight.dtype, qweight.device)
+    if remap is not None:
+        table = table[remap.int()]
+    chunk_rows = max(1, LOOKUP_CHUNK // max(1, cols))
+    lookup_bytes(table, qweight.contiguous().view(torch.uint8).reshape(-1), flat, finish, chunk_rows * cols)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _float_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """float32 of each of the 256 values of a one-byte float dtype, exactly as its cast gives them."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().to(device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,7 +199,8 @@ def requantize_fused(shards: list[Decoded], dq_dtype: torch.dtype = torch.float3
 
     Per-tensor scales: each shard is dequantized with its own scale (in `dq_dtype`) and
     quantized again with the group's max scale; the returned shards' weights are the new
-    effective weights and their `fp8.scale` is the shared scale. Per-channel scales concatenate
+    effective weights, their `fp8.scale` is the shared scale, and their `fp8.remap` maps each
+    stored code to its requantized code (`fp8.codes()`), the stored bytes left as they are. Per-channel scales concatenate
     and are returned unchanged. A static `input_scale` becomes the group's max.
 
     vLLM's `requantize_with_max_scale` dequantizes in float16 (`dq_dtype=torch.float16` models
@@ -194,32 +222,23 @@ def requantize_fused(shards: list[Decoded], dq_dtype: torch.dtype = torch.float3
 
     if per_channel == {True}:
         return [Decoded(s.label, parts, parts, dict(s.settings))
-                for s in shards for parts in [Fp8Parts(s.fp8.qweight, s.fp8.scale, input_scale)]]
+                for s in shards for parts in [Fp8Parts(s.fp8.qweight, s.fp8.scale, input_scale, s.fp8.remap)]]
 
     smax = torch.stack([s.fp8.scale.reshape(()) for s in shards]).max()
-    fused = torch.empty((sum(s.fp8.qweight.shape[0] for s in shards), shards[0].fp8.qweight.shape[1]),
-                        dtype=FP8, device=smax.device)
-    result, start = [], 0
-    for s in shards:
-        q2 = fused[start:start + s.fp8.qweight.shape[0]]
-        start += q2.shape[0]
-        _requantize_into(q2, s.fp8.qweight, s.fp8.scale.reshape(()), smax, dq_dtype)
-        parts = Fp8Parts(q2, smax.clone(), input_scale)
-        result.append(Decoded(s.label, parts, parts, dict(s.settings)))
-    return result
+    return [Decoded(s.label, parts, parts, dict(s.settings))
+            for s in shards for parts in [Fp8Parts(s.fp8.qweight, smax.clone(), input_scale,
+                                                   _requantized_codes(s.fp8, smax, dq_dtype))]]
 
 
-# Elements requantized at a time: the float temporaries of one chunk stay small.
-REQUANTIZE_CHUNK = 1 << 18
-
-
-def _requantize_into(out: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, new_scale: torch.Tensor,
-                     dq_dtype: torch.dtype) -> None:
-    """out = quantize(qweight * scale, new_scale), dequantized in `dq_dtype`, a chunk of rows at a time."""
-    rows = max(1, REQUANTIZE_CHUNK // max(1, qweight.shape[1]))
-    for start in range(0, qweight.shape[0], rows):
-        dq = qweight[start:start + rows].to(dq_dtype) * scale.to(dq_dtype)
-        out[start:start + rows] = quantize(dq.float(), new_scale)
+def _requantized_codes(parts: Fp8Parts, new_scale: torch.Tensor, dq_dtype: torch.dtype) -> torch.Tensor:
+    """Fp8Parts.remap after requantizing to `new_scale`: quantize(code * scale, new_scale), the
+    dequantization in `dq_dtype`, for each of the 256 stored codes. The result depends on the code
+    alone, so no stored byte is read or rewritten."""
+    codes = torch.arange(256, dtype=torch.int32, device=parts.qweight.device).to(torch.uint8)
+    if parts.remap is not None:
+        codes = parts.remap[codes.int()]
+    dq = codes.view(parts.qweight.dtype).to(dq_dtype) * parts.scale.reshape(()).to(dq_dtype)
+    return quantize(dq.float(), new_scale).view(torch.uint8)
 
 
 def normalise_fnuz(qweight: torch.Tensor, scale: torch.Tensor,

@@ -102,17 +102,14 @@ class _MappedFile:
         self.header, self.data_start = header, data_start
         self.start = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
 
-    def _range(self, name: str) -> tuple[int, int]:
-        begin, end = self.header[name]["data_offsets"]
-        return self.data_start + begin, end - begin
-
     def tensor(self, name: str) -> torch.Tensor | None:
         """The tensor as a view of the file, or None for a dtype torch cannot view."""
         entry = self.header[name]
         dtype = _ST_DTYPES.get(entry["dtype"])
         if dtype is None:
             return None
-        offset, nbytes = self._range(name)
+        begin, end = entry["data_offsets"]
+        offset, nbytes = self.data_start + begin, end - begin
         if nbytes == 0:
             return torch.empty(entry["shape"], dtype=dtype)
         raw = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=offset)
@@ -122,17 +119,6 @@ class _MappedFile:
 
     def holds(self, t: torch.Tensor) -> bool:
         return self.start <= t.data_ptr() < self.start + len(self.map)
-
-    def release(self, name: str) -> None:
-        """Drop this process's pages of the tensor (the whole pages inside it): they count in its
-        memory until then, and come back from the file if read again."""
-        if not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        offset, nbytes = self._range(name)
-        first = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
-        last = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if last > first:
-            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def torchao_safe_globals() -> list:
@@ -395,13 +381,6 @@ class TensorSource:
     def is_mapped(self, t: torch.Tensor) -> bool:
         """Whether `t` is a view of one of the mapped files (its data never copied)."""
         return any(m.holds(t) for m in self._maps.values())
-
-    def release(self, name: str) -> None:
-        """Give back the memory the pages of tensor `name` take in this process, once no view of it
-        is needed any more (a view still works: its pages are read from the file again)."""
-        mapped = self._maps.get(self.file_of(name))
-        if mapped is not None:
-            mapped.release(name)
 
     def dtype(self, name: str) -> torch.dtype:
         file = self.file_of(name)

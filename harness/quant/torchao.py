@@ -118,6 +118,23 @@ class StoredTorchao(StoredWeight):
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         return dequantize(self.qdata, self.scale, self.zero_point, self.block, self.dtype, out)
 
+    @property
+    def row_alignment(self) -> int:
+        return self.block[0]
+
+    def rows(self, start: int, stop: int) -> "StoredTorchao":
+        b0 = self.block[0]
+        return StoredTorchao(self.qdata[start:stop], *(None if t is None else t[start // b0:-(-stop // b0)]
+                                                       for t in (self.scale, self.zero_point)), self.block, self.dtype)
+
+    @classmethod
+    def per_row(cls, qdata, scale, zero_point, block, dtype) -> "StoredTorchao":
+        """Tiles taller than one row (per tensor, block-wise) held as their rows' scales (and zero
+        points), a small tensor: so any range of rows can be taken."""
+        if block[0] > 1:
+            scale, zero_point = (None if t is None else t.repeat_interleave(block[0], 0) for t in (scale, zero_point))
+        return cls(qdata, scale, zero_point, (1, block[1]), dtype)
+
 
 def granularity(block: tuple[int, int], shape: tuple[int, int]) -> str:
     if tuple(block) == tuple(shape):
@@ -188,6 +205,6 @@ def decode(src: TensorSource, weight: str) -> Decoded:
 
     return Decoded(
         label=SUBCLASSES[kind],
-        weight=StoredTorchao(q, scale, zero_point if asymmetric else None, block, dtype),
+        weight=StoredTorchao.per_row(q, scale, zero_point if asymmetric else None, block, dtype),
         settings={"subclass": kind, "granularity": granularity(block, shape), "asymmetric": asymmetric},
     )

@@ -7,6 +7,9 @@ does. `weight` is the effective float32 value either way. What quantization does
 modelled where it happens: in the dequantized weight, in the requantization of fused FP8 shards,
 and in the fake quantization of FP8 input activations.
 """
+import math
+import threading
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -27,6 +30,39 @@ class InputQuant:
 
     def __repr__(self) -> str:
         return "static" if self.static_scale is not None else "dynamic-per-token"
+
+
+# A stored weight of more elements than this is dequantized a block of rows of about this many
+# elements at a time, each into the same buffer, and multiplied at once: memory stays at the
+# stored form plus one block, kept in cache, and no call faults in a full-size temporary. Smaller
+# weights (every tiny fixture's) are dequantized whole: splitting a matmul by rows may change the
+# last bit of its result.
+ROW_BLOCK = 1 << 20
+_buffers = threading.local()  # device -> the float32 buffer the row blocks are dequantized into
+
+
+def project(x: torch.Tensor, weight: "torch.Tensor | StoredWeight", bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, effective weight, bias), with a large stored weight taken a block of rows at a time."""
+    if isinstance(weight, torch.Tensor) or math.prod(weight.shape) <= ROW_BLOCK:
+        return F.linear(x, effective(weight), bias)
+    rows, cols = weight.shape
+    step = max(1, ROW_BLOCK // cols // weight.row_alignment) * weight.row_alignment
+    buffer = _buffer(step * cols, x.device)
+    out = x.new_empty(*x.shape[:-1], rows)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        w = weight.rows(start, stop).dequantize(buffer[:(stop - start) * cols].view(stop - start, cols))
+        out[..., start:stop] = F.linear(x, w, None if bias is None else bias[start:stop])
+    return out
+
+
+def _buffer(numel: int, device: torch.device) -> torch.Tensor:
+    held = getattr(_buffers, "by_device", None)
+    if held is None:
+        held = _buffers.by_device = {}
+    if device not in held or held[device].numel() < numel:
+        held[device] = torch.empty(numel, dtype=torch.float32, device=device)
+    return held[device]
 
 
 def _moved(weight, fn):
@@ -62,7 +98,7 @@ class ReferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_quant is not None:
             x = self.input_quant(x)
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight if self.stored is None else self.stored, self.bias)
 
     def extra_repr(self) -> str:
         held = "" if self.stored is None else ", dequantized per call"
@@ -134,7 +170,7 @@ class ShardLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused.input_quant is not None:
             x = self.fused.input_quant(x)
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.fused.parts[self.index], self.bias)
 
     def extra_repr(self) -> str:
         return f"rows {self.start}:{self.stop} of fused {self.label}"

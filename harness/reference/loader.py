@@ -100,8 +100,7 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
             model.get_submodule(parent).register_module(rule.kind.replace("-", "_") + "_proj", fused)
             for index, shard in enumerate(shards):
                 replacements[shard] = fused.shard(index)
-                if layout == "one-weight":  # the shard's stored weight was read once and is not needed again
-                    src.release(_disk_key(src, f"{shard}.weight", arch, tied))
+                if layout == "requantized":
                     report.storage[shard] = "requantized"
             if rule.kind == "cross-kv":
                 fused_kv[parent] = fused
@@ -289,12 +288,12 @@ def _unfusable(shards: list[str], decoded) -> str:
 
 def _fuse(parts: list[tuple[Decoded, torch.Tensor | None]], activation: str | None) -> tuple[FusedLinear, str]:
     """The fused projection of these shards, and its layout (FusedGroup.layout): per-tensor FP8
-    shards are requantized into one FP8 weight; every other shard keeps its stored weight as it is."""
+    shards are requantized to the group's max scale; every shard keeps its stored weight."""
     decs = [d for d, _ in parts]
     layout = "per-shard"
     if decs[0].fp8 is not None:
         decs = fp8.requantize_fused(decs)
-        layout = "per-shard" if decs[0].fp8.per_channel else "one-weight"
+        layout = "per-shard" if decs[0].fp8.per_channel else "requantized"
     biases = [b for _, b in parts]
     bias = None
     if any(b is not None for b in biases):

@@ -11,10 +11,11 @@ class FusedGroup:
     shards: list[str]  # in-memory FQNs, in fused order
     fused: bool
     reason: str = ""  # why the group stays unfused; empty when fused
-    # How a fused group holds its weights: "one-weight" (per-tensor FP8 shards requantized to the
-    # group's max scale into one new FP8 weight) or "per-shard" (each shard keeps its own stored
-    # weight and runs its own matmul where the model calls it; nothing is copied, and the fused
-    # projection, where called as one, joins them). Empty when unfused.
+    # How a fused group holds its weights; either way each shard keeps its own stored weight and
+    # runs its own matmul where the model calls it, nothing is copied, and the fused projection,
+    # where called as one (cross-attention kv), joins them. "requantized": per-tensor FP8 shards
+    # read at the group's max scale (their codes remapped, fp8.requantize_fused), which changes
+    # their numbers; "per-shard": the shards' numbers as they are. Empty when unfused.
     layout: str = ""
 
 
@@ -39,7 +40,7 @@ STORAGE = {
     "mapped": "float32 on disk: a view of the memory-mapped file, never copied",
     "in-memory": "a float32 tensor in memory: widened from half precision, quantized online, or read from a .bin",
     "stored": "quantized, kept as stored (memory-mapped where the file allows), dequantized on every call",
-    "requantized": "per-tensor FP8 requantized to its fused group's max scale at load, dequantized on every call",
+    "requantized": "per-tensor FP8 kept as stored, read at its fused group's max scale, dequantized on every call",
 }
 
 
@@ -74,8 +75,9 @@ class LoadReport:
         layouts = Counter(g.layout for g in fused)
         lines.append(f"fused groups: {len(fused)} of {len(self.groups)}"
                      + (f" ({', '.join(f'{k}={n}' for k, n in layouts.items())})" if layouts else ""))
-        if "per-shard" in layouts:
-            lines.append("  per-shard: each shard keeps its own stored weight and matmul; nothing copied")
+        if layouts:
+            lines.append("  each fused shard keeps its own stored weight and matmul; nothing copied"
+                         + ("; requantized: per-tensor FP8 at the group's max scale" if "requantized" in layouts else ""))
         for group in self.groups:
             if not group.fused:
                 lines.append(f"  unfused {group.parent} {group.kind}: {group.reason}")
