@@ -46,7 +46,8 @@ RECORDER = "_harness_trace_recorder"  # the attribute of vLLM's model that holds
 # vLLM's fused "activation and multiply" modules (act(gate) * up): transformers' act_fn is act(gate).
 _FUSED_ACTIVATION = re.compile(r"AndMul")
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
-_INPUT_QUANTIZING = re.compile(r"W\d+A\d+|Fp8LinearMethod")
+# Schemes that quantize activations to 8 or 4 bits (W8A8, W4A8; not the weight-only W8A16, W4A16).
+_INPUT_QUANTIZING = re.compile(r"W\d+A[48](?!\d)|Fp8LinearMethod")
 
 
 # ------------------------------------------------------------------------ inside vLLM's worker
@@ -302,15 +303,14 @@ def _put_lm_head(trace: PromptTrace, raw: dict, hf_of: dict[tuple[str, str], str
     if hf is None:
         return
     hidden = raw["outputs"][""]
+    position = {hidden[i].numpy().tobytes(): i for i in reversed(range(hidden.shape[0]))}
     logits = torch.full((hidden.shape[0], raw["logits"][0][2].shape[-1]), float("nan"))
     inputs = torch.full_like(hidden, float("nan"))
     for _, rows_in, rows_out in raw["logits"]:
-        match = (rows_in[:, None, :] == hidden[None, :, :]).all(-1)
-        for i in range(rows_in.shape[0]):
-            where = match[i].nonzero()
-            if len(where):
-                logits[int(where[0])] = rows_out[i]
-                inputs[int(where[0])] = rows_in[i]
+        for row_in, row_out in zip(rows_in, rows_out):
+            i = position.get(row_in.numpy().tobytes())
+            if i is not None:
+                logits[i], inputs[i] = row_out, row_in
     _put(trace, hf, logits, inputs)
 
 
