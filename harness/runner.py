@@ -135,6 +135,7 @@ class Runner:
         left by an earlier run into the same directory."""
         if fresh:
             self.layout.prepare([c.id for c in self.cells], self.groups)
+            self.tracer.forget([c.id for c in self.cells])
         else:
             self.layout.prepare()
 

@@ -245,3 +245,5 @@ def test_a_failed_cell_is_localised_against_the_other_engine_and_its_baseline(tm
     assert [(loc.against, loc.module) for loc in tf.localisation] == [
         ("reference", "model.layers.3.self_attn.k_proj"), ("baseline", None)]
     assert "localisation against transformers: first diverging module model.layers.3.self_attn.k_proj" in out
+    html = (tmp_path / "r" / "report" / "report.html").read_text()
+    assert "Localisation by module traces" in html and "◀ first diverging" in html

@@ -18,7 +18,10 @@ passes against it, nothing else of the file.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from filelock import FileLock
 
 from harness import baselines as B
 from harness import records as R
@@ -45,24 +48,35 @@ class Tracer:
         self.runner = runner
         self.always = always  # --trace: every cell, not only failed or regressed ones
         self._lock = threading.Lock()
-        self._traces: dict[tuple, list[PromptTrace]] = {}
+        self._locks: dict[tuple, threading.Lock] = {}
         self._noise: dict[tuple, Measured | str] = {}
 
     # ---- children -------------------------------------------------------------------------
+    def _path(self, cell_id: str, variant: str = "") -> Path:
+        return self.runner.layout.root / "traces" / f"{cell_id}{variant}.pt"
+
+    def forget(self, cell_ids: list[str]) -> None:
+        """Remove the traces an earlier run into the same results directory left for these cells."""
+        for cell_id in cell_ids:
+            for variant in ("", ".fused", ".unfused"):
+                self._path(cell_id, variant).unlink(missing_ok=True)
+
     def traces(self, cell: Cell, fuse: bool | None, sequences: dict[str, list[int]]) -> list[PromptTrace]:
         """The cell's traces of ``sequences`` (the reference executed fused or not as ``fuse``
-        says; None: as the engine executes), from a trace child, once per run."""
+        says; None: as the engine executes), from a trace child, once per run (a file lock shares
+        them between the runner's threads and pytest-xdist workers)."""
         from harness import traces
 
-        variant = "" if fuse is None else ".fused" if fuse else ".unfused"
-        key = (cell.id, variant)
-        with self._lock:
-            if key in self._traces:
-                return self._traces[key]
-        layout = self.runner.layout
-        out = layout.root / "traces" / f"{cell.id}{variant}.pt"
+        variant = "" if fuse is None or fuse == fuses_shards(cell.engine) else ".fused" if fuse else ".unfused"
+        out = self._path(cell.id, variant)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.unlink(missing_ok=True)
+        with FileLock(str(out) + ".lock"):
+            if not out.exists():
+                self._record(cell, variant, fuse, sequences, out)
+            return traces.load(out)
+
+    def _record(self, cell: Cell, variant: str, fuse: bool | None, sequences, out: Path) -> None:
+        layout = self.runner.layout
         failed = self.runner._run_child(cell, mode="trace", sequences=sequences,
                                         record_path=layout.root / "raw" / f"{cell.id}{variant}.trace.json",
                                         log=layout.log(f"{cell.id}{variant}.trace"),
@@ -72,10 +86,6 @@ class Tracer:
             raise TraceUnavailable(f"{cell.id}: traces not recorded: {why}")
         if not out.exists():
             raise TraceUnavailable(f"{cell.id}: traces not recorded: the trace child wrote none")
-        recorded = traces.load(out)
-        with self._lock:
-            self._traces[key] = recorded
-        return recorded
 
     def measured(self, cell: Cell, fuse: bool, sequences: dict[str, list[int]]) -> Measured | str:
         """The per-module noise of the cell's reference executed fused or not (harness.traces.noise),
@@ -83,12 +93,15 @@ class Tracer:
         from harness.traces import noise
 
         key = (group_key(cell), fuse)
-        if key not in self._noise:
-            try:
-                self._noise[key] = noise.measure(cell, sequences, fuse)
-            except NoiseError as e:
-                self._noise[key] = str(e)
-        return self._noise[key]
+        with self._lock:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:  # one measurement per group and execution, whichever thread asks first
+            if key not in self._noise:
+                try:
+                    self._noise[key] = noise.measure(cell, sequences, fuse)
+                except NoiseError as e:
+                    self._noise[key] = str(e)
+            return self._noise[key]
 
     # ---- localisation ----------------------------------------------------------------------
     def wanted(self, record: R.Record) -> bool:
