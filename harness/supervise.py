@@ -258,7 +258,9 @@ class ForkServer:
 
     def stop(self) -> None:
         self.proc.kill()
-        os.close(self._alive)
+        if self._alive is not None:
+            os.close(self._alive)
+            self._alive = None
         self.proc.wait()
 
 
@@ -275,6 +277,8 @@ def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False) -
     with _SERVERS_LOCK:
         server = _SERVERS.get(key)
         if server is None or not server.alive():
+            if server is not None:  # ended (killed from outside): replaced
+                _SERVERS.pop(key).stop()
             idle = [k for k, s in _SERVERS.items() if s.children == 0]
             for old in idle[:max(0, len(_SERVERS) + 1 - MAX_SERVERS)]:
                 _SERVERS.pop(old).stop()
