@@ -319,6 +319,17 @@ def test_a_forked_child_reports_its_exit_status_and_is_killed_on_timeout(tmp_pat
     assert missing.server.proc.poll() is not None
 
 
+def test_a_fork_server_killed_from_outside_is_replaced(tmp_path):
+    try:
+        first = supervise.fork_server(LIGHT, supervise.child_env({"MARK": ""}, 1))
+        first.proc.kill()
+        first.proc.wait()
+        child = _fork(tmp_path, tmp_path / "no-such-job.json", "after")
+        assert child.server is not first and child.wait(60) == 1
+    finally:
+        supervise.stop_fork_servers()
+
+
 def test_a_process_whose_environment_keeps_changing_keeps_few_fork_servers(tmp_path, monkeypatch):
     monkeypatch.setattr(supervise, "MAX_SERVERS", 2)
     fifo = tmp_path / "job.fifo"
