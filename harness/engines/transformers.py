@@ -117,16 +117,25 @@ class TransformersEngine(InProcessEngine):
         return seconds, {"from_pretrained": seconds}
 
 
+# What from_pretrained imports lazily while loading a quantization method, beyond its quantizer
+# (measured: the modules new in sys.modules after a first load).
+LOAD_TIME_IMPORTS = {"compressed-tensors": ("compressed_tensors.linear.compressed_linear",)}
+
+
 def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
     """The reference's warm-up (the modeling module, safetensors, the quantization library), plus
     what ``from_pretrained`` imports lazily on top: the quantizer class of the checkpoint's
     quantization config and the integration modules it loads with."""
+    import importlib
+
     from harness.engines import reference
 
     reference.warm_imports(checkpoint, online)
     qc = online or checkpoint.quantization_config
     if not qc:
         return
+    for module in LOAD_TIME_IMPORTS.get(qc.get("quant_method"), ()):
+        importlib.import_module(module)
     try:
         from transformers.quantizers.auto import AutoHfQuantizer, AutoQuantizationConfig
 
