@@ -86,6 +86,8 @@ FAULTS = [
                  {"model.layers.3.self_attn"}, "attention", id="attention-mask-off-by-one"),
     pytest.param("llama", "fp8-static-kv", "fp8-scale-dropped:model.layers.3.self_attn.k",
                  {"model.layers.3.self_attn"}, "attention", id="kv-cache-scale-dropped"),
+    pytest.param("whisper", "fp8-static-kv", "fp8-scale-dropped:model.decoder.layers.1.encoder_attn.k",
+                 {"model.decoder.layers.1.encoder_attn"}, "attention", id="cross-attention-kv-cache-scale-dropped"),
     pytest.param("llama", "bnb-nf4", "tensor-scaled:model.layers.3.mlp.down_proj.weight.absmax:2",
                  {"model.layers.3.mlp.down_proj"}, "weights", id="bnb-absmax-corrupted"),
 ]
@@ -102,7 +104,8 @@ def test_each_fault_is_localised_to_its_module(fault, model, scheme, spec, modul
         assert [s.module for s in loc.path].count(loc.module) == 1
 
 
-@pytest.mark.parametrize("model, scheme", [("llama", "fp8-static-kv"), ("llama", "bnb-nf4"), ("mllama", "bnb-nf4")])
+@pytest.mark.parametrize("model, scheme", [("llama", "fp8-static-kv"), ("llama", "bnb-nf4"), ("mllama", "bnb-nf4"),
+                                           ("whisper", "fp8-static-kv")])
 def test_a_clean_run_names_no_module(model, scheme):
     for loc in localised(model, scheme):
         assert loc.module is None, loc.detail
