@@ -134,7 +134,9 @@ def _decode_table(decode: list[dict]) -> list[str]:
 def _detection_lines(det: dict) -> list[str]:
     if not det:
         return ["not measured"]
-    lines = [f"Rule: {det['rule']}.", "",
+    lines = [f"Rule: {det['rule']}. To apply it: `LOAD_REPEATS = {det['repeats']}` and `STATISTIC = "
+             f"\"{det['statistic']}\"` in harness/bench/calibration.py, `bounds: {{load_time: {det['threshold']:.3f}}}` "
+             "on the cpu-load models in models.yaml.", "",
              "| slowdown injected (nominal) | measured | cell-runs | flagged |", "|---:|---:|---:|---:|"]
     for key in ("slowdown_10", "slowdown_20", "slowdown_50"):
         lines.append(f"| {key.split('_')[1]}% | {_num(det['injected'].get(key), '+.1%')} | "
