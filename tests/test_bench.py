@@ -216,3 +216,31 @@ def test_bench_quick_decode_on_a_tiny_size(monkeypatch, tmp_path, capsys):
     assert all(r["shape"] == [128, 64] and r["decode_s"] > 0 and r["fill_s"] > 0 for r in fig["decode"])
     assert fig["load"] is None and any("load: not measured" in n for n in fig["notes"])
     assert "## Decode" in out.read_text()
+
+
+def test_floor_reads_every_weight_file(tmp_path):
+    from harness.bench import load
+
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 4096)
+    (tmp_path / "b.safetensors").write_bytes(b"y" * 1000)
+    (tmp_path / "config.json").write_text("{}")
+    assert [f.name for f in checkpoints.weight_files(tmp_path)] == ["a.safetensors", "b.safetensors"]
+    assert checkpoints.megabytes(tmp_path) == pytest.approx(5096 / 1e6)
+    assert 0 < load.floor(tmp_path, repeats=2) < 1.0
+
+
+def test_touch_reads_the_tensors_inside_a_quantized_parameter():
+    import torch
+
+    from harness.bench import load
+
+    class Quantized:  # what load._plain asks of a tensor subclass such as torchao's Int8Tensor
+        def __init__(self, qdata, scale):
+            self.qdata, self.scale = qdata, scale
+
+        def __tensor_flatten__(self):
+            return ["qdata", "scale"], None
+
+    w = Quantized(torch.ones(4, 4, dtype=torch.int8), torch.ones(4))
+    assert [t.dtype for t in load._plain(w)] == [torch.int8, torch.float32]
+    load._touch(torch.nn.Linear(4, 4))  # plain parameters: summed without error
