@@ -169,7 +169,7 @@ def run(args) -> int:
     from harness.bench import report
 
     parts, sizes = _parts(args), _sizes(args)
-    echo = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 - stdout is for --json
+    echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is for --json
     fig: dict = {"load": None, "decode": None, "detection": None, "matrix": None, "machine": cpu.describe(),
                  "cores": os.cpu_count(), "profiles": {}, "notes": []}
     t0 = time.perf_counter()

@@ -29,16 +29,23 @@ CALIBRATION_BYTES = 32 << 20
 # The timed passes of the workload before the loads (the fastest of them and of the pass after the
 # loads is kept).
 CALIBRATION_REPEATS = 2
-# The loads a gated cell times and the statistic it reports: the rule chosen from measurements
-# (harness.bench.detection; BENCHMARKS.md, target 3). The bound is models.yaml's load_time.
+# The loads a gated cell times and the statistic it reports, with models.yaml's load_time bound the
+# gate's rule, chosen by `harness bench --parts detection` (BENCHMARKS.md, target 3). Provisional
+# until that part runs on a quiet machine (the shared machine this was written on gave no usable
+# spread): min of 5, the statistic least moved by other processes taking the CPU.
 LOAD_REPEATS = 5
 STATISTIC = "min"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def cache_root() -> Path:
+    """Where the benchmark's files live: ``$HARNESS_BENCH_CACHE``, else ``.cache/bench/``."""
+    return Path(os.environ.get("HARNESS_BENCH_CACHE") or REPO_ROOT / ".cache" / "bench")
+
+
 def calibration_file() -> Path:
     """The workload's input file, written once (deterministic bytes; its writing is never timed)."""
-    root = Path(os.environ.get("HARNESS_BENCH_CACHE") or REPO_ROOT / ".cache" / "bench")
+    root = cache_root()
     path = root / f"calibration-{CALIBRATION_BYTES}.bin"
     if not path.is_file() or path.stat().st_size != CALIBRATION_BYTES:
         import numpy as np

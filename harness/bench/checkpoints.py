@@ -23,19 +23,15 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.bench.calibration import REPO_ROOT
+from harness.bench.calibration import cache_root
 
-LAYER = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4)
+LAYER = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4}
 # depth per size: S ~46M, M ~178M, L ~575M parameters
 LAYERS = {"S": 1, "M": 4, "L": 13}
 SIZES = tuple(LAYERS)
 FORMATS = ("unquantized", "bnb-nf4", "fp8-dynamic", "torchao-int8wo")
 MANIFEST = "manifest.json"
 HEARTBEAT_S = 15.0
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("HARNESS_BENCH_CACHE") or REPO_ROOT / ".cache" / "bench")
 
 
 def dims(size: str) -> dict:

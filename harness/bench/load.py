@@ -155,7 +155,7 @@ def measure(engine: str, path: Path, profile: bool = False, timeout_s: float = 1
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
     cmd = [sys.executable, "-m", "harness.bench.load", engine, str(path), *(["--profile"] if profile else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_child_env())
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_child_env(), check=False)
     if done.returncode != 0:
         tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"{path}: the {engine} load child failed (exit {done.returncode}): {tail[0]}")

@@ -65,12 +65,12 @@ def run_side(ref: str, echo: Callable[[str], None] = print, select: str | None =
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "harness.cli", "run", "--results", str(results), *(["-k", select] if select else [])]
         done = subprocess.run(cmd, cwd=tree,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout_s)
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout_s, check=False)
         seconds = time.perf_counter() - t0
         echo(f"  matrix: harness run at {ref}: {seconds:.0f} s (exit {done.returncode})")
         return Side(ref, commit, seconds, done.returncode, _slowest(results))
     finally:
-        subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+        subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True, check=False)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
