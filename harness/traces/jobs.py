@@ -87,9 +87,10 @@ class Tracer:
         if not out.exists():
             raise TraceUnavailable(f"{cell.id}: traces not recorded: the trace child wrote none")
 
-    def measured(self, cell: Cell, fuse: bool, sequences: dict[str, list[int]]) -> Measured | str:
-        """The per-module noise of the cell's reference executed fused or not (harness.traces.noise),
-        once per group and execution; a one-line reason when it could not be measured."""
+    def measured(self, cell: Cell, fuse: bool, record: R.Record) -> Measured | str:
+        """The per-module noise of the cell's reference executed fused or not (harness.traces.noise)
+        on ``record``'s sequences and kernels, once per group and execution; a one-line reason
+        when it could not be measured."""
         from harness.traces import noise
 
         key = (group_key(cell), fuse)
@@ -98,7 +99,8 @@ class Tracer:
         with lock:  # one measurement per group and execution, whichever thread asks first
             if key not in self._noise:
                 try:
-                    self._noise[key] = noise.measure(cell, sequences, fuse)
+                    self._noise[key] = noise.measure(cell, scored(record), fuse,
+                                                     record.engine_info.cpu.capability if record.engine_info.cpu else None)
                 except NoiseError as e:
                     self._noise[key] = str(e)
             return self._noise[key]
@@ -111,9 +113,8 @@ class Tracer:
         """The record's localisations (empty when the cell is not traced)."""
         if not self.wanted(record):
             return []
-        sequences = {s.prompt.id: s.scored.tokens for s in record.sequences}
-        out = [self._against_engine(cell, engine, sequences) for engine in self._engines(record, raws)]
-        out.append(self._against_baseline(cell, record, sequences))
+        out = [self._against_engine(cell, engine, record) for engine in self._engines(record, raws)]
+        out.append(self._against_baseline(cell, record))
         return [loc for loc in out if loc is not None]
 
     def _engines(self, record: R.Record, raws: dict[str, R.Record]) -> list[str]:
@@ -122,7 +123,7 @@ class Tracer:
         failing = {c.name.partition(":")[2] for c in record.checks if not c.ok}
         return [e for e in ENGINES if e in failing and e in raws and raws[e].status == "ok"]
 
-    def _against_engine(self, cell: Cell, engine: str, sequences) -> R.Localisation | None:
+    def _against_engine(self, cell: Cell, engine: str, record: R.Record) -> R.Localisation | None:
         from harness.traces import diff
 
         other = next((c for c in self.runner.groups[group_key(cell)] if c.engine == engine), None)
@@ -131,14 +132,14 @@ class Tracer:
                              and fuses_shards(cell.engine) != fuses_shards(engine)):
             return None
         try:
-            mine = self.traces(cell, fused if cell.engine == "reference" else None, sequences)
-            theirs = self.traces(other, fused if engine == "reference" else None, sequences)
+            mine = self.traces(cell, fused if cell.engine == "reference" else None, scored(record))
+            theirs = self.traces(other, fused if engine == "reference" else None, scored(record))
         except TraceUnavailable as e:
             return R.Localisation(against=engine, detail=str(e))
-        noise, note = self._noise_for(cell, fused, sequences)
+        noise, note = self._noise_for(cell, fused, record)
         return diff.cross_engine(mine, theirs, engine, noise, note)
 
-    def _noise_for(self, cell: Cell, fused: bool, sequences) -> tuple[ModuleNoise | None, str]:
+    def _noise_for(self, cell: Cell, fused: bool, record: R.Record) -> tuple[ModuleNoise | None, str]:
         """A stored fingerprint's noise measured on this execution, else measured now."""
         measured_by = "reference" if fused else "reference-unfused"
         for c in self.runner.groups[group_key(cell)]:
@@ -149,12 +150,12 @@ class Tracer:
             fp = baseline.fingerprint if baseline is not None else None
             if fp is not None and fp.noise_measured_by == measured_by:
                 return fp.noise(), f" (noise: {c.id}'s baseline fingerprint)"
-        m = self.measured(cell, fused, sequences)
+        m = self.measured(cell, fused, record)
         if isinstance(m, str):
             return None, f" (per-module noise not measured: {m})"
         return m.noise, " (noise measured now)"
 
-    def _against_baseline(self, cell: Cell, record: R.Record, sequences) -> R.Localisation | None:
+    def _against_baseline(self, cell: Cell, record: R.Record) -> R.Localisation | None:
         from harness.traces import fingerprint
         from harness.traces.localise import localise
 
@@ -167,6 +168,7 @@ class Tracer:
         if baseline.fingerprint is None:
             return R.Localisation(against="baseline", detail="the baseline stores no trace fingerprint "
                                                             "(harness run --update-fingerprints adds one)")
+        sequences = scored(record)
         stored = {s.prompt.id: [r.token for r in s.scored] for s in baseline.sequences}
         same = {pid: tokens for pid, tokens in sequences.items() if stored.get(pid) == tokens}
         if not same:
@@ -189,14 +191,18 @@ class Tracer:
 
         if record.verdict != "pass":
             return None
-        sequences = {s.prompt.id: s.scored.tokens for s in record.sequences}
         fused = fuses_shards(cell.engine)
-        m = self.measured(cell, fused, sequences)
+        m = self.measured(cell, fused, record)
         if isinstance(m, str):
             return f"fingerprint not written: per-module noise not measured: {m}"
         try:
-            mine = m.a if cell.engine == "reference" else self.traces(cell, None, sequences)
+            mine = m.a if cell.engine == "reference" else self.traces(cell, None, scored(record))
         except TraceUnavailable as e:
             return f"fingerprint not written: {e}"
         fp = fingerprint.make(mine, cell.engine, fused, m.a, m.b, m.noise)
         return B.set_fingerprint(self.runner.baselines_root, cell.tier, cell.id, fp)
+
+
+def scored(record: R.Record) -> dict[str, list[int]]:
+    """The record's scored sequences, prompt id -> tokens: what its traces are taken on."""
+    return {s.prompt.id: s.scored.tokens for s in record.sequences}

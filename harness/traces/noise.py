@@ -39,12 +39,12 @@ class Measured:
     b: list[PromptTrace]  # under the lowered capability
 
 
-def measure(cell: Cell, sequences: dict[str, list[int]], fuse: bool) -> Measured:
+def measure(cell: Cell, sequences: dict[str, list[int]], fuse: bool, own: str | None) -> Measured:
     """Two reference children (harness.noise's): the traces A and B and the noise of every module.
-    Raises harness.noise.NoiseError with one line when a child fails."""
-    from harness import cpu, traces
+    ``own`` is the capability the cell's record ran under (its ``engine_info.cpu``). Raises
+    harness.noise.NoiseError with one line when a child fails."""
+    from harness import traces
 
-    own = cpu.torch_capability()
     other = logprob_noise.other_capability(own)
     job = {"cell": cell.model_dump(mode="json"), "sequences": sequences, "fuse": fuse, "role": "trace"}
     with tempfile.TemporaryDirectory(prefix="harness-trace-noise-") as tmp:
