@@ -215,3 +215,25 @@ def test_zero_point_shape_mismatch():
     tensors, metadata = _parts()
     tensors["0._weight_zero_point"] = tensors["0._weight_zero_point"][:2]
     assert _error(tensors, metadata).where == "0._weight_zero_point"
+
+
+@pytest.mark.parametrize("key", sorted(CONFIGS))
+def test_rows_dequantize_like_the_whole(key):
+    """A block of rows of a stored weight (what a large linear's forward dequantizes at a time)
+    equals those rows of the subclass's dequantize(), bit for bit."""
+    model = quantized_linears(CONFIGS[key][0], shapes=((37, 64),))
+    tensors, metadata = flatten_tensor_state_dict(model.state_dict())
+    stored = formats.decode_weight(TensorSource.from_tensors(tensors, metadata), "0.weight").stored
+    expect = model.state_dict()["0.weight"].dequantize().float()
+    assert torch.equal(stored.dequantize(), expect)
+    for start in range(0, 37, 5):
+        assert torch.equal(stored.rows(start, min(37, start + 5)).dequantize(), expect[start:start + 5])
+
+
+def test_per_tensor_scale_held_per_row():
+    """A per-tensor scale is held as the rows' scales, so rows can be taken; values unchanged."""
+    q = torch.randint(-128, 128, (6, 8), dtype=torch.int8)
+    stored = TA.StoredTorchao.per_row(q, torch.tensor([[0.5]]), None, (6, 8), torch.float32)
+    assert stored.block == (1, 8) and stored.scale.shape == (6, 1)
+    assert torch.equal(stored.dequantize(), q.float() * 0.5)
+    assert torch.equal(stored.rows(2, 5).dequantize(), q[2:5].float() * 0.5)

@@ -1,14 +1,19 @@
 """The reference loader's report and its loading discipline, on the fixtures."""
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch.nn import functional as F
 
 from harness import fixtures, reference
+from harness.quant import Fp8Parts, bnb, formats, torchao
 from harness.quant.source import TensorSource
-from harness.reference import loader
+from harness.reference import linear, loader
 
 
 def _load(name, **kw):
@@ -68,3 +73,121 @@ def test_cli_load_json():
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["modules"]["model.decoder.layers.0.encoder_attn.q_proj"] == "torchao-int8"
+
+
+# ------------------------------------------------------------------------------------------------
+# loading like an engine: weights as stored, dequantized when used (docs/design.md, "Fast loading")
+
+
+def _mapped_from(file: Path) -> list[tuple[int, int]]:
+    """The address ranges this process maps from `file` (Linux /proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(file):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+def _inside(t: torch.Tensor, ranges) -> bool:
+    return any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi for lo, hi in ranges)
+
+
+needs_proc_maps = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+
+
+def _half_precision_copy(name: str, tmp_path: Path) -> Path:
+    """The fixture with every float32 tensor stored as float16."""
+    path = fixtures.build(name)
+    out = tmp_path / name
+    shutil.copytree(path, out)
+    tensors = load_file(path / "model.safetensors")
+    save_file({k: v.half() if v.dtype == torch.float32 else v for k, v in tensors.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    return out
+
+
+@needs_proc_maps
+def test_float32_weights_are_views_of_the_checkpoint_file_and_half_ones_are_widened(tmp_path):
+    path = fixtures.build("llama-unquantized")
+    loaded = reference.load(path)
+    ranges = _mapped_from((path / "model.safetensors").resolve())
+    weights = {n: loaded.model.get_submodule(n).weight for n in loaded.report.modules}
+    weights["model.embed_tokens"] = loaded.model.model.embed_tokens.weight
+    assert ranges and all(_inside(w, ranges) for w in weights.values()), [n for n, w in weights.items() if not _inside(w, ranges)]
+    assert set(loaded.report.storage.values()) == {"mapped"}
+
+    half = _half_precision_copy("llama-unquantized", tmp_path)
+    widened = reference.load(half)
+    assert set(widened.report.storage.values()) == {"in-memory"}
+    w = widened.model.get_submodule("model.layers.0.mlp.up_proj").weight
+    assert w.dtype == torch.float32 and not _inside(w, _mapped_from((half / "model.safetensors").resolve()))
+    assert torch.equal(w, loaded.model.get_submodule("model.layers.0.mlp.up_proj").weight.half().float())
+
+
+@needs_proc_maps
+@pytest.mark.parametrize("name,kind,field", [("llama-bnb-nf4", bnb.Stored4bit, "packed"),
+                                             ("llama-fp8-dynamic", Fp8Parts, "qweight"),
+                                             ("llama-torchao-int8wo", torchao.StoredTorchao, "qdata")])
+def test_quantized_weights_stay_stored_in_the_mapping_and_dequantize_when_called(name, kind, field):
+    path = fixtures.build(name)
+    loaded = reference.load(path, fuse=False)
+    ranges = _mapped_from((path / "model.safetensors").resolve())
+    module = loaded.model.get_submodule("model.layers.0.self_attn.o_proj")
+    assert isinstance(module.stored, kind) and _inside(getattr(module.stored, field), ranges)
+    assert "weight" not in dict(module.named_parameters())  # no float32 copy is held
+    assert loaded.report.storage["model.layers.0.self_attn.o_proj"] == "stored"
+    expect = formats.decode_weight(TensorSource.open(path), "model.layers.0.self_attn.o_proj.weight").weight
+    assert torch.equal(module.weight, expect)
+    x = torch.randn(2, 3, module.in_features)
+    quantized_x = x if module.input_quant is None else module.input_quant(x)
+    assert torch.equal(module(x), F.linear(quantized_x, expect, module.bias))
+
+
+def test_fused_groups_copy_nothing_and_say_how_they_hold_their_shards():
+    bnb_report = _load("llama-bnb-nf4").report
+    assert bnb_report.groups and {g.layout for g in bnb_report.groups} == {"per-shard"}
+    assert "nothing copied" in bnb_report.summary()
+    fp8_loaded = _load("llama-fp8-static-kv")
+    report = fp8_loaded.report
+    assert {g.layout for g in report.groups} == {"requantized"}
+    assert report.storage["model.layers.0.self_attn.k_proj"] == "requantized"
+    assert report.storage["model.layers.0.self_attn.o_proj"] == "stored"
+    k_proj = fp8_loaded.model.get_submodule("model.layers.0.self_attn.k_proj")
+    parts = k_proj.fused.parts[k_proj.index]
+    assert parts.remap is not None  # read through the code map, its bytes those on disk
+    assert torch.equal(parts.qweight.view(torch.uint8),
+                       TensorSource.open(fixtures.build("llama-fp8-static-kv")).get(
+                           "model.layers.0.self_attn.k_proj.weight").view(torch.uint8))
+    assert {g.layout for g in _load("llama-bnb-nf4", fuse=False).report.groups} == {""}
+
+
+@pytest.mark.parametrize("name", ["llama-bnb-nf4", "llama-fp8-static-kv", "llama-torchao-int8wo"])
+def test_a_large_stored_weight_is_multiplied_a_block_of_rows_at_a_time(name, monkeypatch):
+    """With the row block below the fixture's weights, every quantized linear takes its weight in
+    blocks; the output is F.linear of the whole weight (to rounding) and its bias rows are its own."""
+    loaded = _load(name)
+    x = torch.randn(1, 5, 128)
+    monkeypatch.setattr(linear, "ROW_BLOCK", 1000)
+    for shard in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"):
+        module = loaded.model.get_submodule(shard)
+        bias = torch.arange(module.out_features, dtype=torch.float32)
+        held = module.stored if isinstance(module, linear.ReferenceLinear) else module.fused.parts[module.index]
+        assert not isinstance(held, torch.Tensor)
+        got = linear.project(x, held, bias)
+        assert torch.allclose(got, F.linear(x, module.weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_hook_that_replaces_the_weight_reaches_the_model():
+    """The worker's break= hook assigns a halved weight to what a decode returns; the loaded model
+    must compute with it (harness.engines.worker)."""
+    path = fixtures.build("llama-bnb-nf4")
+    src = TensorSource.open(path)
+    decoded = bnb.decode(src, "model.layers.0.self_attn.o_proj.weight")
+    whole = decoded.weight
+    decoded.weight = whole * 0.5
+    assert torch.equal(decoded.stored, whole * 0.5)
+    module = linear.ReferenceLinear(decoded.stored, None, decoded.label)
+    x = torch.randn(1, 2, module.in_features)
+    assert torch.equal(module(x), F.linear(x, whole * 0.5))

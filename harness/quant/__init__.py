@@ -73,6 +73,12 @@ def lookup_bytes(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, fi
             finish(start, stop)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN and no infinity. Its sum is finite only then: one
+    pass, the cheapest there is; a sum that overflows is looked at again (finite_bounds)."""
+    return math.isfinite(float(t.sum())) or finite_bounds(t) is not None
+
+
 def finite_bounds(t: torch.Tensor) -> tuple[float, float] | None:
     """(min, max) of a floating tensor, or None when it holds a NaN or an infinity: one pass and
     no full-size temporary (NaN propagates through min and max), where `isfinite` allocates a mask."""

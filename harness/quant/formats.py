@@ -6,7 +6,7 @@ tensors, whatever config.json says. `quant_method` only reads what the producer 
 from __future__ import annotations
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded, bnb, finite_bounds, fp8, schema, torchao
+from harness.quant import Decoded, all_finite, bnb, fp8, schema, torchao
 from harness.quant.source import TensorSource
 
 # (name, module) in the order they are asked; their layouts do not overlap
@@ -72,6 +72,6 @@ def decode_weight(src: TensorSource, weight: str) -> Decoded:
     if not dt.is_floating_point:
         raise CheckpointError(weight, f"dtype {dt} is neither a float weight nor a known quantized layout")
     t = src.get(weight)
-    if finite_bounds(t) is None:
+    if not all_finite(t):
         raise CheckpointError(weight, "NaN or infinite values in an unquantized weight")
     return Decoded("unquantized", t.float())  # float32 on disk: the memory-mapped tensor itself
