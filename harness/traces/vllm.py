@@ -21,7 +21,9 @@ transformers' shape (:func:`prompt_trace`):
   residual adds it in place first, so its input is ``x + residual`` (inputs are kept as the module
   is entered, before any in-place change); ``act_fn`` is ``act(gate) * up`` in vLLM
   (SiluAndMul...) but ``act(gate)`` in transformers: left out; per-layer ``rotary_emb`` (it
-  rotates q and k) and ``attn`` (the attention kernel) have no transformers module: left out.
+  rotates q and k) and ``attn`` (the attention kernel) have no transformers module: left out; a
+  module under ``@support_torch_compile`` (Llama's ``model``) is called through its ``forward``,
+  eager or not, so its hooks never fire: left out too.
 - **The LM head** is never called as a module in vLLM: ``LogitsProcessor(lm_head, hidden)``
   multiplies by its weight, once for the prompt logprobs (positions 0..n-2) and once for the
   sampled token (position n-1). Its calls are recorded under the LM head's name and put back in
@@ -32,7 +34,7 @@ transformers' shape (:func:`prompt_trace`):
 
 ``weights`` are the module reader's effective weights (``vllm_worker.read_modules``) projected on
 ``harness.traces.weight_probe``; ``quantizers`` the linears whose vLLM scheme quantizes its input
-activations (W8A8 schemes, ``Fp8LinearMethod``).
+activations (W8A8, W4A8 schemes, ``Fp8LinearMethod``).
 """
 from __future__ import annotations
 
