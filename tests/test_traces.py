@@ -224,15 +224,16 @@ def test_a_baseline_keeps_its_fingerprint_only_while_its_results_are_unchanged(t
 
 def test_a_failed_cell_is_localised_against_the_other_engine_and_its_baseline(tmp_path, monkeypatch, capsys):
     """The runner re-runs the failed cells' engines with tracing; the committed baselines of the
-    llama fp8-static-kv cells carry fingerprints (and the per-module noise the comparison uses)."""
-    cells = ["llama.fp8-static-kv.reference", "llama.fp8-static-kv.transformers"]
+    Whisper fp8-static-kv cells carry fingerprints (and the per-module noise the comparison uses).
+    The fault: the reference reads one cross-attention's k_scale as 1.0."""
+    cells = ["whisper.fp8-static-kv.reference", "whisper.fp8-static-kv.transformers"]
     for c in cells:
         assert B.read(B.DEFAULT_ROOT, "cpu-tiny", c).fingerprint is not None, f"{c}: harness run --update-fingerprints"
     baselines = tmp_path / "baselines"
     (baselines / "cpu-tiny").mkdir(parents=True)
     for c in cells:
         (baselines / "cpu-tiny" / f"{c}.json").write_bytes(B.path_for(B.DEFAULT_ROOT, "cpu-tiny", c).read_bytes())
-    monkeypatch.setenv("HARNESS_TEST_HOOK", "fault=tensor-scaled:model.layers.3.self_attn.k_proj.weight_scale:1.5@*.reference")
+    monkeypatch.setenv("HARNESS_TEST_HOOK", "fault=fp8-scale-dropped:model.decoder.layers.1.encoder_attn.k@*.reference")
     code = cli.main(["run", "-k", " or ".join(cells), "--baselines", str(baselines), "--results", str(tmp_path / "r"),
                      "-j", "1"])
     out = capsys.readouterr().out
@@ -242,11 +243,11 @@ def test_a_failed_cell_is_localised_against_the_other_engine_and_its_baseline(tm
     by_against = {loc.against: loc for loc in ref.localisation}
     assert set(by_against) == {"transformers", "baseline"}
     for loc in by_against.values():
-        assert (loc.module, loc.kind) == ("model.layers.3.self_attn.k_proj", "weights"), loc.detail
-    assert "noise: llama.fp8-static-kv.transformers's baseline fingerprint" in by_against["transformers"].detail
+        assert (loc.module, loc.kind) == ("model.decoder.layers.1.encoder_attn", "attention"), loc.detail
+    assert "noise: whisper.fp8-static-kv.transformers's baseline fingerprint" in by_against["transformers"].detail
     tf = R.load(tmp_path / "r" / f"{cells[1]}.json")
     assert [(loc.against, loc.module) for loc in tf.localisation] == [
-        ("reference", "model.layers.3.self_attn.k_proj"), ("baseline", None)]
-    assert "localisation against transformers: first diverging module model.layers.3.self_attn.k_proj" in out
+        ("reference", "model.decoder.layers.1.encoder_attn"), ("baseline", None)]
+    assert "localisation against transformers: first diverging module model.decoder.layers.1.encoder_attn" in out
     html = (tmp_path / "r" / "report" / "report.html").read_text()
     assert "Localisation by module traces" in html and "◀ first diverging" in html
