@@ -288,8 +288,8 @@ def _mutate_merged_shards_swapped() -> None:
 
 
 MUTATIONS: dict[str, tuple[str, Any]] = {
-    "merged-shards-swapped": ("a merged linear's two shards (gate/up, Whisper's cross-attention k/v) loaded into each "
-                              "other's rows", _mutate_merged_shards_swapped),
+    "merged-shards-swapped": (("a merged linear's two shards (gate/up, Whisper's cross-attention k/v) loaded into "
+                               "each other's rows"), _mutate_merged_shards_swapped),
     "torchao-ignore-skip": ("vLLM's torchao config ignores its skip list", _mutate_torchao_ignore_skip),
     "fp8-first-shard-scale": ("fused per-tensor FP8 shards requantized to the first shard's scale, not the max",
                               _mutate_fp8_first_shard_scale),
@@ -527,8 +527,10 @@ def effective_shards(name: str, layer, packed: dict[str, list[str]]) -> dict:
             "shards": shards.readings, "note": note}
 
 
-def read_modules(model) -> dict:
-    """The ``LLM.apply_model`` function: every module with a linear (or LM-head) quant method."""
+def read_modules(model, reduce=None) -> dict:
+    """The ``LLM.apply_model`` function: every module with a linear (or LM-head) quant method.
+    ``reduce``, when given, replaces each module's reading as it is taken (the module traces keep a
+    projection of each weight: one dequantized weight is held at a time)."""
     from vllm.model_executor.layers.linear import LinearBase
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
@@ -540,5 +542,6 @@ def read_modules(model) -> dict:
         is_head = type(module).__name__ == "ParallelLMHead"
         if not (isinstance(module, LinearBase) or is_head):
             continue
-        found[name] = effective_shards(name, module, packed)
+        entry = effective_shards(name, module, packed)
+        found[name] = reduce(entry) if reduce is not None else entry
     return {"modules": found, "packed": packed}

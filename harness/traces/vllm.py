@@ -33,11 +33,12 @@ transformers' shape (:func:`prompt_trace`):
   CUDA graphs), the trace says so and stops rather than return an empty trace.
 
 ``weights`` are the module reader's effective weights (``vllm_worker.read_modules``) projected on
-``harness.traces.weight_probe``; ``quantizers`` the linears whose vLLM scheme quantizes its input
+``harness.traces.weight_probe`` as they are read; ``quantizers`` the linears whose vLLM scheme quantizes its input
 activations (W8A8, W4A8 schemes, ``Fp8LinearMethod``).
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -316,18 +317,26 @@ def _put_lm_head(trace: PromptTrace, raw: dict, hf_of: dict[tuple[str, str], str
     _put(trace, hf, logits, inputs)
 
 
+def project_weights(entry: dict) -> dict:
+    """A module reader's reading (``vllm_worker.effective_shards``) with each shard's effective
+    weight replaced by its projection on ``harness.traces.weight_probe``."""
+    for shard in entry["shards"]:
+        w = shard["weight"]
+        shard["weight"] = w.float() @ weight_probe(w.shape[1]) if w is not None and w.dim() == 2 else None
+    return entry
+
+
 def describe_weights(read: dict, hf_of: dict[tuple[str, str], str], trace: PromptTrace) -> None:
-    """Fill ``trace.weights`` and ``trace.quantizers`` from the module reader's reading
-    (``vllm_worker.read_modules``)."""
+    """Fill ``trace.weights`` and ``trace.quantizers`` from the module reader's reading with the
+    weights projected (``vllm_worker.read_modules(model, reduce=project_weights)``)."""
     for vname, entry in read["modules"].items():
         quantizes = bool(_INPUT_QUANTIZING.search(f"{entry.get('scheme') or ''} {entry['quant_method']}"))
         for shard in entry["shards"]:
             hf = hf_of.get((vname, shard["shard"]))
             if hf is None:
                 continue
-            w = shard["weight"]
-            if w is not None and w.dim() == 2:
-                trace.weights[hf] = w.float() @ weight_probe(w.shape[1])
+            if shard["weight"] is not None:
+                trace.weights[hf] = shard["weight"]
             if quantizes:
                 trace.quantizers.add(hf)
 
@@ -344,7 +353,7 @@ def trace(llm, arch: str, requests: Sequence[tuple[str, object, int]], log: Call
 
     hf_of = hf_names_of_vllm(hf_module_names(llm.model_config.model), arch)
     weights = PromptTrace(prompt="")
-    describe_weights(llm.apply_model(read_modules)[0], hf_of, weights)
+    describe_weights(llm.apply_model(functools.partial(read_modules, reduce=project_weights))[0], hf_of, weights)
     sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
     hooked = llm.apply_model(install_hooks)[0]
     traces, left_out = [], {}
