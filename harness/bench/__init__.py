@@ -186,6 +186,8 @@ def run(args) -> int:
         echo(f"bench: matrix, {args.before} vs HEAD")
         fig["matrix"], slowest = matrix_part(args.before, args.matrix_k, echo)
     fig["notes"] += [f"{p}: not measured (not among --parts {','.join(parts)})" for p in PARTS if p not in parts]
+    if "load" in parts and sizes != list(checkpoints.SIZES):
+        fig["notes"].append(f"load: sizes {','.join(sizes)} only (of {','.join(checkpoints.SIZES)})")
     fig["targets"] = report.targets(fig)
     missed = {t["target"][0] for t in fig["targets"] if t["ok"] is False}
     for target, profile in (("1", lambda: load_profile(fig["load"], kept)), ("2", lambda: decode_profile(fig["decode"]))):
