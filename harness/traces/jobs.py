@@ -128,9 +128,8 @@ class Tracer:
 
         other = next((c for c in self.runner.groups[group_key(cell)] if c.engine == engine), None)
         fused = fuses_shards(cell.engine) and fuses_shards(engine)
-        if other is None or (not fused and "reference" not in (cell.engine, engine)
-                             and fuses_shards(cell.engine) != fuses_shards(engine)):
-            return None
+        if other is None or (fuses_shards(cell.engine) != fuses_shards(engine) and "reference" not in (cell.engine, engine)):
+            return None  # not compared, as the cross-engine rule does not compare them
         try:
             mine = self.traces(cell, fused if cell.engine == "reference" else None, scored(record))
             theirs = self.traces(other, fused if engine == "reference" else None, scored(record))
