@@ -29,7 +29,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from harness import files, verdicts
 from harness.noise import Noise, NoiseError
-from harness.traces.fingerprint import Fingerprint
 from harness.records import (
     CpuInfo,
     FixtureRef,
@@ -44,6 +43,7 @@ from harness.records import (
     atomic_write_text,
     render_json,
 )
+from harness.traces.fingerprint import Fingerprint
 
 BASELINE_VERSION = 1
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent / "baselines"

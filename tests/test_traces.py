@@ -123,7 +123,7 @@ def test_hooks_are_removed_after_recording():
 
 def test_a_fused_projection_is_recorded_as_its_checkpoint_shards():
     """The reference fuses Mllama's cross-attention k/v into one matmul; the trace splits it back."""
-    ckpt, _, fp = clean("mllama", "bnb-nf4")
+    _, _, fp = clean("mllama", "bnb-nf4")
     names = [r.module for r in fp.modules]
     assert "model.language_model.layers.3.cross_attn.k_proj" in names
     assert not any(n.endswith("cross_kv_proj") for n in names)
