@@ -111,7 +111,10 @@ def _run(args) -> int:
         raise UsageError(f"no cells selected (tier {args.tier}{', engine ' + args.engine if args.engine else ''}{what}); "
                          "`harness cells --tier all` lists them")
     if args.jobs is None:
-        args.jobs = runner.default_jobs()
+        # CPU cells whose load time is gated (cpu-load) are timed one at a time, as harness bench's
+        # detection measured them when it chose their rule
+        timed = any(c.gate_load_time and c.tier in matrix.CPU_TIERS for c in cells)
+        args.jobs = 1 if timed else runner.default_jobs()
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
     for w in matrix.warnings(cells):
@@ -254,7 +257,8 @@ def parser() -> argparse.ArgumentParser:
                      help="baselines root (default: baselines/ of this checkout)")
     run.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                      help="run N (model, scheme) groups at once, each engine in its own child process (default: "
-                          "one per core, as many as the available memory holds; README, 'Run options')")
+                          "one per core, as many as the available memory holds; 1 with cpu-load cells, whose load "
+                          "time is gated; README, 'Run options')")
     run.add_argument("--dry-run", action="store_true",
                      help="check everything the run needs (matrix, environments, images, prompts, baselines) and print "
                           "what would run where, without loading a model; exit 1 when a cell is misconfigured")
