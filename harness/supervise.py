@@ -148,13 +148,15 @@ class Child:
 
 
 class Spawned(Child):
-    """``python -m harness.engines.worker JOB`` in a new session."""
+    """``python -P -m harness.engines.worker JOB`` in a new session, in our working directory
+    (relative paths in the job mean what they mean here); ``-P``: the harness comes from
+    PYTHONPATH (child_env), never from that directory."""
 
     def __init__(self, job_path: Path, log: Path, env: dict[str, str]):
         with open(log, "w") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", "harness.engines.worker", str(job_path)],
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.engines.worker", str(job_path)],
                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                         env=env, cwd=str(REPO_ROOT), start_new_session=True)
+                                         env=env, start_new_session=True)
         self.pid = self.proc.pid
 
     def wait(self, timeout: float | None) -> int | None:
@@ -236,7 +238,7 @@ class ForkServer:
             alive, self._alive = os.pipe()
             try:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "harness.engines.forkserver", preload, str(listener.fileno())],
+                    [sys.executable, "-P", "-m", "harness.engines.forkserver", preload, str(listener.fileno())],
                     stdin=alive, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT),
                     start_new_session=True, pass_fds=(listener.fileno(),))
             finally:
@@ -251,7 +253,8 @@ class ForkServer:
         child = Forked(conn, self)
         try:
             conn.connect(self.address)
-            conn.sendall(json.dumps({"job": str(job_path), "log": str(log)}).encode() + b"\n")
+            request = {"job": str(job_path), "log": str(log), "cwd": os.getcwd()}
+            conn.sendall(json.dumps(request).encode() + b"\n")
         except OSError:
             pass  # started() then finds the connection closed
         return child.started(log)

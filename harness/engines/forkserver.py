@@ -1,18 +1,19 @@
 """The fork server: a process that has imported an engine's libraries once and forks one engine
 child per cell, so a cell pays for its own work and not for the imports (vLLM's alone take 7-9 s).
 
-``python -m harness.engines.forkserver PRELOAD LISTEN_FD`` is started by harness.supervise, one per
-(preload module, environment of the children), with exactly the environment its children get.
+``python -P -m harness.engines.forkserver PRELOAD LISTEN_FD`` is started by harness.supervise, one
+per (preload module, environment of the children), with exactly the environment its children get.
 It imports PRELOAD (harness.engines._forkserver_preload, or ._vllm_preload for vLLM), then accepts
 one connection per child on the listening Unix socket it inherits as LISTEN_FD, and ends when its
 stdin, a pipe from the process that started it, closes: that process has gone.
 
-One connection per child: the client sends one JSON line ``{"job": PATH, "log": PATH}``; the child
+One connection per child: the client sends one JSON line ``{"job": PATH, "log": PATH, "cwd": DIR}``
+(DIR: the client's working directory, the child's, in which relative paths resolve); the child
 answers ``pid N`` once it leads its own session, the server ``exit CODE`` when the child has ended
 (CODE as Popen's ``returncode``: negative for a signal).
 
-A child is what ``python -m harness.engines.worker JOB`` would be (docs/design.md, "Engine child
-processes"): the same environment (the server's is the child's), the same imports in the same
+A child is what ``python -P -m harness.engines.worker JOB`` would be (docs/design.md, "Data
+flow"): the same environment (the server's is the child's), the same imports in the same
 order, no Python thread and no torch op before the fork (so no thread pool to lose), its own
 session, stdout and stderr to the cell's log, stdin from /dev/null, SIGKILL when the server ends,
 and a normal interpreter exit (atexit handlers run).
@@ -113,6 +114,7 @@ def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
     os.setsid()
     conn.sendall(f"pid {os.getpid()}\n".encode())
     conn.close()
+    os.chdir(request["cwd"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
