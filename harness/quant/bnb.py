@@ -62,7 +62,7 @@ def code_table(quant_type: str) -> torch.Tensor:
     return t.div_(t.abs().max())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pair_table(quant_type: str, device: torch.device) -> torch.Tensor:
     """For each byte value, the float32 pair of codes it packs (high nibble first), held as one
     int64 per byte: one index_select then writes both values of a byte."""
@@ -168,7 +168,7 @@ class Stored4bit(StoredWeight):
         """Rows that hold a whole number of blocks (blocks run over the flattened weight)."""
         return self.blocksize // math.gcd(self.shape[1], self.blocksize)
 
-    def rows(self, start: int, stop: int) -> "Stored4bit":
+    def rows(self, start: int, stop: int) -> Stored4bit:
         cols = self.shape[1]
         first, last = start * cols, stop * cols  # first is a block boundary (row_alignment)
         return Stored4bit(self.packed[first // 2:(last + 1) // 2], self.absmax[first // self.blocksize:-(-last // self.blocksize)],

@@ -139,7 +139,7 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | N
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _float_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """float32 of each of the 256 values of a one-byte float dtype, exactly as its cast gives them."""
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().to(device)

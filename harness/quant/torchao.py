@@ -122,13 +122,13 @@ class StoredTorchao(StoredWeight):
     def row_alignment(self) -> int:
         return self.block[0]
 
-    def rows(self, start: int, stop: int) -> "StoredTorchao":
+    def rows(self, start: int, stop: int) -> StoredTorchao:
         b0 = self.block[0]
         return StoredTorchao(self.qdata[start:stop], *(None if t is None else t[start // b0:-(-stop // b0)]
                                                        for t in (self.scale, self.zero_point)), self.block, self.dtype)
 
     @classmethod
-    def per_row(cls, qdata, scale, zero_point, block, dtype) -> "StoredTorchao":
+    def per_row(cls, qdata, scale, zero_point, block, dtype) -> StoredTorchao:
         """Tiles taller than one row (per tensor, block-wise) held as their rows' scales (and zero
         points), a small tensor: so any range of rows can be taken."""
         if block[0] > 1:
