@@ -119,21 +119,25 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | N
     (Fp8Parts.remap), q is remap[stored code].
 
     float32(q) is looked up per byte in a 256-entry table (torch's own float8 -> float32 cast is
-    several times slower on CPU), and a chunk of whole rows is scaled while it is in cache.
+    several times slower on CPU). A per-tensor scale is multiplied into the table (the same
+    product per value); per channel, a chunk of whole rows is scaled while it is in cache.
     """
     rows, cols = qweight.shape
     if out is None:
         out = torch.empty((rows, cols), dtype=torch.float32, device=qweight.device)
-    per_row = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
     flat = out.view(-1)
-
-    def finish(start: int, stop: int) -> None:
-        chunk = flat[start:stop].view(-1, cols)
-        chunk.mul_(per_row if per_row.dim() == 0 else per_row[start // cols:stop // cols])
-
     table = _float_table(qweight.dtype, qweight.device)
     if remap is not None:
         table = table[remap.int()]
+    finish = None
+    if scale.numel() == 1:
+        table = table * scale.reshape(())
+    else:
+        per_row = scale.reshape(-1, 1)
+
+        def finish(start: int, stop: int) -> None:
+            flat[start:stop].view(-1, cols).mul_(per_row[start // cols:stop // cols])
+
     chunk_rows = max(1, LOOKUP_CHUNK // max(1, cols))
     lookup_bytes(table, qweight.contiguous().view(torch.uint8).reshape(-1), flat, finish, chunk_rows * cols)
     return out
