@@ -28,7 +28,6 @@ from harness.engines.reference import ReferenceEngine
 from harness.engines.vllm import MUTATION_ENV
 from harness.traces import diff
 from harness.traces import vllm as vllm_traces_module
-from harness.traces.noise import ModuleNoise
 
 # vLLM is not imported here: the engine children import it
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -37,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CELL = "llama.unquantized.vllm"
 # Each module's noise against vLLM: this much of its largest reference output (input), 10x the
 # float32 level of vLLM's kernels (<= 2e-6 on every module here; docs/README-vllm.md, "Module traces").
-REL_TOL = 2e-5
+REL_TOL = diff.KERNEL_RTOL["vllm"]
 # The reference's modules that vLLM has no counterpart for (harness.traces.vllm's docstring).
 NOT_IN_VLLM = {"", "model", "model.rotary_emb"} | {f"model.layers.{i}.mlp.act_fn" for i in range(12)}
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -98,14 +97,9 @@ def relative_delta(ours, theirs) -> float:
 
 
 def localise(traces, ref):
-    """harness.traces' localisation of vLLM's traces against the reference's, each module's noise
-    REL_TOL of its largest reference output (input)."""
-    noise = ModuleNoise(measured_by="reference", kernels=[f"{REL_TOL} of each module's largest output"])
-    for t in ref:
-        for store, tensors in ((noise.outputs, t.outputs), (noise.inputs, t.inputs)):
-            for name, x in tensors.items():
-                store[name] = max(store.get(name, 0.0), REL_TOL * float(x.abs().max()) if x.numel() else 0.0)
-    return diff.cross_engine(traces, ref, "reference", noise)
+    """harness.traces' localisation of vLLM's traces against the reference's, as the runner does it:
+    no per-module noise of the reference's, vLLM's kernel floor (diff.KERNEL_RTOL)."""
+    return diff.cross_engine(traces, ref, "reference", rtol=diff.kernel_rtol("vllm", "reference"))
 
 
 @needs_vllm

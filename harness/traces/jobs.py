@@ -136,7 +136,7 @@ class Tracer:
         except TraceUnavailable as e:
             return R.Localisation(against=engine, detail=str(e))
         noise, note = self._noise_for(cell, fused, record)
-        return diff.cross_engine(mine, theirs, engine, noise, note)
+        return diff.cross_engine(mine, theirs, engine, noise, note, diff.kernel_rtol(cell.engine, engine))
 
     def _noise_for(self, cell: Cell, fused: bool, record: R.Record) -> tuple[ModuleNoise | None, str]:
         """A stored fingerprint's noise measured on this execution, else measured now."""
