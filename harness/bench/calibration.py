@@ -30,9 +30,8 @@ CALIBRATION_BYTES = 32 << 20
 # loads is kept).
 CALIBRATION_REPEATS = 2
 # The loads a gated cell times and the statistic it reports, with models.yaml's load_time bound the
-# gate's rule, chosen by `harness bench --parts detection` (BENCHMARKS.md, target 3). Provisional
-# until that part runs on a quiet machine (the shared machine this was written on gave no usable
-# spread): min of 5, the statistic least moved by other processes taking the CPU.
+# gate's rule, chosen by `harness bench --parts detection` (BENCHMARKS.md, target 3): on the quiet
+# run of 2026-11-30, min of 5 loads had the smallest run-to-run spread (3.6%; 1 load: 5.3%).
 LOAD_REPEATS = 5
 STATISTIC = "min"
 REPO_ROOT = Path(__file__).resolve().parents[2]
