@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 from harness import fixtures, reference
+from harness.errors import CheckpointError
 from harness.quant import Fp8Parts, bnb, formats, torchao
 from harness.quant.source import TensorSource
 from harness.reference import linear, loader
@@ -191,3 +192,35 @@ def test_a_decode_hook_that_replaces_the_weight_reaches_the_model():
     module = linear.ReferenceLinear(decoded.stored, None, decoded.label)
     x = torch.randn(1, 2, module.in_features)
     assert torch.equal(module(x), F.linear(x, whole * 0.5))
+
+
+def _with_weight_value(name: str, tensor: str, value: float, tmp_path: Path) -> Path:
+    """The fixture with element [0, 0] of ``tensor`` set to ``value``."""
+    path = fixtures.build(name)
+    out = tmp_path / name
+    shutil.copytree(path, out)
+    tensors = load_file(path / "model.safetensors")
+    tensors[tensor][0, 0] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_non_finite_unquantized_weight_is_named_when_its_module_is_first_called(bad, fuse, tmp_path):
+    weight = "model.layers.1.self_attn.k_proj.weight"  # a fused shard when fuse=True
+    loaded = reference.load(_with_weight_value("llama-unquantized", weight, bad, tmp_path), fuse=fuse)
+    with pytest.raises(CheckpointError) as e:
+        loaded.model(input_ids=torch.arange(1, 9).unsqueeze(0))
+    assert e.value.where == weight and "NaN or infinite" in e.value.what
+
+
+def test_the_first_use_check_leaves_once_an_output_is_finite_and_lets_a_non_finite_input_through():
+    model = _load("llama-unquantized").model
+    down = model.get_submodule("model.layers.0.mlp.down_proj")
+    assert down._forward_hooks
+    nan_input = torch.full((1, down.in_features), float("nan"))
+    assert torch.isnan(down(nan_input)).all()  # its weight is finite: the NaN is the input's
+    assert not down._forward_hooks
+    model(input_ids=torch.arange(1, 9).unsqueeze(0))
+    assert not any(m._forward_hooks for m in model.modules())

@@ -23,7 +23,7 @@ from harness.errors import CheckpointError
 from harness.dialects import SkipPolicy, intent_disagreements, names
 from harness.quant import Decoded, fp8, formats, schema
 from harness.quant.source import TensorSource
-from harness.reference import attention, cross_attention
+from harness.reference import attention, cross_attention, finite
 from harness.reference import online  # online quantization: load(..., quantization=)
 from harness.reference.linear import FusedLinear, InputQuant, ReferenceLinear
 from harness.reference.report import Disagreement, FusedGroup, LoadReport
@@ -111,6 +111,8 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
                 dec.stored, bias, dec.label, _input_quant(dec, activation))
             _set_submodule(model, name, module)
             report.storage.setdefault(name, _storage(src, dec.stored))
+            if dec.label == "unquantized":
+                finite.check_on_first_use(module, _disk_key(src, f"{name}.weight", arch, tied))
         for name in architectures.attention_modules(model):
             if architectures.is_cross_attention(name):
                 cross_attention.install(model, name, fused_kv.get(name))
