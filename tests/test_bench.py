@@ -2,7 +2,6 @@
 import math
 import random
 import sys
-import time
 import types
 
 import pytest
@@ -25,12 +24,14 @@ def test_rule_from_quiet_runs_catches_20_percent_and_not_clean_runs():
     rng = random.Random(0)
     rule, candidates = detection.choose([_run(rng) for _ in range(6)])
     assert {(c.repeats, c.statistic) for c in candidates} == {(1, "min"), (3, "min"), (3, "median"), (5, "min"), (5, "median")}
+    assert max(c.repeats for c in candidates) == 5  # no more loads than the choice runs timed
     assert 1.0 < rule.threshold < 1.2
     baseline = [CellRun(cr.cell, cr.samples[:rule.repeats], cr.calibration) for cr in _run(random.Random(1))]
     clean = [_run(rng) for _ in range(20)]
-    slowed = {0.2: [cr for _ in range(10) for cr in _run(rng, slow=0.2)]}
+    slowed = {0.2: [_run(rng, slow=0.2) for _ in range(10)]}
     ev = detection.evaluate(rule, baseline, clean, slowed)
-    assert ev["rates"]["slowdown_20"] == 1.0 and ev["false_alarm"] == 0.0
+    assert ev["rates"]["slowdown_20"] == 1.0 and ev["cell_rates"]["slowdown_20"] == 1.0 and ev["false_alarm"] == 0.0
+    assert (ev["slowed_runs"]["slowdown_20"], ev["slowed_cell_runs"]["slowdown_20"]) == (10, 10 * len(CELLS))
     assert ev["injected"]["slowdown_20"] == pytest.approx(0.2, abs=0.05)
     assert ev["clean_cell_runs"] == 20 * len(CELLS)
 
@@ -45,6 +46,15 @@ def test_rule_threshold_follows_the_noise_and_counts_a_false_alarm():
                for cr in _run(rng, spread=0.0)]
     ev = detection.evaluate(quiet, baseline, [_run(rng, spread=0.0), outlier], {})
     assert ev["false_alarm"] == 0.5 and ev["clean_cell_false_alarms"] == 1
+
+
+def test_a_slowed_run_is_flagged_when_any_of_its_cells_is():
+    rule = detection.Rule(1, "min", 1.1, 0.01)
+    baseline = [CellRun(c, (1.0,), 1.0) for c in CELLS]
+    one_slow = [CellRun(c, (1.5 if c == CELLS[0] else 1.0,), 1.0) for c in CELLS]
+    ev = detection.evaluate(rule, baseline, [], {0.2: [one_slow, baseline]})
+    assert ev["rates"]["slowdown_20"] == 0.5 and ev["cell_rates"]["slowdown_20"] == pytest.approx(1 / 6)
+    assert ev["false_alarm"] is None
 
 
 def test_a_slower_machine_is_calibrated_away():
@@ -62,15 +72,14 @@ def test_choosing_needs_three_runs():
 
 @pytest.fixture
 def fake_loader(monkeypatch):
-    """A module with a loader entry point and its work (a busy loop), as harness.reference is."""
+    """A module with a loader entry point and its work, as harness.reference is, on a fake clock:
+    each call of the work takes exactly 2 ms of it, so the test does not depend on the machine."""
     mod = types.ModuleType("fake_loader")
-    mod.calls = 0
+    mod.calls, mod.now = 0, 0.0
 
     def work(seconds=0.002):
         mod.calls += 1
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+        mod.now += seconds
 
     def load(n=20):
         for _ in range(n):
@@ -78,20 +87,25 @@ def fake_loader(monkeypatch):
 
     mod.work, mod.load = work, load
     monkeypatch.setitem(sys.modules, "fake_loader", mod)
+    monkeypatch.setattr(slowdown, "time", types.SimpleNamespace(perf_counter=lambda: mod.now))
     return mod
 
 
 def test_slowdown_repeats_the_loaders_work_inside_a_load_only(fake_loader):
     state = slowdown.install(0.5, entry="fake_loader:load", work=("fake_loader:work", "fake_loader:missing"))
-    t0 = time.perf_counter()
     fake_loader.load()
-    elapsed = time.perf_counter() - t0
-    assert fake_loader.calls > 20  # repeated work, not a sleep
-    assert state.injected >= 0.5 * (elapsed - state.injected) * 0.9
-    assert state.injected <= 0.5 * (elapsed - state.injected) + 0.01  # at most one call over
+    assert fake_loader.calls == 30  # 20 calls of its own and 10 repeated (50%): repeated work, not a sleep
+    assert state.injected == pytest.approx(0.020)
     before = fake_loader.calls
     fake_loader.work()  # outside a load (a lazy decode in forward): never repeated
     assert fake_loader.calls == before + 1
+
+
+def test_slowdown_ends_within_half_a_call_of_its_target(fake_loader):
+    state = slowdown.install(0.2, entry="fake_loader:load", work=("fake_loader:work",))
+    fake_loader.load(n=7)  # 14 ms of its own: 2.8 ms to inject, in 2 ms calls
+    assert fake_loader.calls == 7 + 1  # one repeat (2 ms, 0.8 ms under) is nearer than two (1.2 ms over)
+    assert abs(state.injected - 0.2 * 0.014) <= 0.001
 
 
 def test_slowdown_needs_a_positive_fraction():

@@ -84,7 +84,8 @@ def load_part(sizes: list[str], repeats: int, echo: Callable[[str], None]) -> tu
                 r = _median_of([load.measure(engine, path) for _ in range(max(1, repeats))])
                 kept[(size, fmt, engine)] = r
                 row |= {f"{engine}_s": r.load_s, f"{engine}_forward_s": r.load_forward_s,
-                        f"{engine}_peak_mb": r.peak_mb, f"{engine}_peak_extra_mb": r.peak_extra_mb}
+                        f"{engine}_peak_mb": r.peak_mb, f"{engine}_peak_extra_mb": r.peak_extra_mb,
+                        f"{engine}_library_mb": r.library_mb}
             echo(f"  load {size} {fmt}: {row['checkpoint_mb']:.0f} MB, floor {floor:.3f} s, reference "
                  f"{row['reference_s']:.3f} s, transformers {row['transformers_s']:.3f} s")
             rows.append(row)
@@ -147,8 +148,9 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
             "threshold": d.rule.threshold, "injected": d.injected, "cells": len(cells), "clean_runs": d.clean_runs,
             "false_alarm_runs": round((d.rates["false_alarm"] or 0) * d.clean_runs),
             "clean_cell_runs": d.clean_cell_runs, "clean_cell_false_alarms": d.clean_cell_false_alarms,
-            "slowed_cell_runs": d.slowed_cell_runs, "predicted_false_alarm": d.predicted_false_alarm,
-            "candidates": [vars(c) for c in d.candidates], "seconds": d.seconds}
+            "cell_rates": d.cell_rates, "slowed_runs": d.slowed_runs, "slowed_cell_runs": d.slowed_cell_runs,
+            "predicted_false_alarm": d.predicted_false_alarm, "candidates": [vars(c) for c in d.candidates],
+            "seconds": d.seconds, "raw": d.raw}
 
 
 def matrix_part(before: str, select: str | None, echo: Callable[[str], None]) -> tuple[dict, str]:

@@ -10,8 +10,12 @@ never load time, then records:
   as the transformers engine calls it) plus touching every weight (a sum over every parameter
   and buffer, so nothing lazily mapped is left unread);
 - ``forward_s``: one forward pass of a fixed 16-token prompt after it (``load_forward_s`` is their sum);
-- ``peak_mb``: the peak resident set since exec (``VmHWM``), and ``peak_extra_mb``, the peak
-  less the resident set after the imports: the memory the load itself needed;
+- ``peak_mb``: the peak resident set since exec (``VmHWM``); ``library_mb``: the shared
+  libraries' code and data paged in after the imports (file-backed pages of every mapping but
+  the checkpoint's files: the first call of a kernel pages its code in, about 14 MB on an S
+  forward pass, whichever engine calls it); ``peak_extra_mb``: the peak less the resident set
+  after the imports and less ``library_mb``, the memory the load itself needed
+  (``peak_raw_extra_mb`` keeps the library pages in);
 - ``phases``: the reference's load phases; ``profile``: a cProfile top-N when asked for.
 
 ``floor(path)`` is the time to read the checkpoint's weight files from the page cache into one
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +45,7 @@ class LoadResult:
     forward_s: float
     rss_after_imports_mb: float
     peak_mb: float
+    library_mb: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
     profile: str | None = None
 
@@ -48,8 +54,12 @@ class LoadResult:
         return self.load_s + self.forward_s
 
     @property
-    def peak_extra_mb(self) -> float:
+    def peak_raw_extra_mb(self) -> float:
         return self.peak_mb - self.rss_after_imports_mb
+
+    @property
+    def peak_extra_mb(self) -> float:
+        return self.peak_raw_extra_mb - self.library_mb
 
 
 def _rss_mb() -> float:
@@ -64,6 +74,21 @@ def _peak_mb() -> float:
     with open("/proc/self/status") as f:
         kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     return kib * 1024 / 1e6
+
+
+_MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$")
+
+
+def _library_mb(checkpoint_files: set[str]) -> float:
+    """Resident file-backed pages of every mapping but the checkpoint's files, in MB."""
+    total_kb, path = 0, ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if (header := _MAPPING.match(line)) is not None:
+                path = header.group(1).strip()
+            elif line.startswith("Rss:") and path.startswith("/") and path not in checkpoint_files:
+                total_kb += int(line.split()[1])
+    return total_kb / 1e3
 
 
 def _plain(t) -> list:
@@ -115,8 +140,11 @@ def _child(engine: str, path: Path, profile: bool) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    from harness.bench.checkpoints import weight_files
+
     load = _loader(engine, path)
-    rss = _rss_mb()
+    checkpoint_files = {str(f.resolve()) for f in weight_files(path)}
+    rss, library = _rss_mb(), _library_mb(checkpoint_files)
     profiler = None
     if profile:
         import cProfile
@@ -136,7 +164,7 @@ def _child(engine: str, path: Path, profile: bool) -> dict:
     forward_s = time.perf_counter() - t1
     phases = {k: float(v) for k, v in loaded.report.timings.items()} if engine == "reference" else {}
     return asdict(LoadResult(engine=engine, load_s=load_s, forward_s=forward_s, rss_after_imports_mb=rss,
-                             peak_mb=_peak_mb(), phases=phases, profile=_top(profiler) if profiler else None))
+                             peak_mb=_peak_mb(), library_mb=max(0.0, _library_mb(checkpoint_files) - library), phases=phases, profile=_top(profiler) if profiler else None))
 
 
 def _top(profiler) -> str:

@@ -11,8 +11,10 @@
      "machine": harness.cpu.describe(), "targets": [...], "profiles": {...}, "notes": [...]}
 
 ``*_forward_s`` is load plus one forward pass; ``*_peak_mb`` the peak resident set of the load's
-child and ``*_peak_extra_mb`` that peak less the resident set after the imports. A figure not
-measured is null, with the reason in ``notes``.
+child, ``*_library_mb`` the shared libraries' pages the child faulted in after its imports (a
+kernel's code on its first call), and ``*_peak_extra_mb`` the peak less the resident set after
+the imports and less the library pages (harness.bench.load). A figure not measured is null, with
+the reason in ``notes``.
 """
 from __future__ import annotations
 
@@ -41,11 +43,11 @@ def _rows_detail(rows: list[dict], pred) -> str:
     return f"missed by {', '.join(missed)}" if missed else "every size and format"
 
 
-def _per_gb_spread(load: list[dict]) -> float | None:
-    """The largest, over formats, of max/min reference seconds per GB across sizes (None: < 2 sizes)."""
+def _per_gb_spread(load: list[dict], engine: str = "reference") -> float | None:
+    """The largest, over formats, of max/min seconds per GB across sizes (None: < 2 sizes)."""
     spreads = []
     for fmt in {r["format"] for r in load}:
-        per_gb = [r["reference_s"] / (r["checkpoint_mb"] / 1e3) for r in load if r["format"] == fmt and r["reference_s"]]
+        per_gb = [r[f"{engine}_s"] / (r["checkpoint_mb"] / 1e3) for r in load if r["format"] == fmt and r[f"{engine}_s"]]
         if len(per_gb) >= 2:
             spreads.append(max(per_gb) / min(per_gb))
     return max(spreads) if spreads else None
@@ -68,7 +70,8 @@ def targets(fig: dict) -> list[dict]:
         *((name, _all(measured, pred), _rows_detail(measured, pred)) for name, pred in per_row),
         (f"1d time per GB constant within {round(100 * (PER_GB_SPREAD - 1))}% across sizes",
          None if spread is None else spread <= PER_GB_SPREAD,
-         "not measured (one size)" if spread is None else f"largest max/min over formats: {spread:.2f}"),
+         "not measured (one size)" if spread is None else f"largest max/min over formats: {spread:.2f}; "
+         f"transformers' own: {_num(_per_gb_spread(load, 'transformers'), '.2f')}"),
         (f"2 decode within {DECODE_VS_FILL:g}x of fill",
          _all(decode, lambda r: r["ratio"] <= DECODE_VS_FILL), "worst ratio "
          + (f"{max(r['ratio'] for r in decode):.2f}" if decode else "not measured")),
@@ -108,7 +111,8 @@ def _false_alarm_ok(det: dict) -> bool:
 def _detection_detail(det: dict) -> str:
     if det.get("slowdown_20") is None:
         return "not measured"
-    return (f"at 20%: {100 * det['slowdown_20']:.0f}% of {det['slowed_cell_runs']['slowdown_20']} cell-runs; false alarms: "
+    return (f"at 20%: {100 * det['slowdown_20']:.0f}% of {det['slowed_runs']['slowdown_20']} runs "
+            f"({100 * det['cell_rates']['slowdown_20']:.0f}% of {det['slowed_cell_runs']['slowdown_20']} cell-runs); false alarms: "
             f"{det['false_alarm_runs']} of {det['clean_runs']} runs ({det['clean_cell_false_alarms']} of "
             f"{det['clean_cell_runs']} cell-runs), model-predicted {100 * det['predicted_false_alarm']:.2g}% per run")
 
@@ -123,13 +127,15 @@ def _num(x, fmt: str = ".3f") -> str:
 
 def _load_table(load: list[dict]) -> list[str]:
     lines = ["| size | format | checkpoint MB | floor s | reference s | transformers s | reference load+forward s | "
-             "transformers load+forward s | reference peak extra MB | transformers peak extra MB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "transformers load+forward s | reference peak extra MB | transformers peak extra MB | "
+             "library pages MB (reference / transformers) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in load:
         lines.append(f"| {r['size']} | {r['format']} | {r['checkpoint_mb']:.0f} | {_num(r['floor_s'])} | "
                      f"{_num(r['reference_s'])} | {_num(r['transformers_s'])} | {_num(r['reference_forward_s'])} | "
                      f"{_num(r['transformers_forward_s'])} | {_num(r['reference_peak_extra_mb'], '.0f')} | "
-                     f"{_num(r['transformers_peak_extra_mb'], '.0f')} |")
+                     f"{_num(r['transformers_peak_extra_mb'], '.0f')} | {_num(r.get('reference_library_mb'), '.0f')} / "
+                     f"{_num(r.get('transformers_library_mb'), '.0f')} |")
     return lines
 
 
@@ -147,10 +153,14 @@ def _detection_lines(det: dict) -> list[str]:
     lines = [f"Rule: {det['rule']}. To apply it: `LOAD_REPEATS = {det['repeats']}` and `STATISTIC = "
              f"\"{det['statistic']}\"` in harness/bench/calibration.py, `bounds: {{load_time: {det['threshold']:.3f}}}` "
              "on the cpu-load models in models.yaml.", "",
-             "| slowdown injected (nominal) | measured | cell-runs | flagged |", "|---:|---:|---:|---:|"]
+             "A run is one load of every cell of the set; the slowdown slows the reference's cells of a run. "
+             "A run is flagged when any of its cells is.", "",
+             "| slowdown injected (nominal) | measured | runs | runs flagged | cell-runs | cell-runs flagged |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for key in ("slowdown_10", "slowdown_20", "slowdown_50"):
         lines.append(f"| {key.split('_')[1]}% | {_num(det['injected'].get(key), '+.1%')} | "
-                     f"{det['slowed_cell_runs'].get(key, 0)} | {_num(det.get(key), '.0%')} |")
+                     f"{det['slowed_runs'].get(key, 0)} | {_num(det.get(key), '.0%')} | "
+                     f"{det['slowed_cell_runs'].get(key, 0)} | {_num(det['cell_rates'].get(key), '.0%')} |")
     lines += ["", f"Clean held-out runs: {det['clean_runs']} (of {det['cells']} cells each), "
                   f"{det['false_alarm_runs']} with a false alarm ({_num(det['false_alarm'], '.1%')}); "
                   f"{det['clean_cell_false_alarms']} of {det['clean_cell_runs']} clean cell-runs flagged; the normal "
@@ -173,7 +183,9 @@ def markdown(fig: dict) -> str:
     lines += [f"- **{_mark(t['ok'])}**: {t['target']} ({t['detail']})" for t in fig.get("targets") or []]
     lines += ["", "## Load", "", "`floor s`: reading the checkpoint's weight files from the page cache into one "
               "preallocated buffer (no loader reads its bytes faster). Load: the engine's load plus touching every "
-              "weight, in a fresh child process, imports excluded; peak extra: peak RSS less the RSS after imports.", ""]
+              "weight, in a fresh child process, imports excluded; peak extra: peak RSS less the RSS after imports, "
+              "less the shared libraries' pages faulted in after them (a kernel's code is paged in on its first "
+              "call, like an import; the last column: add it back for the raw figure).", ""]
     lines += _load_table(fig.get("load") or []) if fig.get("load") else ["not measured"]
     lines += ["", "## Decode", ""] + (_decode_table(fig["decode"]) if fig.get("decode") else ["not measured"])
     lines += ["", "## Load-time detection (cpu-load)", ""] + _detection_lines(fig.get("detection") or {})

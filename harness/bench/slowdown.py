@@ -5,8 +5,10 @@ each format's decode entry point) are wrapped. During a load, after each call of
 call is repeated (its result discarded) until the repeated work amounts to ``fraction`` of the
 load's own time so far, and once more at the end of the load: a loader that does ``fraction`` more
 of its own reading and decoding, never a sleep. Outside a load (a decode called lazily in a
-forward pass) nothing is repeated. The overshoot is at most one call; the slowdown actually
-injected is measured, not assumed (harness.bench.detection reports it).
+forward pass) nothing is repeated. A call is repeated only while that brings the injected time
+nearer the target (the repeated work ends within half a call of it, over or under: a load made
+of few large decodes would otherwise overshoot a 20% slowdown by a whole decode); the slowdown
+actually injected is measured, not assumed (harness.bench.detection reports it).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ class Slowdown:
         self.fraction = fraction
         self.start: float | None = None  # None outside a load
         self.injected = 0.0
-        self._last = None  # the last call of the loader's work, to repeat
+        self._last = None  # the last call of the loader's work, to repeat, and its seconds
         self._depth = 0
 
     def wrap_entry(self, original):
@@ -54,8 +56,9 @@ class Slowdown:
                 return original(*args, **kwargs)
             self._depth += 1
             try:
+                t0 = time.perf_counter()
                 result = original(*args, **kwargs)
-                self._last = lambda: original(*args, **kwargs)
+                self._last = (lambda: original(*args, **kwargs), time.perf_counter() - t0)
                 self._catch_up(self._last)
             finally:
                 self._depth -= 1
@@ -63,11 +66,13 @@ class Slowdown:
 
         return work
 
-    def _catch_up(self, repeat) -> None:
-        while self.injected < self.fraction * (time.perf_counter() - self.start - self.injected):
+    def _catch_up(self, last) -> None:
+        repeat, seconds = last
+        while self.injected + seconds / 2 < self.fraction * (time.perf_counter() - self.start - self.injected):
             t0 = time.perf_counter()
             repeat()
-            self.injected += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.injected += seconds
 
 
 def _resolve(target: str):
