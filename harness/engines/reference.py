@@ -47,7 +47,8 @@ class ReferenceEngine(InProcessEngine):
         from harness.bench.calibration import timed_load
 
         warm_imports(checkpoint, online_quantization(self.cell))
-        return timed_load(lambda: self._load_once(checkpoint), gated=self.cell.gate_load_time)
+        # The unfused witness's load time is never compared: timed once, as on an ungated tier.
+        return timed_load(lambda: self._load_once(checkpoint), gated=self.cell.gate_load_time and self.fuse)
 
     def _load_once(self, checkpoint: Checkpoint) -> tuple[float, dict[str, float]]:
         from harness import reference
