@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 from accelerate import init_empty_weights
+from transformers.initialization import no_init_weights
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 from torch.overrides import TorchFunctionMode
@@ -217,7 +218,7 @@ def _skeleton(path: Path, config_dict: dict, src: TensorSource) -> nn.Module:
             # The reference decodes quantized tensors itself; transformers must not quantize anything.
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
-            with init_empty_weights(include_buffers=False):
+            with init_empty_weights(include_buffers=False), no_init_weights():
                 model = cls._from_config(config, dtype=torch.float32)
     except CheckpointError:
         raise
