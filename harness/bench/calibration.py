@@ -26,9 +26,10 @@ from harness import records as R
 
 # 32 MiB of float16 values (16 Mi elements): about as long as a small load's read and decode here.
 CALIBRATION_BYTES = 32 << 20
-# The timed passes of the workload before the loads (the fastest of them and of the pass after the
-# loads is kept).
-CALIBRATION_REPEATS = 2
+# The timed passes of the workload before the loads and after them; the fastest is kept. Each pass
+# is ~25 ms here: its own noise enters every calibrated ratio, and more passes cost little.
+CALIBRATION_REPEATS = 4
+CALIBRATION_REPEATS_AFTER = 2
 # The loads a gated cell times and the statistic it reports, with models.yaml's load_time bound the
 # gate's rule, chosen by `harness bench --parts detection` (BENCHMARKS.md, target 3): on the quiet
 # run of 2026-11-30, min of 5 loads had the smallest run-to-run spread (3.6%; 1 load: 5.3%).
@@ -95,7 +96,7 @@ def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: b
     repeats = LOAD_REPEATS if gated else 1
     before = calibrate() if gated else None
     runs = [load_once() for _ in range(repeats)]
-    after = calibrate(1, warm=False) if gated else None
+    after = calibrate(CALIBRATION_REPEATS_AFTER, warm=False) if gated else None
     samples = [s for s, _ in runs]
     seconds = load_statistic(samples)
     phases = dict(min(runs, key=lambda r: abs(r[0] - seconds))[1])  # the phases of the load reported
