@@ -277,23 +277,15 @@ def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[Seq
     return checks
 
 
-def load_ratio(obtained: LoadInfo, baseline: LoadInfo, clock: str | None = None) -> tuple[float, str | None]:
-    """(ratio, the clock it was calibrated on or None): the calibrated ratio (obtained load / its calibration) over (baseline
-    load / its calibration) when both recorded the calibration (harness.bench.calibration), on the
-    ``clock`` the gate's rule names (``calibration.CLOCK``: the CPU seconds where both recorded
-    them), else the plain ratio of the load times (docs/design.md, "Load time")."""
-    from harness.bench import calibration
-
-    if (clock or calibration.CLOCK) == "cpu" and obtained.cpu_samples and baseline.cpu_samples:
-        cal_obt, cal_base = obtained.phases.get("calibration_cpu"), baseline.phases.get("calibration_cpu")
-        if cal_obt and cal_base and cal_obt > 0 and cal_base > 0:
-            mine, theirs = (calibration.load_statistic(x.cpu_samples) for x in (obtained, baseline))
-            return (mine / cal_obt) / (theirs / cal_base), "cpu"
+def load_ratio(obtained: LoadInfo, baseline: LoadInfo) -> tuple[float, bool]:
+    """(ratio, calibrated): the calibrated ratio (obtained load / its calibration) over (baseline
+    load / its calibration) when both recorded the ``calibration`` phase (harness.bench.calibration),
+    else the plain ratio of the load times (docs/design.md, "Load time")."""
     ratio = obtained.seconds / baseline.seconds
     cal_obt, cal_base = obtained.phases.get("calibration"), baseline.phases.get("calibration")
     if cal_obt and cal_base and cal_obt > 0 and cal_base > 0:
-        return ratio / (cal_obt / cal_base), "wall"
-    return ratio, None
+        return ratio / (cal_obt / cal_base), True
+    return ratio, False
 
 
 def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: bool) -> Check | None:
@@ -303,15 +295,13 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
     if record.load is None or baseline.load is None or baseline.load.seconds <= 0:
         return None
     s_obt, s_base = record.load.seconds, baseline.load.seconds
-    ratio, clock = load_ratio(record.load, baseline.load)
+    ratio, calibrated = load_ratio(record.load, baseline.load)
     regressed = ratio > bound
     improved = ratio < 1 / bound
-    how = {"wall": "calibrated ", "cpu": "calibrated CPU-time ", None: ""}[clock]
-    text = f"load {_fmt(s_obt)} s vs baseline {_fmt(s_base)} s: {how}ratio {_fmt(ratio)}, bound {_fmt(bound)}"
-    if clock is not None:
-        phase = "calibration_cpu" if clock == "cpu" else "calibration"
-        text += (f" (calibration {_fmt(record.load.phases[phase])} s vs "
-                 f"{_fmt(baseline.load.phases[phase])} s{' CPU' if clock == 'cpu' else ''})")
+    text = f"load {_fmt(s_obt)} s vs baseline {_fmt(s_base)} s: {'calibrated ' if calibrated else ''}ratio {_fmt(ratio)}, bound {_fmt(bound)}"
+    if calibrated:
+        text += (f" (calibration {_fmt(record.load.phases['calibration'])} s vs "
+                 f"{_fmt(baseline.load.phases['calibration'])} s)")
     if not gated:
         text += " (measured, not gated on this tier)"
     elif regressed:
@@ -319,7 +309,7 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
     elif improved:
         text = "faster than 1/bound: " + text
     return Check(name="load-time:baseline", ok=not (gated and regressed), detail=text,
-                 data={"ratio": _safe(ratio), "calibrated": clock is not None, "clock": clock, "seconds": s_obt, "baseline_seconds": s_base,
+                 data={"ratio": _safe(ratio), "calibrated": calibrated, "seconds": s_obt, "baseline_seconds": s_base,
                        "bound": bound, "gated": gated, "regressed": gated and regressed, "improved": gated and improved})
 
 

@@ -135,14 +135,11 @@ class ErrorInfo(_Strict):
 class LoadInfo(_Strict):
     """``seconds``: the load time (on a gated tier, the statistic of ``samples`` that
     harness.bench.calibration names). ``phases``: named phase timings (the engine's own: read,
-    decode, fuse, ...; ``calibration`` and ``calibration_cpu``: the in-run calibration workload in
-    wall and CPU seconds, docs/design.md, "Load time"). ``cpu_samples``: on a gated tier, each
-    timed load's CPU seconds (user and system, every thread of the engine child)."""
+    decode, fuse, ...; ``calibration``: the in-run calibration workload, docs/design.md, "Load time")."""
 
     seconds: float = Field(ge=0)
     phases: dict[str, float] = {}
     samples: list[float] = []
-    cpu_samples: list[float] = []
 
 
 class ModuleDiff(_Strict):

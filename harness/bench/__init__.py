@@ -145,7 +145,6 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
     d = detection.measure(cells, paths, choice_runs=args.choice_runs, held_out_runs=args.held_out_runs,
                           slowed_runs=args.slowed_runs, echo=echo)
     return {**d.rates, "rule": d.rule.describe(), "repeats": d.rule.repeats, "statistic": d.rule.statistic,
-            "clock": d.rule.clock,
             "threshold": d.rule.threshold, "injected": d.injected, "cells": len(cells), "clean_runs": d.clean_runs,
             "false_alarm_runs": round((d.rates["false_alarm"] or 0) * d.clean_runs),
             "clean_cell_runs": d.clean_cell_runs, "clean_cell_false_alarms": d.clean_cell_false_alarms,

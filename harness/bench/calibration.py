@@ -11,11 +11,8 @@ calibrated ratio (load / calibration, obtained, over the same of the baseline; h
 ``timed_load(load_once, gated)`` runs, on a gated tier, the calibration, ``LOAD_REPEATS`` loads,
 the calibration again, and returns the LoadInfo: ``seconds`` the ``STATISTIC`` of the loads (the
 rule chosen from measurements, docs/design.md, "Load time"), ``samples`` every load,
-``phases["calibration"]`` the fastest calibration, plus the engine's own phases of the load
-reported. Each load and each calibration is also timed in CPU seconds (the process's user and
-system time, every thread): ``cpu_samples`` and ``phases["calibration_cpu"]``. A shared machine
-slows a process down mostly by not running it, which wall time counts and CPU time does not;
-``CLOCK`` says which of the two the gate compares (harness.compare ``load_ratio``).
+``phases["calibration"]`` the faster of the two calibrations, plus the engine's own phases of the
+load reported.
 """
 from __future__ import annotations
 
@@ -38,8 +35,6 @@ CALIBRATION_REPEATS_AFTER = 2
 # run of 2026-11-30, min of 5 loads had the smallest run-to-run spread (3.6%; 1 load: 5.3%).
 LOAD_REPEATS = 5
 STATISTIC = "min"
-CLOCK = "wall"  # "wall" or "cpu"
-CLOCKS = ("wall", "cpu")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -63,27 +58,25 @@ def calibration_file() -> Path:
     return path
 
 
-def workload(path: Path) -> tuple[float, float]:
-    """One pass of the workload: read the file, float16 -> float32, sum. Returns its (wall, CPU) seconds."""
+def workload(path: Path) -> float:
+    """One pass of the workload: read the file, float16 -> float32, sum. Returns its seconds."""
     import torch
 
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
     data = bytearray(path.read_bytes())
     total = torch.frombuffer(data, dtype=torch.float16).to(torch.float32).sum()
-    seconds = time.perf_counter() - t0, time.process_time() - c0
+    seconds = time.perf_counter() - t0
     del total
     return seconds
 
 
-def calibrate(repeats: int = CALIBRATION_REPEATS, warm: bool = True) -> tuple[float, float]:
-    """The calibration: the fastest of ``repeats`` passes of the workload, (wall, CPU) seconds,
-    each the fastest on its own clock; with ``warm``, after a first pass that brings the file into
-    the page cache and the code paths in."""
+def calibrate(repeats: int = CALIBRATION_REPEATS, warm: bool = True) -> float:
+    """The calibration: the fastest of ``repeats`` passes of the workload, in seconds; with
+    ``warm``, after a first pass that brings the file into the page cache and the code paths in."""
     path = calibration_file()
     if warm:
         workload(path)
-    passes = [workload(path) for _ in range(repeats)]
-    return min(w for w, _ in passes), min(c for _, c in passes)
+    return min(workload(path) for _ in range(repeats))
 
 
 def load_statistic(samples: list[float], statistic: str | None = None) -> float:
@@ -102,16 +95,11 @@ def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: b
     keeps whatever the last load produced."""
     repeats = LOAD_REPEATS if gated else 1
     before = calibrate() if gated else None
-    runs, cpu = [], []
-    for _ in range(repeats):
-        c0 = time.process_time()
-        runs.append(load_once())
-        cpu.append(time.process_time() - c0)
+    runs = [load_once() for _ in range(repeats)]
     after = calibrate(CALIBRATION_REPEATS_AFTER, warm=False) if gated else None
     samples = [s for s, _ in runs]
     seconds = load_statistic(samples)
     phases = dict(min(runs, key=lambda r: abs(r[0] - seconds))[1])  # the phases of the load reported
-    if not gated:
-        return R.LoadInfo(seconds=seconds, phases=phases)
-    phases["calibration"], phases["calibration_cpu"] = min(before[0], after[0]), min(before[1], after[1])
-    return R.LoadInfo(seconds=seconds, phases=phases, samples=samples, cpu_samples=cpu)
+    if gated:
+        phases["calibration"] = min(before, after)
+    return R.LoadInfo(seconds=seconds, phases=phases, samples=samples if repeats > 1 else [])

@@ -14,9 +14,7 @@ whole set must not; the per-cell-run rates are reported beside them.
    standard deviation, the MAD's) gives the threshold at which a clean run flags with probability
    ``TARGET_FALSE_ALARM`` (a normal model over the run's cells, the baseline's own error
    included: the ratio of two runs has sqrt(2) times the spread), and never below the largest
-   clean choice ratio. Candidates are timed on both clocks, wall and CPU seconds
-   (harness.bench.calibration ``CLOCK``). The rule kept is the one with the lowest threshold
-   (fewest loads, then the wall clock, on a tie).
+   clean choice ratio. The rule kept is the one with the lowest threshold (fewest loads on a tie).
 2. Held out: new runs with the rule's k loads, interleaved: clean runs (every cell) and runs
    slowed by 10%, 20% and 50% (``HARNESS_TEST_HOOK=slow=F``, harness.bench.slowdown: the
    reference loader's own reading repeated; reference cells only: transformers' loader has no
@@ -29,7 +27,6 @@ whole set must not; the per-cell-run rates are reported beside them.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -37,8 +34,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-from harness.bench.calibration import CLOCKS
 
 REPEATS = (1, 3, 5, 9)
 STATISTICS = ("min", "median")
@@ -55,19 +50,12 @@ class CellRun:
     samples: tuple[float, ...]
     calibration: float
     slow: float = 0.0
-    cpu_samples: tuple[float, ...] = ()
-    calibration_cpu: float = 0.0
 
-    def value(self, k: int, statistic: str, clock: str = "wall") -> float:
-        """load/calibration under a rule (the first ``k`` loads, their ``statistic``, on ``clock``)."""
+    def value(self, k: int, statistic: str) -> float:
+        """load/calibration under a rule (the first ``k`` loads, their ``statistic``)."""
         from harness.bench.calibration import load_statistic
 
-        samples, calibration = (self.cpu_samples, self.calibration_cpu) if clock == "cpu" else (self.samples, self.calibration)
-        return load_statistic(list(samples[:k]), statistic) / calibration
-
-    def first(self, k: int) -> "CellRun":
-        """The same cell-run with its first ``k`` loads only."""
-        return dataclasses.replace(self, samples=self.samples[:k], cpu_samples=self.cpu_samples[:k])
+        return load_statistic(list(self.samples[:k]), statistic) / self.calibration
 
 
 @dataclass(frozen=True)
@@ -76,11 +64,10 @@ class Rule:
     statistic: str
     threshold: float
     spread: float  # the robust sd of log(load/calibration) of one cell-run
-    clock: str = "wall"
 
     def describe(self) -> str:
-        return (f"{self.statistic} of {self.repeats} load(s) per cell over the calibration, {self.clock} clock; flag "
-                f"when the calibrated ratio > {self.threshold:.3f} (run-to-run spread {100 * self.spread:.1f}%)")
+        return (f"{self.statistic} of {self.repeats} load(s) per cell over the calibration; flag when the "
+                f"calibrated ratio > {self.threshold:.3f} (run-to-run spread {100 * self.spread:.1f}%)")
 
 
 @dataclass
@@ -108,12 +95,12 @@ def _robust_sd(values: Sequence[float]) -> float:
     return MAD_TO_SD * statistics.median(abs(v - med) for v in values)
 
 
-def _spread(runs: Sequence[Sequence[CellRun]], k: int, stat: str, clock: str) -> float:
+def _spread(runs: Sequence[Sequence[CellRun]], k: int, stat: str) -> float:
     """Robust sd of log(value) around each cell's median, pooled over cells."""
     by_cell: dict[str, list[float]] = {}
     for run in runs:
         for cr in run:
-            by_cell.setdefault(cr.cell, []).append(math.log(cr.value(k, stat, clock)))
+            by_cell.setdefault(cr.cell, []).append(math.log(cr.value(k, stat)))
     deviations = [v - statistics.median(vs) for vs in by_cell.values() for v in vs]
     return max(_robust_sd(deviations), 1e-6)
 
@@ -124,10 +111,10 @@ def _z(per_run: float, cells: int) -> float:
     return statistics.NormalDist().inv_cdf(1 - per_cell)
 
 
-def ratios(baseline: Sequence[CellRun], runs: Sequence[CellRun], k: int, stat: str, clock: str = "wall") -> list[float]:
+def ratios(baseline: Sequence[CellRun], runs: Sequence[CellRun], k: int, stat: str) -> list[float]:
     """The calibrated ratio of each cell-run of ``runs`` against its cell's baseline."""
-    base = {cr.cell: cr.value(k, stat, clock) for cr in baseline}
-    return [cr.value(k, stat, clock) / base[cr.cell] for cr in runs]
+    base = {cr.cell: cr.value(k, stat) for cr in baseline}
+    return [cr.value(k, stat) / base[cr.cell] for cr in runs]
 
 
 def choose(choice: Sequence[Sequence[CellRun]]) -> tuple[Rule, list[Rule]]:
@@ -136,22 +123,20 @@ def choose(choice: Sequence[Sequence[CellRun]]) -> tuple[Rule, list[Rule]]:
         raise ValueError(f"choosing a rule needs >= 3 clean choice runs, got {len(choice)}")
     cells = len(choice[0])
     most = min(len(cr.samples) for run in choice for cr in run)
-    timed_cpu = all(cr.cpu_samples and cr.calibration_cpu > 0 for run in choice for cr in run)
     candidates = []
-    for clock in CLOCKS if timed_cpu else ("wall",):
-        for k in (r for r in REPEATS if r <= most):
-            for stat in STATISTICS if k > 1 else ("min",):
-                sd = _spread(choice, k, stat, clock)
-                modelled = math.exp(_z(TARGET_FALSE_ALARM, cells) * math.sqrt(2) * sd)
-                observed = max(r for run in choice[1:] for r in ratios(choice[0], run, k, stat, clock))
-                candidates.append(Rule(k, stat, max(modelled, observed), sd, clock))
-    best = min(candidates, key=lambda r: (round(r.threshold, 3), r.repeats, CLOCKS.index(r.clock)))
+    for k in (r for r in REPEATS if r <= most):
+        for stat in STATISTICS if k > 1 else ("min",):
+            sd = _spread(choice, k, stat)
+            modelled = math.exp(_z(TARGET_FALSE_ALARM, cells) * math.sqrt(2) * sd)
+            observed = max(r for run in choice[1:] for r in ratios(choice[0], run, k, stat))
+            candidates.append(Rule(k, stat, max(modelled, observed), sd))
+    best = min(candidates, key=lambda r: (round(r.threshold, 3), r.repeats))
     return best, candidates
 
 
 def predicted_false_alarm(rule: Rule, clean: Sequence[Sequence[CellRun]], baseline: Sequence[CellRun]) -> float:
     """The per-run false-alarm rate of the normal model fitted to held-out clean ratios."""
-    logs = [math.log(r) for run in clean for r in ratios(baseline, run, rule.repeats, rule.statistic, rule.clock)]
+    logs = [math.log(r) for run in clean for r in ratios(baseline, run, rule.repeats, rule.statistic)]
     mu, sd = statistics.fmean(logs), max(_robust_sd(logs), 1e-6)
     per_cell = 1 - statistics.NormalDist(mu, sd).cdf(math.log(rule.threshold))
     return 1 - (1 - per_cell) ** len(baseline)
@@ -161,8 +146,7 @@ def evaluate(rule: Rule, baseline: Sequence[CellRun], clean: Sequence[Sequence[C
              slowed: dict[float, list[list[CellRun]]]) -> dict:
     """Rates of the rule on held-out runs (see the module docstring)."""
     def flags(runs):
-        return [[r > rule.threshold for r in ratios(baseline, run, rule.repeats, rule.statistic, rule.clock)]
-                for run in runs]
+        return [[r > rule.threshold for r in ratios(baseline, run, rule.repeats, rule.statistic)] for run in runs]
 
     clean_flags = flags(clean)
     out = {"false_alarm": _share(any(f) for f in clean_flags), "clean_cell_runs": sum(map(len, clean_flags)),
@@ -171,7 +155,7 @@ def evaluate(rule: Rule, baseline: Sequence[CellRun], clean: Sequence[Sequence[C
     for fraction, runs in sorted(slowed.items()):
         key = slowdown_key(fraction)
         slowed_flags = flags(runs)
-        rs = [r for run in runs for r in ratios(baseline, run, rule.repeats, rule.statistic, rule.clock)]
+        rs = [r for run in runs for r in ratios(baseline, run, rule.repeats, rule.statistic)]
         out["rates"][key] = _share(any(f) for f in slowed_flags)
         out["cell_rates"][key] = _share(f for fs in slowed_flags for f in fs)
         out["injected"][key] = statistics.median(rs) - 1 if rs else None
@@ -232,12 +216,10 @@ def cell_run(cell, path, repeats: int, slow: float = 0.0) -> CellRun:
         engine = base.engine_class(cell.engine)(cell)
         info = engine.load(base.resolve_checkpoint(cell, str(path)))
         engine.close()
-        return {"samples": info.samples or [info.seconds], "calibration": info.phases["calibration"],
-                "cpu_samples": info.cpu_samples, "calibration_cpu": info.phases.get("calibration_cpu", 0.0)}
+        return {"samples": info.samples or [info.seconds], "calibration": info.phases["calibration"]}
 
     out = _in_child(child)
-    return CellRun(cell.id, tuple(out["samples"]), out["calibration"], slow, tuple(out["cpu_samples"]),
-                   out["calibration_cpu"])
+    return CellRun(cell.id, tuple(out["samples"]), out["calibration"], slow)
 
 
 def preload(cells, paths: dict) -> None:
@@ -274,7 +256,7 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
             for f in SLOWDOWNS:
                 slowed[f].append([cell_run(c, paths[c.id], rule.repeats, slow=f) for c in slow_cells])
         echo(f"  detection: held-out run {i + 1}/{max(held_out_runs, slowed_runs)} ({time.perf_counter() - t0:.0f} s)")
-    baseline = [cr.first(rule.repeats) for cr in choice[0]]
+    baseline = [CellRun(cr.cell, cr.samples[:rule.repeats], cr.calibration) for cr in choice[0]]
     ev = evaluate(rule, baseline, clean, slowed)
     return Detection(rule=rule, candidates=candidates, rates={**ev["rates"], "false_alarm": ev["false_alarm"]},
                      cell_rates=ev["cell_rates"], injected=ev["injected"], clean_runs=len(clean),

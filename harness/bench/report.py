@@ -151,7 +151,7 @@ def _detection_lines(det: dict) -> list[str]:
     if not det:
         return ["not measured"]
     lines = [f"Rule: {det['rule']}. To apply it: `LOAD_REPEATS = {det['repeats']}` and `STATISTIC = "
-             f"\"{det['statistic']}\"`, `CLOCK = \"{det.get('clock', 'wall')}\"` in harness/bench/calibration.py, `bounds: {{load_time: {det['threshold']:.3f}}}` "
+             f"\"{det['statistic']}\"` in harness/bench/calibration.py, `bounds: {{load_time: {det['threshold']:.3f}}}` "
              "on the cpu-load models in models.yaml.", "",
              "A run is one load of every cell of the set; the slowdown slows the reference's cells of a run. "
              "A run is flagged when any of its cells is.", "",
@@ -166,8 +166,8 @@ def _detection_lines(det: dict) -> list[str]:
                   f"{det['clean_cell_false_alarms']} of {det['clean_cell_runs']} clean cell-runs flagged; the normal "
                   f"model of their spread predicts {det['predicted_false_alarm']:.2g} false alarms per run.",
               f"Detection took {det['seconds']:.0f} s.", "", "Candidates (chosen on the clean choice runs):", "",
-              "| clock | loads | statistic | spread | threshold |", "|---|---:|---|---:|---:|"]
-    lines += [f"| {c.get('clock', 'wall')} | {c['repeats']} | {c['statistic']} | {100 * c['spread']:.1f}% | {c['threshold']:.3f} |"
+              "| loads | statistic | spread | threshold |", "|---:|---|---:|---:|"]
+    lines += [f"| {c['repeats']} | {c['statistic']} | {100 * c['spread']:.1f}% | {c['threshold']:.3f} |"
               for c in det["candidates"]]
     return lines
 
