@@ -7,8 +7,9 @@ never load time, then records:
 
 - ``rss_after_imports_mb``: its resident set after the imports;
 - ``load_s``: the engine's load (``harness.reference.load``, or transformers' ``from_pretrained``
-  as the transformers engine calls it) plus touching every weight (a sum over every parameter
-  and buffer, so nothing lazily mapped is left unread);
+  as the transformers engine calls it) plus touching every parameter and buffer (a sum over
+  each, so nothing lazily mapped is left unread). The reference's quantized weights are no
+  parameters: they stay stored and are read by the forward pass, which ``load_forward_s`` counts;
 - ``forward_s``: one forward pass of a fixed 16-token prompt after it (``load_forward_s`` is their sum);
 - ``peak_mb``: the peak resident set since exec (``VmHWM``); ``library_mb``: the shared
   libraries' code and data paged in after the imports (file-backed pages of every mapping but
@@ -163,8 +164,10 @@ def _child(engine: str, path: Path, profile: bool) -> dict:
         model(input_ids=torch.arange(1, PROMPT_TOKENS + 1).unsqueeze(0), use_cache=False)
     forward_s = time.perf_counter() - t1
     phases = {k: float(v) for k, v in loaded.report.timings.items()} if engine == "reference" else {}
+    library = max(0.0, _library_mb(checkpoint_files) - library)
     return asdict(LoadResult(engine=engine, load_s=load_s, forward_s=forward_s, rss_after_imports_mb=rss,
-                             peak_mb=_peak_mb(), library_mb=max(0.0, _library_mb(checkpoint_files) - library), phases=phases, profile=_top(profiler) if profiler else None))
+                             peak_mb=_peak_mb(), library_mb=library, phases=phases,
+                             profile=_top(profiler) if profiler else None))
 
 
 def _top(profiler) -> str:

@@ -183,7 +183,8 @@ def markdown(fig: dict) -> str:
     lines += [f"- **{_mark(t['ok'])}**: {t['target']} ({t['detail']})" for t in fig.get("targets") or []]
     lines += ["", "## Load", "", "`floor s`: reading the checkpoint's weight files from the page cache into one "
               "preallocated buffer (no loader reads its bytes faster). Load: the engine's load plus touching every "
-              "weight, in a fresh child process, imports excluded; peak extra: peak RSS less the RSS after imports, "
+              "parameter and buffer, in a fresh child process, imports excluded (the reference's quantized weights "
+              "stay stored and are first read by the forward pass: compare load+forward); peak extra: peak RSS less the RSS after imports, "
               "less the shared libraries' pages faulted in after them (a kernel's code is paged in on its first "
               "call, like an import; the last column: add it back for the raw figure).", ""]
     lines += _load_table(fig.get("load") or []) if fig.get("load") else ["not measured"]
