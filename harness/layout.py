@@ -6,6 +6,8 @@
     raw/<cell id>.info.json          the engine identity, written by the child before it loads
     raw/<cell id>.job.json           the job the child was given
     raw/<model>.<scheme>.continuation.json   a continuation-only reference child's record
+    raw/<cell id>.load<N>.json       a gated cell's load timed again in fresh child N (harness.records.LoadInfo;
+                                     its log logs/<cell id>.load<N>.log, an error record beside it if it failed)
     witness/<cell id>.unfused.json   the reference executed unfused
     sequences/<model>.<scheme>.json  the scored sequences of a group computed in this run
     summary.txt                      the verdict table (harness run)
@@ -57,6 +59,9 @@ class Layout:
 
     def continuation(self, key: str) -> Path:
         return self.root / "raw" / f"{key}.continuation.json"
+
+    def load_child(self, cell_id: str, n: int) -> Path:
+        return self.root / "raw" / f"{cell_id}.load{n}.json"
 
     def log(self, name: str) -> Path:
         return self.root / "logs" / f"{name}.log"

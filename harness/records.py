@@ -132,14 +132,25 @@ class ErrorInfo(_Strict):
     log_tail: str = ""
 
 
+class ChildLoad(_Strict):
+    """One engine child's timing of a gated cell's load: its load seconds and its calibration."""
+
+    seconds: float = Field(ge=0)
+    calibration: float | None = None
+
+
 class LoadInfo(_Strict):
     """``seconds``: the load time (on a gated tier, the statistic of ``samples`` that
     harness.bench.calibration names). ``phases``: named phase timings (the engine's own: read,
-    decode, fuse, ...; ``calibration``: the in-run calibration workload, docs/design.md, "Load time")."""
+    decode, fuse, ...; ``calibration``: the in-run calibration workload, docs/design.md, "Load time").
+    ``children``: where a gated load was timed in more than one child (a confirmation, or a
+    baseline's median), every child's timing; ``seconds`` and ``phases`` are those of the child the
+    rule reports."""
 
     seconds: float = Field(ge=0)
     phases: dict[str, float] = {}
     samples: list[float] = []
+    children: list[ChildLoad] = []
 
 
 class ModuleDiff(_Strict):

@@ -8,6 +8,7 @@ import pytest
 
 from harness import cli
 from harness import matrix as M
+from harness import records as R
 from harness.bench import calibration, checkpoints, detection, report, slowdown
 from harness.bench.detection import CellRun
 
@@ -20,16 +21,31 @@ def _run(rng, spread=0.01, slow=0.0, level=1.0, loads=5):
             for c in CELLS]
 
 
+def _one_child(run):
+    """A held-out run whose cells were each timed in one child (no confirmation)."""
+    return [[cr] for cr in run]
+
+
+def _gated_run(rng, rule, base, **kw):
+    """A held-out run as the gate makes it: each cell's children, confirmations included."""
+    return [detection.gated(lambda i=i: _run(rng, **kw)[i], rule, base) for i in range(len(CELLS))]
+
+
+def _choose(runs):
+    return detection.choose(runs, slowed_cells=2, baseline_children=5)
+
+
 def test_rule_from_quiet_runs_catches_20_percent_and_not_clean_runs():
     rng = random.Random(0)
-    rule, candidates = detection.choose([_run(rng) for _ in range(6)])
+    rule, candidates = _choose([_run(rng) for _ in range(8)])
     assert {(c.repeats, c.statistic) for c in candidates} == {(1, "min"), (3, "min"), (3, "median"), (5, "min"), (5, "median")}
+    assert {c.confirmations for c in candidates} == set(detection.CONFIRMATIONS)
     assert max(c.repeats for c in candidates) == 5  # no more loads than the choice runs timed
-    assert 1.0 < rule.threshold < 1.2
-    baseline = [CellRun(cr.cell, cr.samples[:rule.repeats], cr.calibration) for cr in _run(random.Random(1))]
-    clean = [_run(rng) for _ in range(20)]
-    slowed = {0.2: [_run(rng, slow=0.2) for _ in range(10)]}
-    ev = detection.evaluate(rule, baseline, clean, slowed)
+    assert 1.0 < rule.threshold < 1.2 and rule.modelled_20 > 0.99
+    base = detection.baseline_of([_run(random.Random(1))], rule.repeats, rule.statistic, 1)
+    clean = [_gated_run(rng, rule, base) for _ in range(20)]
+    slowed = {0.2: [_gated_run(rng, rule, base, slow=0.2) for _ in range(10)]}
+    ev = detection.evaluate(rule, base, clean, slowed)
     assert ev["rates"]["slowdown_20"] == 1.0 and ev["cell_rates"]["slowdown_20"] == 1.0 and ev["false_alarm"] == 0.0
     assert (ev["slowed_runs"]["slowdown_20"], ev["slowed_cell_runs"]["slowdown_20"]) == (10, 10 * len(CELLS))
     assert ev["injected"]["slowdown_20"] == pytest.approx(0.2, abs=0.05)
@@ -38,36 +54,82 @@ def test_rule_from_quiet_runs_catches_20_percent_and_not_clean_runs():
 
 def test_rule_threshold_follows_the_noise_and_counts_a_false_alarm():
     rng = random.Random(2)
-    quiet, _ = detection.choose([_run(rng, spread=0.01) for _ in range(6)])
-    noisy, _ = detection.choose([_run(rng, spread=0.05) for _ in range(6)])
-    assert noisy.threshold > quiet.threshold
-    baseline = _run(random.Random(3), spread=0.0)
+    quiet, quiet_all = _choose([_run(rng, spread=0.01) for _ in range(8)])
+    noisy, noisy_all = _choose([_run(rng, spread=0.05) for _ in range(8)])
+    same = {(c.repeats, c.statistic, c.confirmations): c.threshold for c in quiet_all}
+    assert all(c.threshold > same[(c.repeats, c.statistic, c.confirmations)] for c in noisy_all)
+    # More confirmations allow a lower threshold for the same false-alarm rate.
+    by_conf = {c.confirmations: c.threshold for c in noisy_all if (c.repeats, c.statistic) == (1, "min")}
+    assert by_conf[2] < by_conf[1] < by_conf[0]
+    base = detection.baseline_of([_run(random.Random(3), spread=0.0)], 1, "min", 1)
     outlier = [CellRun(cr.cell, tuple(s * (2.0 if cr.cell == CELLS[0] else 1.0) for s in cr.samples), 1.0)
                for cr in _run(rng, spread=0.0)]
-    ev = detection.evaluate(quiet, baseline, [_run(rng, spread=0.0), outlier], {})
+    ev = detection.evaluate(quiet, base, [_one_child(_run(rng, spread=0.0)), _one_child(outlier)], {})
     assert ev["false_alarm"] == 0.5 and ev["clean_cell_false_alarms"] == 1
+
+
+def test_a_cell_flags_only_when_every_confirmation_child_is_over():
+    rule = detection.Rule(1, "min", 1.1, 0.01, confirmations=1)
+    base = {c: 1.0 for c in CELLS}
+    slow, fast = CellRun(CELLS[0], (1.5,), 1.0), CellRun(CELLS[0], (1.0,), 1.0)
+    assert detection.cell_flags(base, [slow, slow], rule)
+    assert not detection.cell_flags(base, [slow, fast], rule)
+    quiet = [[CellRun(c, (1.0,), 1.0)] for c in CELLS[1:]]
+    ev = detection.evaluate(rule, base, [[[slow, fast], *quiet]], {0.2: [[[slow, slow], *quiet]]})
+    assert ev["false_alarm"] == 0.0 and ev["rates"]["slowdown_20"] == 1.0 and ev["confirmation_children"] == 2
 
 
 def test_a_slowed_run_is_flagged_when_any_of_its_cells_is():
     rule = detection.Rule(1, "min", 1.1, 0.01)
-    baseline = [CellRun(c, (1.0,), 1.0) for c in CELLS]
+    base = {c: 1.0 for c in CELLS}
     one_slow = [CellRun(c, (1.5 if c == CELLS[0] else 1.0,), 1.0) for c in CELLS]
-    ev = detection.evaluate(rule, baseline, [], {0.2: [one_slow, baseline]})
+    same = [CellRun(c, (1.0,), 1.0) for c in CELLS]
+    ev = detection.evaluate(rule, base, [], {0.2: [_one_child(one_slow), _one_child(same)]})
     assert ev["rates"]["slowdown_20"] == 0.5 and ev["cell_rates"]["slowdown_20"] == pytest.approx(1 / 6)
     assert ev["false_alarm"] is None
 
 
 def test_a_slower_machine_is_calibrated_away():
     rng = random.Random(4)
-    rule, _ = detection.choose([_run(rng) for _ in range(5)])
-    baseline = _run(random.Random(5), spread=0.0)
+    rule, _ = _choose([_run(rng) for _ in range(7)])
+    base = detection.baseline_of([_run(random.Random(5), spread=0.0)], rule.repeats, rule.statistic, 1)
     slower = [CellRun(cr.cell, tuple(2 * s for s in cr.samples), 2.0) for cr in _run(rng, spread=0.0)]
-    assert detection.evaluate(rule, baseline, [slower], {})["false_alarm"] == 0.0
+    assert detection.evaluate(rule, base, [_one_child(slower)], {})["false_alarm"] == 0.0
 
 
-def test_choosing_needs_three_runs():
-    with pytest.raises(ValueError, match=">= 3 clean choice runs"):
-        detection.choose([_run(random.Random(6))] * 2)
+def test_the_baseline_is_the_median_child_of_the_first_runs():
+    runs = [[CellRun("a", (x,), 1.0)] for x in (3.0, 1.0, 2.0, 9.0, 0.5)]
+    assert detection.baseline_of(runs, 1, "min", 3) == {"a": 2.0}
+    assert detection.baseline_of(runs, 1, "min", 4) == {"a": 2.0}  # the lower median of an even count
+
+
+def test_choosing_needs_the_baseline_runs_and_two_more():
+    with pytest.raises(ValueError, match=">= 7 clean choice runs"):
+        _choose([_run(random.Random(6))] * 6)
+
+
+def _info(seconds, calibration=1.0):
+    return R.LoadInfo(seconds=seconds, phases={"calibration": calibration})
+
+
+def test_confirm_retimes_only_while_over_and_reports_the_fastest():
+    over = lambda info: calibration.calibrated(info) > 1.1  # noqa: E731
+    queue = [_info(1.3), _info(1.05), _info(2.0)]
+    got = calibration.confirm(_info(1.5), lambda: queue.pop(0), over, confirmations=2)
+    assert got.seconds == 1.05 and [c.seconds for c in got.children] == [1.5, 1.3, 1.05]
+    assert queue == [_info(2.0)]  # stopped as soon as one child was within the bound
+    assert calibration.confirm(_info(1.0), lambda: pytest.fail("retimed a cell within its bound"), over).children == []
+    slow = calibration.confirm(_info(1.5), lambda: _info(1.4, 1.0), over, confirmations=2)
+    assert over(slow) and len(slow.children) == 3
+    # A failed child ends the confirmation: the cell is judged on what was timed.
+    assert over(calibration.confirm(_info(1.5), lambda: None, over, confirmations=2))
+
+
+def test_baseline_load_is_the_median_child_by_calibrated_value():
+    queue = [_info(2.0, 2.0), _info(3.0, 1.0), _info(0.5, 1.0), _info(1.2, 1.0)]
+    got = calibration.baseline_load(_info(1.1, 1.0), lambda: queue.pop(0), children=5)
+    assert (got.seconds, got.phases["calibration"]) == (1.1, 1.0) and len(got.children) == 5
+    assert calibration.baseline_load(_info(1.0), lambda: None, children=5).children == []
 
 
 @pytest.fixture

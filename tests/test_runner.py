@@ -383,3 +383,55 @@ def test_default_jobs_is_a_group_per_core_where_memory_allows(monkeypatch):
     assert runner.default_jobs(threads=1) == 1
     monkeypatch.setattr(runner, "available_memory", lambda: None)
     assert runner.default_jobs(threads=1) == 8
+
+
+GATED_MATRIX = """
+version: 1
+environments:
+  core:
+    engines: {reference: "0.1.0"}
+defaults:
+  max_tokens: 2
+  top_k: 3
+  timeout_s: 300
+  bounds:
+    unquantized: {logprob: 1.0e-4, topk: 1.0e-4, load_time: 1.5}
+models:
+  whisper:
+    arch: WhisperForConditionalGeneration
+    fixture: whisper
+    prompts: fixture
+    tier: cpu-load
+    engines: {reference: core}
+    schemes:
+      unquantized:
+"""
+GATED = "whisper.unquantized.reference"
+
+
+def test_a_gated_cell_is_timed_in_several_children_for_its_baseline_and_confirmed_when_over(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """On a load-time gated tier the baseline records the median of BASELINE_CHILDREN children, and
+    a cell over its bound is timed again in fresh children and regressed only when every one is
+    over (harness.bench.calibration): here the test hook makes the loader 3x slower."""
+    from harness.bench import calibration
+
+    matrix = tmp_path / "models.yaml"
+    matrix.write_text(GATED_MATRIX)
+    base = ["run", "--matrix", matrix, "--baselines", tmp_path / "b", "--tier", "cpu-load"]
+    code, out, _ = harness(capsys, *base, "--results", tmp_path / "r0", "--update-baselines")
+    assert code == 0, out
+    stored = json.loads((tmp_path / "b" / "cpu-load" / f"{GATED}.json").read_text())["load"]
+    assert len(stored["children"]) == calibration.BASELINE_CHILDREN and stored["phases"]["calibration"] > 0
+    median = sorted(c["seconds"] / c["calibration"] for c in stored["children"])[calibration.BASELINE_CHILDREN // 2]
+    assert stored["seconds"] / stored["phases"]["calibration"] == pytest.approx(median)
+    assert f"median of {calibration.BASELINE_CHILDREN} children" in out
+
+    monkeypatch.setenv("HARNESS_TEST_HOOK", "slow=3")
+    code, out, _ = harness(capsys, *base, "--results", tmp_path / "r1")
+    assert code == 1, out
+    slowed = R.load(tmp_path / "r1" / f"{GATED}.json")
+    assert slowed.verdict == "regressed" and "slower than bound" in slowed.verdict_reason
+    assert len(slowed.load.children) == 1 + calibration.CONFIRMATIONS
+    assert all(c.seconds / c.calibration > 1.5 * median for c in slowed.load.children)
+    assert (tmp_path / "r1" / "logs" / f"{GATED}.load{calibration.CONFIRMATIONS}.log").exists()

@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the git ref the matrix part compares HEAD with (default: {matrix_run.DEFAULT_BEFORE})")
     p.add_argument("--matrix-k", metavar="EXPR", help="matrix: only the cells of this -k expression on both sides "
                                                        "(a reduced check of the part; target 4 is then not judged)")
-    p.add_argument("--choice-runs", type=int, default=5, metavar="N", help="detection: clean runs to choose the rule on")
+    p.add_argument("--choice-runs", type=int, default=9, metavar="N",
+                   help="detection: clean runs to choose the rule on (the first BASELINE_CHILDREN make the baseline)")
     p.add_argument("--held-out-runs", type=int, default=13, metavar="N", help="detection: held-out clean runs")
     p.add_argument("--slowed-runs", type=int, default=8, metavar="N", help="detection: held-out runs per slowdown")
     p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (detection's cpu-load cells)")
@@ -145,7 +146,8 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
     d = detection.measure(cells, paths, choice_runs=args.choice_runs, held_out_runs=args.held_out_runs,
                           slowed_runs=args.slowed_runs, echo=echo)
     return {**d.rates, "rule": d.rule.describe(), "repeats": d.rule.repeats, "statistic": d.rule.statistic,
-            "threshold": d.rule.threshold, "injected": d.injected, "cells": len(cells), "clean_runs": d.clean_runs,
+            "confirmations": d.rule.confirmations, "threshold": d.rule.threshold, "injected": d.injected,
+            "confirmation_children": d.confirmation_children, "cells": len(cells), "clean_runs": d.clean_runs,
             "false_alarm_runs": round((d.rates["false_alarm"] or 0) * d.clean_runs),
             "clean_cell_runs": d.clean_cell_runs, "clean_cell_false_alarms": d.clean_cell_false_alarms,
             "cell_rates": d.cell_rates, "slowed_runs": d.slowed_runs, "slowed_cell_runs": d.slowed_cell_runs,

@@ -13,6 +13,13 @@ the calibration again, and returns the LoadInfo: ``seconds`` the ``STATISTIC`` o
 rule chosen from measurements, docs/design.md, "Load time"), ``samples`` every load,
 ``phases["calibration"]`` the faster of the two calibrations, plus the engine's own phases of the
 load reported.
+
+One child is one draw of a shared machine's mood: on a busy host a whole child runs several percent
+slow, loads and calibration alike but not by the same factor. So across children, ``confirm``
+re-times a gated cell found over its bound in up to ``CONFIRMATIONS`` fresh children and reports
+the fastest (the cell flags only when every child is over), and ``baseline_load`` records the
+median of ``BASELINE_CHILDREN`` children as a baseline, whose own error would otherwise enter every
+later comparison. The runner provides the fresh children (harness.runner, a ``load`` child).
 """
 from __future__ import annotations
 
@@ -35,6 +42,8 @@ CALIBRATION_REPEATS_AFTER = 2
 # run of 2026-11-30, min of 5 loads had the smallest run-to-run spread (3.6%; 1 load: 5.3%).
 LOAD_REPEATS = 5
 STATISTIC = "min"
+CONFIRMATIONS = 2
+BASELINE_CHILDREN = 5
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -103,3 +112,45 @@ def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: b
     if gated:
         phases["calibration"] = min(before, after)
     return R.LoadInfo(seconds=seconds, phases=phases, samples=samples if repeats > 1 else [])
+
+
+def calibrated(info: R.LoadInfo) -> float:
+    """The quantity the gate compares: load / calibration (the plain load where none was timed)."""
+    cal = info.phases.get("calibration")
+    return info.seconds / cal if cal else info.seconds
+
+
+def confirm(first: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
+            over: Callable[[R.LoadInfo], bool], confirmations: int | None = None) -> R.LoadInfo:
+    """While the last child's load is ``over`` the bound, time it again in a fresh child
+    (``retime``; None when that child failed), at most ``confirmations`` times; the fastest child
+    is reported, every child listed."""
+    confirmations = CONFIRMATIONS if confirmations is None else confirmations
+    infos = [first]
+    while over(infos[-1]) and len(infos) <= confirmations:
+        again = retime()
+        if again is None:
+            break
+        infos.append(again)
+    return _reported(infos, min(infos, key=calibrated))
+
+
+def baseline_load(first: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
+                  children: int | None = None) -> R.LoadInfo:
+    """The load a baseline records: the median child (the lower one of an even count) of
+    ``children`` fresh children, ``first`` among them; every child listed."""
+    infos = [first]
+    for _ in range((BASELINE_CHILDREN if children is None else children) - 1):
+        again = retime()
+        if again is None:
+            break
+        infos.append(again)
+    ranked = sorted(infos, key=calibrated)
+    return _reported(infos, ranked[(len(ranked) - 1) // 2])
+
+
+def _reported(infos: list[R.LoadInfo], chosen: R.LoadInfo) -> R.LoadInfo:
+    if len(infos) == 1:
+        return chosen
+    return chosen.model_copy(update={"children": [
+        R.ChildLoad(seconds=i.seconds, calibration=i.phases.get("calibration")) for i in infos]})

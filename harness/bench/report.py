@@ -150,11 +150,12 @@ def _decode_table(decode: list[dict]) -> list[str]:
 def _detection_lines(det: dict) -> list[str]:
     if not det:
         return ["not measured"]
-    lines = [f"Rule: {det['rule']}. To apply it: `LOAD_REPEATS = {det['repeats']}` and `STATISTIC = "
-             f"\"{det['statistic']}\"` in harness/bench/calibration.py, `bounds: {{load_time: {det['threshold']:.3f}}}` "
-             "on the cpu-load models in models.yaml.", "",
-             "A run is one load of every cell of the set; the slowdown slows the reference's cells of a run. "
-             "A run is flagged when any of its cells is.", "",
+    lines = [f"Rule: {det['rule']}. To apply it: `LOAD_REPEATS = {det['repeats']}`, `STATISTIC = "
+             f"\"{det['statistic']}\"` and `CONFIRMATIONS = {det['confirmations']}` in harness/bench/calibration.py, "
+             f"`bounds: {{load_time: {det['threshold']:.3f}}}` on the cpu-load models in models.yaml.", "",
+             "A run is one cell-run of every cell of the set: a child, and while the last is over the threshold "
+             "the confirmations; the slowdown slows the reference's cells of a run. A run is flagged when any of "
+             "its cells is. The baseline is each cell's median child of the first choice runs.", "",
              "| slowdown injected (nominal) | measured | runs | runs flagged | cell-runs | cell-runs flagged |",
              "|---:|---:|---:|---:|---:|---:|"]
     for key in ("slowdown_10", "slowdown_20", "slowdown_50"):
@@ -164,11 +165,13 @@ def _detection_lines(det: dict) -> list[str]:
     lines += ["", f"Clean held-out runs: {det['clean_runs']} (of {det['cells']} cells each), "
                   f"{det['false_alarm_runs']} with a false alarm ({_num(det['false_alarm'], '.1%')}); "
                   f"{det['clean_cell_false_alarms']} of {det['clean_cell_runs']} clean cell-runs flagged; the normal "
-                  f"model of their spread predicts {det['predicted_false_alarm']:.2g} false alarms per run.",
+                  f"model of their spread predicts {det['predicted_false_alarm']:.2g} false alarms per run. "
+                  f"Confirmation children timed over all held-out runs: {det['confirmation_children']}.",
               f"Detection took {det['seconds']:.0f} s.", "", "Candidates (chosen on the clean choice runs):", "",
-              "| loads | statistic | spread | threshold |", "|---:|---|---:|---:|"]
-    lines += [f"| {c['repeats']} | {c['statistic']} | {100 * c['spread']:.1f}% | {c['threshold']:.3f} |"
-              for c in det["candidates"]]
+              "| loads | statistic | confirmations | spread | threshold | modelled 20% detection |",
+              "|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {c['repeats']} | {c['statistic']} | {c['confirmations']} | {100 * c['spread']:.1f}% | "
+              f"{c['threshold']:.3f} | {_num(c['modelled_20'], '.1%')} |" for c in det["candidates"]]
     return lines
 
 

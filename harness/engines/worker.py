@@ -12,7 +12,9 @@ child writes, each atomically:
 
 Job fields: ``mode`` ("cell"; "continuation": the reference engine's greedy continuation only,
 written to ``sequences_out``; "trace": the module traces of ``sequences`` only, written to
-``trace``, harness.traces), ``options`` (the engine's, e.g. the reference's ``fuse``), ``cell``
+``trace``, harness.traces; "load": the engine's timed load only, its LoadInfo written to
+``load_out``, for a gated cell timed again in a fresh child, harness.bench.calibration; a record
+only on an error), ``options`` (the engine's, e.g. the reference's ``fuse``), ``cell``
 (a harness.matrix.Cell), ``path`` (a local checkpoint),
 ``sequences`` (prompt id -> tokens to score, or null), ``threads`` (torch threads; default 1, which
 also makes results independent of the core count), and the output paths above.
@@ -182,14 +184,8 @@ def run_job(job: dict) -> int:
         engine = base.engine_class(cell.engine)(cell, job.get("options"))
         info = engine.info()
     except Exception as e:
-        import traceback
-
-        tb = traceback.format_exc()
-        log(tb)
-        record = R.Record.for_cell(cell, engine_info=R.EngineInfo(name=cell.engine, environment=cell.environment,
-                                                                  platform=R.cpu_platform()),
-                                   status="error", error=R.ErrorInfo(type=type(e).__name__, message=str(e), log_tail=tb))
-        R.save(job["record"], record)
+        R.save(job["record"], _error_record(cell, R.EngineInfo(name=cell.engine, environment=cell.environment,
+                                                                platform=R.cpu_platform()), e))
         return 0
     if job.get("info"):
         _write_json(job["info"], info.model_dump())
@@ -206,6 +202,18 @@ def run_job(job: dict) -> int:
         if failed is not None:
             R.save(job["record"], failed)
         log(f"worker: done, traces {'not ' if failed else ''}recorded")
+        return 0
+
+    if mode == "load":
+        hooked = _HookedEngine(engine)
+        try:
+            load = hooked.load(checkpoint())
+            hooked.close()
+        except Exception as e:
+            R.save(job["record"], _error_record(cell, info, e))
+            return 0
+        _write_json(job["load_out"], load.model_dump())
+        log(f"worker: done, load {load.seconds:.4f} s")
         return 0
 
     witness = None
@@ -227,6 +235,16 @@ def run_job(job: dict) -> int:
         R.save(job["record"], record)
     log(f"worker: done, status {record.status}")
     return 0
+
+
+def _error_record(cell, info: R.EngineInfo, e: Exception) -> R.Record:
+    """The record of an exception raised outside harness.engines.base.execute, traceback logged."""
+    import traceback
+
+    tb = traceback.format_exc()
+    log(tb)
+    return R.Record.for_cell(cell, engine_info=info, status="error",
+                             error=R.ErrorInfo(type=type(e).__name__, message=str(e), log_tail=tb))
 
 
 def main(argv: list[str] | None = None) -> int:
