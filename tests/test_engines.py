@@ -150,3 +150,41 @@ def test_online_schemes_quantize_at_load_time(cells):
     fp8 = online("transformers", "online-fp8")
     rec = base.execute(TransformersEngine(fp8), lambda: base.resolve_checkpoint(fp8))
     assert rec.status == "unsupported" and "no online FP8 quantization that runs on a CPU" in rec.unsupported_reason
+
+
+IMPORT_SPY = """
+import json, sys
+from harness import matrix
+from harness.bench import calibration
+from harness.engines import base
+
+cell = next(c for c in matrix.load().cells(tier="cpu-tiny") if c.id == sys.argv[1])
+timed_load, imported = calibration.timed_load, []
+
+def spy(load_once, gated):
+    before = set(sys.modules)
+    info = timed_load(load_once, gated)
+    imported.extend(sorted(set(sys.modules) - before))
+    return info
+
+calibration.timed_load = spy
+engine = base.engine_class(cell.engine)(cell)
+engine.load(base.resolve_checkpoint(cell, None))
+print(json.dumps(imported))
+"""
+
+
+@pytest.mark.parametrize("cell_id", ["llama.unquantized.reference", "llama.bnb-nf4.reference",
+                                     "llama.fp8-dynamic.reference", "llama.torchao-int8wo.reference",
+                                     "llama.bnb-nf4.transformers", "llama.fp8-dynamic.transformers",
+                                     "llama.torchao-int8wo.transformers"])
+def test_no_import_is_timed_as_load_in_a_fresh_process(cell_id):
+    """A spawned child imports nothing in advance: everything a load imports lazily must be imported
+    by the engine's warm-up, before the clock starts (docs/design.md, "Load time")."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", IMPORT_SPY, cell_id], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -70,26 +70,34 @@ class ReferenceEngine(InProcessEngine):
 # The libraries a load reads each quantization method with, imported lazily on first use.
 QUANT_LIBRARIES = {
     "bitsandbytes": ("bitsandbytes",),
-    "torchao": ("torchao.core.config", "torchao.prototype.safetensors.safetensors_utils"),
+    "torchao": ("torchao.core.config", "torchao.prototype.safetensors.safetensors_utils",
+                "transformers.integrations.torchao"),
     "compressed-tensors": ("compressed_tensors",),
     "fp8": (),
 }
 
 
 def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
-    """Import what loading this checkpoint imports lazily (the architecture's modeling module, the
-    safetensors reader, the quantization library), so that no import is timed as load, whatever
-    the isolation mode (a forked child inherits the fork server's imports, a spawned one does not)."""
+    """Import what loading this checkpoint imports lazily (the loader itself with its format
+    modules, the architecture's modeling module, the safetensors reader, the quantization library),
+    so that no import is timed as load, whatever the isolation mode (a forked child inherits the
+    fork server's imports, a spawned one does not)."""
     import importlib
 
     import safetensors.torch  # noqa: F401
     import transformers
 
+    import harness.reference  # noqa: F401
+
     for arch in checkpoint.config.get("architectures") or ():
         getattr(transformers, arch, None)
     method = (online or checkpoint.quantization_config or {}).get("quant_method")
-    for module in QUANT_LIBRARIES.get(method, ()):
-        try:
+    try:
+        for module in QUANT_LIBRARIES.get(method, ()):
             importlib.import_module(module)
-        except ImportError:  # the load itself says what is missing
-            pass
+        if method == "torchao":  # a config's _type is validated against every module torchao reads from
+            from harness.quant import schema
+
+            schema.torchao_modules()
+    except ImportError:  # the load itself says what is missing
+        pass

@@ -112,17 +112,26 @@ class Fp8Config(_Open):
     weight_block_size: list[StrictInt] | None = None
 
 
-def torchao_class(name: str) -> type | None:
-    """The class torchao 0.18's ``config_from_dict`` would deserialize ``_type`` ``name`` into: the
-    attribute of that name in the first of torchao's ``ALLOWED_AO_MODULES`` that has one; None when
-    none has. Nothing is instantiated."""
+def torchao_modules() -> list:
+    """The modules torchao 0.18's ``config_from_dict`` looks a ``_type`` up in (its
+    ``ALLOWED_AO_MODULES`` that import here), in the order it searches them."""
     from torchao.core.config import ALLOWED_AO_MODULES
 
+    modules = []
     for module_path in sorted(ALLOWED_AO_MODULES):
         try:
-            found = getattr(importlib.import_module(module_path), name, None)
+            modules.append(importlib.import_module(module_path))
         except ImportError:
             continue
+    return modules
+
+
+def torchao_class(name: str) -> type | None:
+    """The class torchao 0.18's ``config_from_dict`` would deserialize ``_type`` ``name`` into: the
+    attribute of that name in the first of :func:`torchao_modules` that has one; None when none
+    has. Nothing is instantiated."""
+    for module in torchao_modules():
+        found = getattr(module, name, None)
         if isinstance(found, type):
             return found
     return None
