@@ -28,6 +28,7 @@ module against the engines it disagrees with and against its baseline's fingerpr
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -309,7 +310,7 @@ class Runner:
         if not cell.gate_load_time or record.status != "ok" or record.load is None:
             return record, []
         failures: list[str] = []
-        children = iter(range(1, 1_000))
+        children = itertools.count(1)
 
         def retime() -> R.LoadInfo | None:
             n = next(children)

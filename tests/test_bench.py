@@ -194,10 +194,12 @@ def small_calibration(monkeypatch, tmp_path):
 
 def test_timed_load_gated_repeats_and_calibrates(small_calibration, monkeypatch):
     monkeypatch.setattr(calibration, "LOAD_REPEATS", 3)
-    times = iter([0.3, 0.1, 0.2])
-    info = calibration.timed_load(lambda: (t := next(times), {"read": t / 2}), gated=True)
-    assert info.samples == [0.3, 0.1, 0.2] and info.seconds == 0.1 and info.phases["read"] == 0.05
-    assert info.phases["calibration"] > 0
+    for statistic, seconds in (("min", 0.1), ("median", 0.2)):
+        monkeypatch.setattr(calibration, "STATISTIC", statistic)
+        times = iter([0.3, 0.1, 0.2])
+        info = calibration.timed_load(lambda: (t := next(times), {"read": t / 2}), gated=True)
+        assert info.samples == [0.3, 0.1, 0.2] and info.seconds == seconds and info.phases["read"] == seconds / 2
+        assert info.phases["calibration"] > 0
     ungated = calibration.timed_load(lambda: (0.5, {"read": 0.2}), gated=False)
     assert ungated.samples == [] and ungated.seconds == 0.5 and "calibration" not in ungated.phases
 
