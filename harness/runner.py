@@ -16,6 +16,10 @@ fixture is built or any checkpoint is fetched (docs/design.md, "Probes before fe
 the reference executed unfused: the reference child writes that witness when an engine that does
 not fuse shards (transformers) is in the group (docs/design.md, "Fusion rule").
 
+**Load time across children.** On a load-time gated tier, a cell over its bound is timed again in
+fresh ``load`` children before its verdict, and ``update_baselines`` stores the median of several
+(:meth:`Runner._settle_load_time`, harness.bench.calibration).
+
 **Baselines.** After the verdict, harness.baselines.handle(): with ``update_baselines``, a record
 that may become a baseline is written (printing what changed) and then judged again against what
 was written, so the run's verdict says "pass" with the old verdict in its reason; failed, error,
