@@ -122,19 +122,31 @@ def calibrated(info: R.LoadInfo) -> float:
     return info.seconds / cal if cal else info.seconds
 
 
-def confirm(first: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
-            over: Callable[[R.LoadInfo], bool], confirmations: int | None = None) -> R.LoadInfo:
-    """While the last child's load is ``over`` the bound, time it again in a fresh child
-    (``retime``; None when that child failed), at most ``confirmations`` times; the fastest child
-    is reported, every child listed."""
+def retimed(first, retime: Callable, over: Callable[..., bool], confirmations: int | None = None) -> list:
+    """``first`` and, while the last is ``over`` the bound, another timing from a fresh child
+    (``retime()``; None when that child failed), at most ``confirmations`` more: every timing, in
+    order. The gate's confirmation, shared with harness.bench.detection's measurement of it."""
     confirmations = CONFIRMATIONS if confirmations is None else confirmations
-    infos = [first]
-    while over(infos[-1]) and len(infos) <= confirmations:
+    timings = [first]
+    while over(timings[-1]) and len(timings) <= confirmations:
         again = retime()
         if again is None:
             break
-        infos.append(again)
+        timings.append(again)
+    return timings
+
+
+def confirm(first: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
+            over: Callable[[R.LoadInfo], bool], confirmations: int | None = None) -> R.LoadInfo:
+    """:func:`retimed` for a cell's LoadInfo: the fastest child is reported, every child listed."""
+    infos = retimed(first, retime, over, confirmations)
     return _reported(infos, min(infos, key=calibrated))
+
+
+def lower_median(items: list, key: Callable):
+    """The median item by ``key`` (the lower one of an even count)."""
+    ranked = sorted(items, key=key)
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def baseline_load(first: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
@@ -147,8 +159,7 @@ def baseline_load(first: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
         if again is None:
             break
         infos.append(again)
-    ranked = sorted(infos, key=calibrated)
-    return _reported(infos, ranked[(len(ranked) - 1) // 2])
+    return _reported(infos, lower_median(infos, key=calibrated))
 
 
 def _reported(infos: list[R.LoadInfo], chosen: R.LoadInfo) -> R.LoadInfo:

@@ -144,11 +144,11 @@ def _modelled_detection(threshold: float, sd: float, confirmations: int, slowed_
 def baseline_of(choice: Sequence[Sequence[CellRun]], k: int, stat: str, children: int) -> dict[str, float]:
     """Each cell's baseline value under a rule: its median child (the lower of an even count) of
     the first ``children`` choice runs, as harness.bench.calibration.baseline_load records one."""
-    out = {}
-    for cell in (cr.cell for cr in choice[0]):
-        vals = sorted(cr.value(k, stat) for run in choice[:children] for cr in run if cr.cell == cell)
-        out[cell] = vals[(len(vals) - 1) // 2]
-    return out
+    from harness.bench.calibration import lower_median
+
+    return {cell: lower_median([cr.value(k, stat) for run in choice[:children] for cr in run if cr.cell == cell],
+                               key=float)
+            for cell in (cr.cell for cr in choice[0])}
 
 
 def cell_flags(base: dict[str, float], children: Children, rule: Rule) -> bool:
@@ -294,10 +294,9 @@ def preload(cells, paths: dict) -> None:
 def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> list[CellRun]:
     """One cell-run as the gate makes it: a ``child()``, and while the last is over the threshold
     up to ``rule.confirmations`` more."""
-    children = [child()]
-    while cell_flags(base, children[-1:], rule) and len(children) <= rule.confirmations:
-        children.append(child())
-    return children
+    from harness.bench.calibration import retimed
+
+    return retimed(child(), child, lambda cr: cell_flags(base, [cr], rule), rule.confirmations)
 
 
 def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_runs: int,
