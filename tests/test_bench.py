@@ -3,6 +3,7 @@ import math
 import random
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -190,6 +191,32 @@ def test_worker_hook_slow_installs_the_slowdown(monkeypatch):
 def small_calibration(monkeypatch, tmp_path):
     monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration, "CALIBRATION_BYTES", 1 << 16)
+
+
+def test_the_calibration_is_the_geometric_mean_of_each_parts_fastest_pass(small_calibration, monkeypatch):
+    memory, dispatch = iter([9.0, 4.0, 5.0]), iter([9.0, 1.0, 2.0])  # the first of each: the warm-up
+    monkeypatch.setattr(calibration, "memory_pass", lambda path: next(memory))
+    monkeypatch.setattr(calibration, "dispatch_pass", lambda: next(dispatch))
+    assert calibration.calibrate(repeats=2) == pytest.approx(2.0)  # sqrt(4 * 1)
+
+
+def test_the_calibration_passes_run_for_real(small_calibration):
+    assert calibration.memory_pass(calibration.calibration_file()) > 0 and calibration.dispatch_pass() > 0
+
+
+def test_a_gated_checkpoint_is_read_into_the_page_cache_only_where_it_fits(tmp_path, monkeypatch):
+    from harness import runner
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    read = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: (read.append(Path(f).name), real_open(f, *a, **k))[1])
+    monkeypatch.setattr(runner, "available_memory", lambda: 4000)
+    assert calibration.warm_page_cache(tmp_path) and read == ["model.safetensors"]
+    monkeypatch.setattr(runner, "available_memory", lambda: 1999)
+    assert not calibration.warm_page_cache(tmp_path)
+    monkeypatch.setattr(runner, "available_memory", lambda: None)
+    assert not calibration.warm_page_cache(tmp_path) and read == ["model.safetensors"]
 
 
 def test_timed_load_gated_repeats_and_calibrates(small_calibration, monkeypatch):

@@ -161,9 +161,9 @@ from harness.engines import base
 cell = next(c for c in matrix.load().cells(tier="cpu-tiny") if c.id == sys.argv[1])
 timed_load, imported = calibration.timed_load, []
 
-def spy(load_once, gated):
+def spy(load_once, gated, **options):
     before = set(sys.modules)
-    info = timed_load(load_once, gated)
+    info = timed_load(load_once, gated, **options)
     imported.extend(sorted(set(sys.modules) - before))
     return info
 

@@ -4,9 +4,13 @@ A load on a slower (or busier) machine is slower without the loader being any wo
 child therefore times a fixed workload OUTSIDE the loader, in the same process, right before and
 right after the load, and records it as the load phase ``calibration``; the comparison gates the
 calibrated ratio (load / calibration, obtained, over the same of the baseline; harness.compare,
-``check_load_time``). The workload resembles a load: it reads a fixed file through the page cache
-(a checkpoint's bytes), converts its half-precision values to float32 (a decode) and reduces them
-(memory bandwidth). Its size is fixed, so a slower loader is never calibrated away.
+``check_load_time``). The workload resembles a load, in two parts whose times enter as their
+geometric mean: a memory pass reads a fixed file through the page cache (a checkpoint's bytes),
+converts its half-precision values to float32 (a decode) and reduces them (memory bandwidth); a
+dispatch pass makes many small tensors and operations on them (the interpreter and torch's
+dispatcher and allocator, where a loader's many small tensors spend their time: the gated loads take
+tens of milliseconds and are bound by both). Their sizes are fixed, so a slower loader is never
+calibrated away. (Which parts: `harness bench` data, docs/design.md, "Load time".)
 
 ``timed_load(load_once, gated)`` runs, on a gated tier, the calibration, ``LOAD_REPEATS`` loads,
 the calibration again, and returns the LoadInfo: ``seconds`` the ``STATISTIC`` of the loads (the
@@ -23,6 +27,7 @@ later comparison. The runner provides the fresh children (harness.runner, a ``lo
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -33,15 +38,19 @@ from harness import records as R
 
 # 32 MiB of float16 values (16 Mi elements): about as long as a small load's read and decode here.
 CALIBRATION_BYTES = 32 << 20
-# The timed passes of the workload before the loads and after them; the fastest is kept. Each pass
-# is ~25 ms here: its own noise enters every calibrated ratio, and more passes cost little.
+# The dispatch pass's small operations (~12 ms here).
+CALIBRATION_OPS = 3000
+# The reads that bring a gated checkpoint into the page cache before its loads are timed.
+PAGE_CACHE_CHUNK = 16 << 20
+# The timed passes of each part before the loads and after them; each part's fastest is kept. A
+# memory pass is ~25-80 ms here: its own noise enters every calibrated ratio, and more passes cost little.
 CALIBRATION_REPEATS = 4
 CALIBRATION_REPEATS_AFTER = 2
 # The loads a gated cell times in each child and the statistic it reports, the fresh children that
 # confirm a cell over its bound, with models.yaml's load_time bound the gate's rule, chosen by
-# `harness bench` (BENCHMARKS.md, target 3; its run of 2026-11-30 evening: median of 5 loads,
-# child-to-child spread 4.7%, 2 confirmations, bound 1.085).
-LOAD_REPEATS = 5
+# `harness bench` (BENCHMARKS.md, target 3; its run of 2026-11-30 night: median of 9 loads,
+# child-to-child spread 4.3%, 2 confirmations, bound 1.078).
+LOAD_REPEATS = 9
 STATISTIC = "median"
 CONFIRMATIONS = 2
 # The children a gated baseline is the median of (the detection bench takes its baseline the same way).
@@ -69,8 +78,8 @@ def calibration_file() -> Path:
     return path
 
 
-def workload(path: Path) -> float:
-    """One pass of the workload: read the file, float16 -> float32, sum. Returns its seconds."""
+def memory_pass(path: Path) -> float:
+    """One memory pass: read the file, float16 -> float32, sum. Returns its seconds."""
     import torch
 
     t0 = time.perf_counter()
@@ -81,13 +90,28 @@ def workload(path: Path) -> float:
     return seconds
 
 
+def dispatch_pass() -> float:
+    """One dispatch pass: ``CALIBRATION_OPS`` times a small tensor made, filled and scaled."""
+    import torch
+
+    source = torch.zeros(64)
+    t0 = time.perf_counter()
+    for _ in range(CALIBRATION_OPS):
+        torch.empty(64).copy_(source).mul_(2)
+    return time.perf_counter() - t0
+
+
 def calibrate(repeats: int = CALIBRATION_REPEATS, warm: bool = True) -> float:
-    """The calibration: the fastest of ``repeats`` passes of the workload, in seconds; with
-    ``warm``, after a first pass that brings the file into the page cache and the code paths in."""
+    """The calibration, in seconds: the geometric mean of the fastest of ``repeats`` memory passes
+    and the fastest of ``repeats`` dispatch passes; with ``warm``, after a first pass of each that
+    brings the file into the page cache and the code paths in."""
     path = calibration_file()
     if warm:
-        workload(path)
-    return min(workload(path) for _ in range(repeats))
+        memory_pass(path)
+        dispatch_pass()
+    memory = min(memory_pass(path) for _ in range(repeats))
+    dispatch = min(dispatch_pass() for _ in range(repeats))
+    return math.sqrt(memory * dispatch)
 
 
 def load_statistic(samples: list[float], statistic: str | None = None) -> float:
@@ -100,11 +124,31 @@ def load_statistic(samples: list[float], statistic: str | None = None) -> float:
     raise ValueError(f"unknown load statistic {statistic!r} (min, median)")
 
 
-def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: bool) -> R.LoadInfo:
-    """Time the loads of one cell (``load_once() -> (seconds, phases)``): on a gated tier,
-    ``LOAD_REPEATS`` loads between two calibrations; elsewhere one load, uncalibrated. The caller
-    keeps whatever the last load produced."""
+def warm_page_cache(directory: Path) -> bool:
+    """Read the checkpoint's files once, untimed, so that the timed loads find them in the page
+    cache; only where they fit in half the memory available. Whether it did."""
+    from harness.runner import available_memory
+
+    files = [f for f in directory.iterdir() if f.is_file()]
+    available = available_memory()
+    if available is None or sum(f.stat().st_size for f in files) > available // 2:
+        return False
+    for f in files:
+        with open(f, "rb", buffering=0) as stream:
+            while stream.read(PAGE_CACHE_CHUNK):
+                pass
+    return True
+
+
+def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: bool,
+               checkpoint_dir: Path | None = None) -> R.LoadInfo:
+    """Time the loads of one cell (``load_once() -> (seconds, phases)``): on a gated tier, the
+    checkpoint's files read into the page cache (``checkpoint_dir``), then ``LOAD_REPEATS`` loads
+    between two calibrations; elsewhere one load, uncalibrated. The caller keeps whatever the last
+    load produced."""
     repeats = LOAD_REPEATS if gated else 1
+    if gated and checkpoint_dir is not None:
+        warm_page_cache(checkpoint_dir)
     before = calibrate() if gated else None
     runs = [load_once() for _ in range(repeats)]
     after = calibrate(CALIBRATION_REPEATS_AFTER, warm=False) if gated else None

@@ -48,7 +48,8 @@ class ReferenceEngine(InProcessEngine):
 
         warm_imports(checkpoint, online_quantization(self.cell))
         # The unfused witness's load time is never compared: timed once, as on an ungated tier.
-        return timed_load(lambda: self._load_once(checkpoint), gated=self.cell.gate_load_time and self.fuse)
+        return timed_load(lambda: self._load_once(checkpoint), gated=self.cell.gate_load_time and self.fuse,
+                          checkpoint_dir=checkpoint.path)
 
     def _load_once(self, checkpoint: Checkpoint) -> tuple[float, dict[str, float]]:
         from harness import reference

@@ -100,7 +100,8 @@ class TransformersEngine(InProcessEngine):
 
             kwargs["quantization_config"] = AutoQuantizationConfig.from_dict(online)
         warm_imports(checkpoint, online)
-        return timed_load(lambda: self._load_once(checkpoint, kwargs), gated=self.cell.gate_load_time)
+        return timed_load(lambda: self._load_once(checkpoint, kwargs), gated=self.cell.gate_load_time,
+                          checkpoint_dir=checkpoint.path)
 
     def _load_once(self, checkpoint: Checkpoint, kwargs: dict) -> tuple[float, dict[str, float]]:
         import torch
