@@ -12,7 +12,8 @@ dispatcher and allocator, where a loader's many small tensors spend their time: 
 tens of milliseconds and are bound by both). Their sizes are fixed, so a slower loader is never
 calibrated away. (Which parts: `harness bench` data, docs/design.md, "Load time".)
 
-``timed_load(load_once, gated)`` runs, on a gated tier, the calibration, ``LOAD_REPEATS`` loads,
+``timed_load(load_once, gated, checkpoint_dir)`` runs, on a gated tier, an untimed read of the
+checkpoint's files into the page cache (``warm_page_cache``), the calibration, ``LOAD_REPEATS`` loads,
 the calibration again, and returns the LoadInfo: ``seconds`` the ``STATISTIC`` of the loads (the
 rule chosen from measurements, docs/design.md, "Load time"), ``samples`` every load,
 ``phases["calibration"]`` the faster of the two calibrations, plus the engine's own phases of the
