@@ -196,23 +196,14 @@ def measure(engine: str, path: Path, profile: bool = False, timeout_s: float = 1
     return LoadResult(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def warm_page_cache(path: Path) -> None:
-    """Read every weight file once, so that every measurement reads from the page cache."""
-    from harness.bench.checkpoints import weight_files
-
-    for f in weight_files(path):
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
-
-
 def floor(path: Path, repeats: int = 3) -> float:
     """Seconds to read the weight files from the page cache into one preallocated buffer."""
+    from harness.bench.calibration import warm_page_cache
     from harness.bench.checkpoints import weight_files
 
     files = weight_files(path)
     buffer = bytearray(max(f.stat().st_size for f in files))
-    warm_page_cache(path)
+    warm_page_cache(path)  # the gated engines' own: a floor read from the disk is no floor
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
