@@ -10,7 +10,7 @@ import pytest
 from harness import cli
 from harness import matrix as M
 from harness import records as R
-from harness.bench import calibration, checkpoints, detection, report, slowdown
+from harness.bench import calibration, checkpoints, decode, detection, report, slowdown
 from harness.bench.detection import CellRun
 
 CELLS = ("a.unquantized.reference", "b.bnb-nf4.reference", "c.bnb-nf4.transformers")
@@ -312,8 +312,14 @@ def test_bench_quick_decode_on_a_tiny_size(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(checkpoints, "LAYER", dict(hidden_size=64, intermediate_size=128, num_attention_heads=2,
                                                    num_key_value_heads=1))
     monkeypatch.setattr(checkpoints, "FORMATS", ("bnb-nf4",))
+    from harness.quant import bnb
+
+    timed = []  # the stored form's own decode is what is timed, once per repeat (not a copy of its result)
+    real = bnb.Stored4bit.dequantize
+    monkeypatch.setattr(bnb.Stored4bit, "dequantize", lambda self, out=None: timed.append(out) or real(self, out))
     out = tmp_path / "BENCHMARKS.md"
     assert cli.main(["bench", "--quick", "--parts", "decode", "--output", str(out), "--json"]) == 0
+    assert len(timed) >= decode.measure.__defaults__[0] and all(o is not None for o in timed)
     import json
 
     fig = json.loads(capsys.readouterr().out)

@@ -3,9 +3,12 @@
 The weight is the S checkpoint's ``model.layers.0.mlp.gate_proj.weight`` (5632 x 2048), read
 through the reference's own decode entry point (harness.quant.formats ``decode_weight``, which
 dispatches to harness.quant.bnb/fp8/torchao ``decode``). Timed in this process, one torch thread:
-``decode_s``, writing the effective float32 weight into a preallocated output (a stored weight's
-``dequantize(out)``; an unquantized weight is copied), and ``fill_s``, ``out.fill_`` of the same
-output, the floor of any decode that writes it; each the fastest of ``repeats``.
+``decode_s``, the stored form's ``dequantize(out)`` into a preallocated float32 output (what the
+reference's forward pass does with each quantized weight; an unquantized weight, which the forward
+reads in place, is copied), and ``fill_s``, ``out.fill_`` of the same output, the floor of any
+decode that writes it; each the fastest of ``repeats`` back to back. (Timed in alternation, the
+fill was 2-2.5x slower, its output no longer hot in cache: the back-to-back fill is the strict
+floor.)
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ def _fastest(fn, repeats: int) -> float:
     return best
 
 
-def measure(fmt: str, path: Path, repeats: int = 5) -> DecodeResult:
+def measure(fmt: str, path: Path, repeats: int = 9) -> DecodeResult:
     """Decode and fill of ``WEIGHT`` of the checkpoint at ``path`` (format ``fmt``)."""
     import torch
 
@@ -47,7 +50,7 @@ def measure(fmt: str, path: Path, repeats: int = 5) -> DecodeResult:
 
     torch.set_num_threads(1)
     with TensorSource.open(path) as src:
-        weight = formats.decode_weight(src, WEIGHT).weight
+        weight = formats.decode_weight(src, WEIGHT).stored  # `.weight` would be dequantized already
         out = torch.empty(tuple(weight.shape), dtype=torch.float32)
         if isinstance(weight, torch.Tensor):
             def decode():
