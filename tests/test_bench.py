@@ -69,6 +69,16 @@ def test_rule_threshold_follows_the_noise_and_counts_a_false_alarm():
     assert ev["false_alarm"] == 0.5 and ev["clean_cell_false_alarms"] == 1
 
 
+def test_the_threshold_weighs_a_false_alarm_and_a_missed_20_percent_alike():
+    for sd, conf in ((0.02, 0), (0.04, 2), (0.08, 1)):
+        t = detection._balanced_threshold(sd, conf, cells=8, slowed_cells=4)
+        false_alarm = detection._modelled_flag(t, sd, conf, 8, 0.0)
+        miss = 1 - detection._modelled_flag(t, sd, conf, 4, 0.2)
+        assert 1.0 < t < 1.2 and false_alarm == pytest.approx(miss, rel=1e-6, abs=1e-15)
+    # a noisier host: a higher threshold, and both errors likelier
+    assert detection._balanced_threshold(0.02, 0, 8, 4) < detection._balanced_threshold(0.08, 0, 8, 4)
+
+
 def test_a_cell_flags_only_when_every_confirmation_child_is_over():
     rule = detection.Rule(1, "min", 1.1, 0.01, confirmations=1)
     base = {c: 1.0 for c in CELLS}

@@ -15,12 +15,13 @@ the median child of ``BASELINE_CHILDREN`` (harness.bench.calibration.baseline_lo
    first ``BASELINE_CHILDREN`` of them make the baseline. For every candidate rule (the first k
    loads, their min or median, 0 to ``max(CONFIRMATIONS)`` confirmations), the spread of the
    per-child log of load/calibration (pooled over cells; a robust standard deviation, the MAD's)
-   gives the threshold at which a clean run flags with probability ``TARGET_FALSE_ALARM``: a normal
-   model over the run's cells, independent children, the baseline's own error included (the median
-   of B children has about pi/(2B) of a child's variance); never below the largest value the rule
-   compared with the threshold on the clean choice runs that made no baseline. The same model gives
-   each candidate's chance to flag a run slowed by 20% (then 10%); the rule kept is the likeliest
-   to, then the one with the fewest confirmations and loads.
+   gives a normal model of a run (its cells, independent children, the baseline's own error
+   included: the median of B children has about pi/(2B) of a child's variance). Its threshold is
+   where the model flags a clean run as often as it misses a run slowed by 20%, the two errors the
+   issue bounds (rather than a false-alarm rate picked in advance: this host's tails are fatter than
+   the normal's, on both sides); never below the largest value the rule compared with the threshold
+   on the clean choice runs that made no baseline. The rule kept has the smallest of those errors,
+   then the fewest confirmations and loads.
 2. Held out: new runs under the rule, interleaved: clean runs (every cell) and runs slowed by 10%,
    20% and 50% (``HARNESS_TEST_HOOK=slow=F``, harness.bench.slowdown: the reference loader's own
    reading repeated; reference cells only: transformers' loader has no such hook; a slowed run is
@@ -46,7 +47,7 @@ REPEATS = (1, 3, 5, 9)
 STATISTICS = ("min", "median")
 CONFIRMATIONS = (0, 1, 2)
 SLOWDOWNS = (0.1, 0.2, 0.5)
-TARGET_FALSE_ALARM = 0.002  # per run (the issue asks < 1%; the margin absorbs the model's error)
+SLOWDOWN_TARGET = 0.2  # the slowdown the gate must catch (issue 13, target 3)
 MAD_TO_SD = 1.4826
 
 
@@ -78,6 +79,7 @@ class Rule:
     spread: float  # the robust sd of log(load/calibration) of one child
     confirmations: int = 0
     modelled_20: float | None = None  # the model's chance to flag a run slowed by 20%
+    modelled_false_alarm: float | None = None  # ... and a clean run
 
     def describe(self) -> str:
         again = (f", timed again in up to {self.confirmations} fresh children while over it (flag when all are)"
@@ -122,23 +124,30 @@ def _spread(runs: Sequence[Sequence[CellRun]], k: int, stat: str) -> float:
     return max(_robust_sd(deviations), 1e-6)
 
 
-def _per_child(per_run: float, cells: int, confirmations: int) -> float:
-    """The chance one clean child may be over the threshold so that a run of ``cells`` cells,
-    each flagged only when its 1 + ``confirmations`` independent children all are, flags with
-    probability ``per_run``."""
-    per_cell = 1 - (1 - per_run) ** (1 / max(1, cells))
-    return per_cell ** (1 / (1 + confirmations))
-
-
 def _ratio_sd(child_sd: float, baseline_children: int) -> float:
     """The sd of log(obtained / baseline) when the baseline is the median of that many children."""
     return child_sd * math.sqrt(1 + math.pi / (2 * baseline_children))
 
 
-def _modelled_detection(threshold: float, sd: float, confirmations: int, slowed_cells: int, slowdown: float) -> float:
-    """The normal model's chance that a run whose ``slowed_cells`` cells are ``slowdown`` slower flags."""
+def _modelled_flag(threshold: float, sd: float, confirmations: int, cells: int, slowdown: float) -> float:
+    """The normal model's chance that a run flags when ``cells`` of its cells are ``slowdown``
+    slower (0: a clean run of ``cells`` cells); a cell flags when 1 + ``confirmations``
+    independent children all are over ``threshold``."""
     over = 1 - statistics.NormalDist(math.log(1 + slowdown), sd).cdf(math.log(threshold))
-    return 1 - (1 - over ** (1 + confirmations)) ** slowed_cells
+    return 1 - (1 - over ** (1 + confirmations)) ** cells
+
+
+def _balanced_threshold(sd: float, confirmations: int, cells: int, slowed_cells: int) -> float:
+    """The threshold at which the normal model misses a run slowed by ``SLOWDOWN_TARGET`` as often
+    as it flags a clean one: the two errors the issue bounds weigh the same, since the model's
+    tails are thinner than this host's on both sides."""
+    lo, hi = 0.0, math.log(1 + SLOWDOWN_TARGET)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        false_alarm = _modelled_flag(math.exp(mid), sd, confirmations, cells, 0.0)
+        miss = 1 - _modelled_flag(math.exp(mid), sd, confirmations, slowed_cells, SLOWDOWN_TARGET)
+        lo, hi = (mid, hi) if false_alarm > miss else (lo, mid)
+    return math.exp((lo + hi) / 2)
 
 
 def baseline_of(choice: Sequence[Sequence[CellRun]], k: int, stat: str, children: int) -> dict[str, float]:
@@ -172,18 +181,17 @@ def choose(choice: Sequence[Sequence[CellRun]], *, slowed_cells: int, baseline_c
             sd = _spread(choice, k, stat)
             ratio_sd = _ratio_sd(sd, baseline_children)
             for conf in CONFIRMATIONS:
-                z = statistics.NormalDist().inv_cdf(1 - _per_child(TARGET_FALSE_ALARM, cells, conf))
                 # What the rule compared with the threshold on the clean runs: each cell's lowest
                 # of 1 + conf consecutive children.
                 seen = max(min(run[i].value(k, stat) for run in held[j:j + conf + 1]) / base[held[0][i].cell]
                            for i in range(cells) for j in range(max(1, len(held) - conf)))
-                threshold = max(math.exp(z * ratio_sd), seen)
+                threshold = max(_balanced_threshold(ratio_sd, conf, cells, slowed_cells), seen)
                 candidates.append(Rule(k, stat, threshold, sd, conf,
-                                       _modelled_detection(threshold, ratio_sd, conf, slowed_cells, 0.2)))
+                                       _modelled_flag(threshold, ratio_sd, conf, slowed_cells, SLOWDOWN_TARGET),
+                                       _modelled_flag(threshold, ratio_sd, conf, cells, 0.0)))
 
-    def merit(r: Rule):
-        d10 = _modelled_detection(r.threshold, _ratio_sd(r.spread, baseline_children), r.confirmations, slowed_cells, 0.1)
-        return (-round(r.modelled_20, 3), -round(d10, 3), r.confirmations, r.repeats)
+    def merit(r: Rule):  # the likelier error, then the cheaper rule: fewer confirmations, then loads
+        return (max(1 - r.modelled_20, r.modelled_false_alarm), r.confirmations, r.repeats)
 
     return min(candidates, key=merit), candidates
 

@@ -168,10 +168,12 @@ def _detection_lines(det: dict) -> list[str]:
                   f"model of their spread predicts {det['predicted_false_alarm']:.2g} false alarms per run. "
                   f"Confirmation children timed over all held-out runs: {det['confirmation_children']}.",
               f"Detection took {det['seconds']:.0f} s.", "", "Candidates (chosen on the clean choice runs):", "",
-              "| loads | statistic | confirmations | spread | threshold | modelled 20% detection |",
-              "|---:|---|---:|---:|---:|---:|"]
+              "| loads | statistic | confirmations | spread | threshold | modelled 20% detection | "
+              "modelled false alarms per run |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {c['repeats']} | {c['statistic']} | {c['confirmations']} | {100 * c['spread']:.1f}% | "
-              f"{c['threshold']:.3f} | {_num(c['modelled_20'], '.1%')} |" for c in det["candidates"]]
+              f"{c['threshold']:.3f} | {_num(c['modelled_20'], '.2%')} | {_num(c.get('modelled_false_alarm'), '.2g')} |"
+              for c in det["candidates"]]
     return lines
 
 
