@@ -229,6 +229,19 @@ def test_a_gated_checkpoint_is_read_into_the_page_cache_only_where_it_fits(tmp_p
     assert not calibration.warm_page_cache(tmp_path) and read == ["model.safetensors"]
 
 
+def test_a_gated_load_is_timed_after_a_full_collection(monkeypatch):
+    """Else the collector's full pass (~350 ms under a preloaded parent) lands in whichever load
+    crosses its threshold, which depends on what the parent allocated before the fork."""
+    steps = []
+    monkeypatch.setattr(calibration.gc, "collect", lambda *a: steps.append("collect") or 0)
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: steps.append("calibrate") or 1.0)
+    calibration.timed_load(lambda: (steps.append("load") or 0.1, {}), gated=True)
+    assert steps[:3] == ["collect", "calibrate", "load"]
+    steps.clear()
+    calibration.timed_load(lambda: (steps.append("load") or 0.1, {}), gated=False)
+    assert steps == ["load"]
+
+
 def test_timed_load_gated_repeats_and_calibrates(small_calibration, monkeypatch):
     monkeypatch.setattr(calibration, "LOAD_REPEATS", 3)
     for statistic, seconds in (("min", 0.1), ("median", 0.2)):

@@ -13,7 +13,7 @@ tens of milliseconds and are bound by both). Their sizes are fixed, so a slower 
 calibrated away. (Which parts: `harness bench` data, docs/design.md, "Load time".)
 
 ``timed_load(load_once, gated, checkpoint_dir)`` runs, on a gated tier, an untimed read of the
-checkpoint's files into the page cache (``warm_page_cache``), the calibration, ``LOAD_REPEATS`` loads,
+checkpoint's files into the page cache (``warm_page_cache``), a full garbage collection, the calibration, ``LOAD_REPEATS`` loads,
 the calibration again, and returns the LoadInfo: ``seconds`` the ``STATISTIC`` of the loads (the
 rule chosen from measurements, docs/design.md, "Load time"), ``samples`` every load,
 ``phases["calibration"]`` the faster of the two calibrations, plus the engine's own phases of the
@@ -28,6 +28,7 @@ later comparison. The runner provides the fresh children (harness.runner, a ``lo
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import statistics
@@ -49,9 +50,9 @@ CALIBRATION_REPEATS = 4
 CALIBRATION_REPEATS_AFTER = 2
 # The loads a gated cell times in each child and the statistic it reports, the fresh children that
 # confirm a cell over its bound, with models.yaml's load_time bound the gate's rule, chosen by
-# `harness bench` (BENCHMARKS.md, target 3; its run of 2026-11-30 night: the first load alone,
-# child-to-child spread 4.0%, 2 confirmations, bound 1.072).
-LOAD_REPEATS = 1
+# `harness bench --parts detection` (target 3; its run of 2026-11-30 late night, after the garbage
+# collector fix: the fastest of 9 loads, child-to-child spread 3.2%, 2 confirmations, bound 1.101).
+LOAD_REPEATS = 9
 STATISTIC = "min"
 CONFIRMATIONS = 2
 # The children a gated baseline is the median of (the detection bench takes its baseline the same way).
@@ -144,12 +145,17 @@ def warm_page_cache(directory: Path) -> bool:
 def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: bool,
                checkpoint_dir: Path | None = None) -> R.LoadInfo:
     """Time the loads of one cell (``load_once() -> (seconds, phases)``): on a gated tier, the
-    checkpoint's files read into the page cache (``checkpoint_dir``), then ``LOAD_REPEATS`` loads
+    checkpoint's files read into the page cache (``checkpoint_dir``) and a full collection, then ``LOAD_REPEATS`` loads
     between two calibrations; elsewhere one load, uncalibrated. The caller keeps whatever the last
     load produced."""
     repeats = LOAD_REPEATS if gated else 1
     if gated and checkpoint_dir is not None:
         warm_page_cache(checkpoint_dir)
+    if gated:
+        # A full collection starts every child's timed loads from the same state: else one lands
+        # in the load that crosses the collector's threshold, which depends on what the parent had
+        # allocated before the fork (docs/design.md, "The garbage collector").
+        gc.collect()
     before = calibrate() if gated else None
     runs = [load_once() for _ in range(repeats)]
     after = calibrate(CALIBRATION_REPEATS_AFTER, warm=False) if gated else None

@@ -35,6 +35,8 @@ the median child of ``BASELINE_CHILDREN`` (harness.bench.calibration.baseline_lo
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import math
 import os
@@ -297,6 +299,8 @@ def preload(cells, paths: dict) -> None:
     calibration.calibration_file()
     for cell in cells:
         transformers.warm_imports(base.Checkpoint(paths[cell.id]))
+    gc.freeze()  # as the fork server does, and unfrozen at exit as its children are (harness.engines.forkserver)
+    atexit.register(gc.unfreeze)
 
 
 def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> list[CellRun]:
