@@ -50,8 +50,8 @@ CALIBRATION_REPEATS = 4
 CALIBRATION_REPEATS_AFTER = 2
 # The loads a gated cell times in each child and the statistic it reports, the fresh children that
 # confirm a cell over its bound, with models.yaml's load_time bound the gate's rule, chosen by
-# `harness bench --parts detection` (target 3; its run of 2026-11-30 late night, after the garbage
-# collector fix: the fastest of 9 loads, child-to-child spread 3.2%, 2 confirmations, bound 1.101).
+# `harness bench` (BENCHMARKS.md, target 3; its run of 2026-11-30 late night, after the garbage
+# collector fix: the fastest of 9 loads, child-to-child spread 2.1%, 2 confirmations, bound 1.102).
 LOAD_REPEATS = 9
 STATISTIC = "min"
 CONFIRMATIONS = 2
