@@ -75,7 +75,7 @@ def test_the_threshold_weighs_a_false_alarm_and_a_missed_20_percent_alike():
         false_alarm = detection._modelled_flag(t, sd, conf, 8, 0.0)
         miss = 1 - detection._modelled_flag(t, sd, conf, 4, 0.2)
         assert 1.0 < t < 1.2 and false_alarm == pytest.approx(miss, rel=1e-6, abs=1e-15)
-    # a noisier host: a higher threshold, and both errors likelier
+    # a noisier host: a higher threshold
     assert detection._balanced_threshold(0.02, 0, 8, 4) < detection._balanced_threshold(0.08, 0, 8, 4)
 
 
