@@ -79,6 +79,15 @@ def test_the_threshold_weighs_a_false_alarm_and_a_missed_20_percent_alike():
     assert detection._balanced_threshold(0.02, 0, 8, 4) < detection._balanced_threshold(0.08, 0, 8, 4)
 
 
+def test_too_few_clean_runs_pass_on_the_models_rate_even_when_it_underflows_to_zero():
+    det = {"false_alarm": 0.0, "clean_runs": 13}
+    assert report._false_alarm_ok({**det, "predicted_false_alarm": 0.0})
+    assert report._false_alarm_ok({**det, "predicted_false_alarm": 0.002})
+    assert not report._false_alarm_ok({**det, "predicted_false_alarm": 0.02})
+    assert not report._false_alarm_ok({**det, "predicted_false_alarm": None})
+    assert not report._false_alarm_ok({"false_alarm": 1 / 13, "clean_runs": 13, "predicted_false_alarm": 0.0})
+
+
 def test_a_cell_flags_only_when_every_confirmation_child_is_over():
     rule = detection.Rule(1, "min", 1.1, 0.01, confirmations=1)
     base = {c: 1.0 for c in CELLS}
