@@ -16,9 +16,8 @@ calibrated away. (Which parts: `harness bench` data, docs/design.md, "Load time"
 checkpoint's files into the page cache (``warm_page_cache``), a full garbage collection, the
 calibration, ``LOAD_REPEATS`` loads, the calibration again, and returns the LoadInfo: ``seconds``
 the ``STATISTIC`` of the loads (the rule chosen from measurements, docs/design.md, "Load time"),
-``samples`` every load,
-``phases["calibration"]`` the faster of the two calibrations, plus the engine's own phases of the
-load reported.
+``samples`` every load, ``phases["calibration"]`` the faster of the two calibrations, plus the
+engine's own phases of the load reported.
 
 One child is one draw of a shared machine's mood: on a busy host a whole child runs several percent
 slow, loads and calibration alike but not by the same factor. So across children, ``confirm``
@@ -147,8 +146,8 @@ def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: b
                checkpoint_dir: Path | None = None) -> R.LoadInfo:
     """Time the loads of one cell (``load_once() -> (seconds, phases)``): on a gated tier, the
     checkpoint's files read into the page cache (``checkpoint_dir``) and a full collection, then
-    ``LOAD_REPEATS`` loads between two calibrations; elsewhere one load, uncalibrated. The caller keeps whatever the last
-    load produced."""
+    ``LOAD_REPEATS`` loads between two calibrations; elsewhere one load, uncalibrated. The caller
+    keeps whatever the last load produced."""
     repeats = LOAD_REPEATS if gated else 1
     if gated and checkpoint_dir is not None:
         warm_page_cache(checkpoint_dir)
