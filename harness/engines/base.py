@@ -334,7 +334,7 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
             sequences: dict[str, list[int]] | None = None,
             on_sequences: Callable[[dict[str, list[int]]], None] | None = None,
             witness: Callable[[Engine, Checkpoint, list[EnginePrompt], dict[str, list[int]]], None] | None = None,
-            log: Callable[[str], None] = lambda s: None, accuracy: bool = True) -> R.Record:
+            log: Callable[[str], None] = lambda s: None, accuracy: bool = True, close: bool = True) -> R.Record:
     """Run one cell on one engine and return its (unjudged) record. Never raises for the engine's
     own failures: an exception becomes ``status: error`` with its traceback in ``log_tail``.
 
@@ -344,7 +344,7 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
     reference's as the scored sequences of the cell). ``witness`` runs after the record's results,
     with the same prompts and sequences (the reference's unfused variant). With ``accuracy``, the
     cell's accuracy tasks then run on the same loaded engine (harness.accuracy; docs/design.md,
-    "Accuracy")."""
+    "Accuracy"). ``close=False`` leaves the engine open, for a process that ends right after."""
     cell = engine.cell
     started = R.utc_now()
     t0 = time.perf_counter()
@@ -390,10 +390,11 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
                                  error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__, log_tail=tb),
                                  started_at=started, duration_s=time.perf_counter() - t0)
     finally:
-        try:
-            engine.close()
-        except Exception:
-            pass
+        if close:
+            try:
+                engine.close()
+            except Exception:
+                pass
 
 
 def trace_cell(engine: Engine, checkpoint: Callable[[], Checkpoint], sequences: dict[str, list[int]], out: str, *,

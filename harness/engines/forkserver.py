@@ -114,8 +114,9 @@ def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
     if os.getppid() != server:  # the server ended before the child could ask to die with it
         os._exit(1)
     os.setsid()
-    # The last exit handler: the interpreter's final collection then frees the server's frozen
-    # objects as a fresh process's would (left frozen, triton's bindings print "leaked" warnings).
+    # The last exit handler of a worker that raises (one that returns ends with os._exit): the
+    # interpreter's final collection then frees the server's frozen objects as a fresh process's
+    # would (left frozen, triton's bindings print "leaked" warnings).
     atexit.register(gc.unfreeze)
     conn.sendall(f"pid {os.getpid()}\n".encode())
     conn.close()
