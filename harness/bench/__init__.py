@@ -174,8 +174,11 @@ def run(args) -> int:
 
     parts, sizes = _parts(args), _sizes(args)
     echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is for --json
+    from harness.quant import native
+
+    # Built (once per machine) before any timed child could pay for it
     fig: dict = {"load": None, "decode": None, "detection": None, "matrix": None, "machine": cpu.describe(),
-                 "cores": os.cpu_count(), "profiles": {}, "notes": []}
+                 "decoders": native.describe(), "cores": os.cpu_count(), "profiles": {}, "notes": []}
     t0 = time.perf_counter()
     if "load" in parts:
         echo(f"bench: load, sizes {','.join(sizes)}")

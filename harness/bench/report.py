@@ -8,7 +8,8 @@
      "decode": [{format, shape, decode_s, fill_s, ratio}],
      "detection": {slowdown_10, slowdown_20, slowdown_50, false_alarm, ...},
      "matrix": {before_s, after_s, before, after},
-     "machine": harness.cpu.describe(), "targets": [...], "profiles": {...}, "notes": [...]}
+     "machine": harness.cpu.describe(), "decoders": harness.quant.native.describe(), "cores",
+     "targets": [...], "profiles": {...}, "notes": [...]}
 
 ``*_forward_s`` is load plus one forward pass; ``*_peak_mb`` the peak resident set of the load's
 child, ``*_library_mb`` the shared libraries' pages the child faulted in after its imports (a
@@ -184,7 +185,8 @@ def markdown(fig: dict) -> str:
              "Written by `harness bench` (README, \"Benchmarks\"); one run. Timings on a shared or busy machine are "
              "noisy: compare the ratios within this run, not the seconds across runs.", "",
              f"Machine: {m.get('model', '?')}; {fig.get('cores', '?')} cores; kernels {', '.join(m.get('flags') or []) or '-'}"
-             f"; torch CPU capability {m.get('capability') or '-'}.", "",
+             f"; torch CPU capability {m.get('capability') or '-'}; the reference's decoders: "
+             f"{fig.get('decoders') or '-'}.", "",
              "## Targets (issue 13)", ""]
     lines += [f"- **{_mark(t['ok'])}**: {t['target']} ({t['detail']})" for t in fig.get("targets") or []]
     lines += ["", "## Load", "", "`floor s`: reading the checkpoint's weight files from the page cache into one "

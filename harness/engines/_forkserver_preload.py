@@ -14,6 +14,9 @@ import harness.engines.worker  # noqa: F401
 import harness.fixtures  # noqa: F401
 import harness.reference  # noqa: F401
 import harness.scoring  # noqa: F401
+from harness.quant import native
+
+native.library()  # built (once per machine) and loaded here, not in each child
 
 for _optional in ("bitsandbytes", "torchao", "compressed_tensors", "accelerate",
                   "lm_eval.evaluator", "lm_eval.tasks", "harness.accuracy.lm"):  # the accuracy tasks

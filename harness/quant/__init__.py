@@ -55,22 +55,29 @@ def effective(weight: "torch.Tensor | StoredWeight") -> torch.Tensor:
     return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
 
 
-# Codes decoded at a time by `lookup_bytes`: the int32 indices and the values of one chunk stay in
-# cache. A power of two, so that a chunk holds whole bitsandbytes blocks.
+# Codes decoded at a time by `lookup_bytes`'s torch path: the int32 indices and the values of one
+# chunk stay in cache. A power of two, so that a chunk holds whole bitsandbytes blocks.
 LOOKUP_CHUNK = 1 << 16
 
 
-def lookup_bytes(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, finish=None,
-                 chunk: int = LOOKUP_CHUNK) -> None:
-    """out[i] = table[codes[i]] for flat uint8 `codes` and a flat `out` of the table's dtype,
-    `chunk` codes at a time through int32 indices (never an int64 temporary); `finish(start,
-    stop)` then runs on each chunk of `out` while it is in cache."""
+def lookup_bytes(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor,
+                 scales: torch.Tensor | None = None, group: int = 1) -> None:
+    """out = table[codes] for flat uint8 `codes` and a flat float32 `out`: one value per code from
+    a float32 table, or a pair per code from an int64 table of float32 pairs (two 4-bit codes per
+    byte). With `scales`, the values of each `group` codes (a whole number of groups) are then
+    multiplied by that group's scale, while they are in cache.
+
+    `index_select`, a chunk of codes at a time through int32 indices (never an int64 temporary):
+    the plain-torch decode, where harness.quant.native's does not apply."""
+    width = table.element_size() // 4
+    values = out.view(table.dtype)  # one element per code
+    chunk = max(1, LOOKUP_CHUNK // group) * group
     index = torch.empty(min(chunk, codes.numel()), dtype=torch.int32, device=codes.device)
     for start in range(0, codes.numel(), chunk):
         stop = min(start + chunk, codes.numel())
-        torch.index_select(table, 0, index[:stop - start].copy_(codes[start:stop]), out=out[start:stop])
-        if finish is not None:
-            finish(start, stop)
+        torch.index_select(table, 0, index[:stop - start].copy_(codes[start:stop]), out=values[start:stop])
+        if scales is not None:
+            out[start * width:stop * width].view(-1, group * width).mul_(scales[start // group:stop // group, None])
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded, StoredWeight, finite_bounds, lookup_bytes
+from harness.quant import Decoded, StoredWeight, finite_bounds, lookup_bytes, native
 from harness.quant.source import TensorSource
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -60,6 +60,11 @@ def code_table(quant_type: str) -> torch.Tensor:
     data = {"nf4": _NF4, "fp4": _FP4}[quant_type]
     t = torch.tensor(data, dtype=torch.float32)
     return t.div_(t.abs().max())
+
+
+@functools.cache
+def _code_table(quant_type: str, device: torch.device) -> torch.Tensor:
+    return code_table(quant_type).to(device)
 
 
 @functools.cache
@@ -114,8 +119,9 @@ def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_type: str, bloc
     float32 result here is rounded through it. `out`: a contiguous float32 tensor of `shape` to
     write into (else one is allocated).
 
-    One lookup per byte into a 256-entry table of code pairs, written straight into the output,
-    then, while the chunk is in cache, the multiply by each block's absmax (`lookup_bytes`).
+    In C on the CPU (harness.quant.native). Else one lookup per byte into a 256-entry table of
+    code pairs, written straight into the output, then, while it is in cache, the multiply by
+    each block's absmax (`lookup_bytes`).
     """
     n = math.prod(shape)
     if nested is not None:
@@ -128,23 +134,16 @@ def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_type: str, bloc
         return result.copy_(dequantize(packed, absmax, quant_type, blocksize, shape, dtype))
     flat = result.view(-1)
     full = n // blocksize * blocksize  # whole blocks: whole bytes, since blocksizes are even
-
-    def finish(start: int, stop: int) -> None:
-        _finish(flat[2 * start:2 * stop], absmax[2 * start // blocksize:2 * stop // blocksize], blocksize, dtype)
-
-    lookup_bytes(_pair_table(quant_type, packed.device), packed[:full // 2], flat[:full].view(torch.int64), finish)
+    codes, scales = packed[:full // 2], absmax[:full // blocksize].contiguous()
+    if not native.decode_nibbles(_code_table(quant_type, packed.device), codes, scales, blocksize // 2, flat[:full]):
+        lookup_bytes(_pair_table(quant_type, packed.device), codes, flat[:full], scales, blocksize // 2)
     if full < n:  # a last, short block
         tail = flat[full:]
-        tail.copy_(code_table(quant_type).to(tail.device)[unpack_nibbles(packed[full // 2:], n - full).int()])
-        _finish(tail, absmax[full // blocksize:], blocksize, dtype)
-    return result
-
-
-def _finish(values: torch.Tensor, absmax: torch.Tensor, blocksize: int, dtype: torch.dtype) -> None:
-    """Codes to values in place: times the block's absmax, rounded through the state's dtype."""
-    scale_blocks_(values, absmax, blocksize)
+        tail.copy_(_code_table(quant_type, tail.device)[unpack_nibbles(packed[full // 2:], n - full).int()])
+        scale_blocks_(tail, absmax[full // blocksize:], blocksize)
     if dtype != torch.float32:
-        values.copy_(values.to(dtype))
+        flat.copy_(flat.to(dtype))
+    return result
 
 
 @dataclass

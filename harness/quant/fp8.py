@@ -30,7 +30,7 @@ import functools
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import LOOKUP_CHUNK, Decoded, Fp8Parts, lookup_bytes
+from harness.quant import Decoded, Fp8Parts, lookup_bytes, native
 from harness.quant.source import TensorSource
 
 FP8 = torch.float8_e4m3fn
@@ -118,28 +118,26 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | N
     """The effective weight float32(q) * scale, written into `out` when given; with `remap`
     (Fp8Parts.remap), q is remap[stored code].
 
-    float32(q) is looked up per byte in a 256-entry table (torch's own float8 -> float32 cast is
-    several times slower on CPU). A per-tensor scale is multiplied into the table (the same
-    product per value); per channel, a chunk of whole rows is scaled while it is in cache.
+    In C on the CPU (harness.quant.native). Else float32(q) is looked up per byte in a 256-entry
+    table (torch's own float8 -> float32 cast is several times slower on CPU); a per-tensor scale
+    is multiplied into the table (the same product per value); per channel, each row is scaled
+    while it is in cache.
     """
     rows, cols = qweight.shape
     if out is None:
         out = torch.empty((rows, cols), dtype=torch.float32, device=qweight.device)
-    flat = out.view(-1)
+    codes = qweight.contiguous().view(torch.uint8).reshape(-1)
+    per_tensor = scale.numel() == 1
+    scales = scale.reshape(-1).float().contiguous()
+    if native.decode_e4m3(codes, remap, scales, codes.numel() if per_tensor else cols, out.view(-1)):
+        return out
     table = _float_table(qweight.dtype, qweight.device)
     if remap is not None:
         table = table[remap.int()]
-    finish = None
-    if scale.numel() == 1:
-        table = table * scale.reshape(())
+    if per_tensor:
+        lookup_bytes(table * scale.reshape(()), codes, out.view(-1))
     else:
-        per_row = scale.reshape(-1, 1)
-
-        def finish(start: int, stop: int) -> None:
-            flat[start:stop].view(-1, cols).mul_(per_row[start // cols:stop // cols])
-
-    chunk_rows = max(1, LOOKUP_CHUNK // max(1, cols))
-    lookup_bytes(table, qweight.contiguous().view(torch.uint8).reshape(-1), flat, finish, chunk_rows * cols)
+        lookup_bytes(table, codes, out.view(-1), scales, max(1, cols))
     return out
 
 
@@ -159,12 +157,24 @@ def _float_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 scaled_observer = None
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """float8_e4m3fn codes of x / scale: round to nearest even, saturating at +-448."""
+def _scaled(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     scaled = x / scale
     if scaled_observer is not None:
         scaled = scaled_observer(scaled)
-    return torch.clamp(scaled, -FP8_MAX, FP8_MAX).to(FP8)
+    return torch.clamp(scaled, -FP8_MAX, FP8_MAX)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """float8_e4m3fn codes of x / scale: round to nearest even, saturating at +-448."""
+    return _scaled(x, scale).to(FP8)
+
+
+def on_grid(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """`quantize(x, scale)` as values of x's dtype; for float32 on the CPU in C (torch's float8
+    casts there are a scalar loop, most of an FP8 forward pass), bit-identical."""
+    scaled = _scaled(x, scale)
+    rounded = native.round_e4m3(scaled)
+    return rounded if rounded is not None else scaled.to(FP8).to(x.dtype)
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
@@ -175,7 +185,7 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """
     if isinstance(scale, torch.Tensor):
         scale = scale.to(x.dtype)
-    return quantize(x, scale).to(x.dtype) * scale
+    return on_grid(x, scale) * scale
 
 
 def quantize_dynamic_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +205,7 @@ def quantize_dynamic_per_token(x: torch.Tensor) -> torch.Tensor:
     amax = torch.maximum(mn.abs(), mx.abs())
     scale = amax / (float(FP8_MAX - (-FP8_MAX)) / 2)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=scale.dtype), scale)
-    return quantize(x, scale).to(scale.dtype) * scale
+    return on_grid(x, scale) * scale
 
 
 def requantize_fused(shards: list[Decoded], dq_dtype: torch.dtype = torch.float32) -> list[Decoded]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded, StoredWeight, schema
+from harness.quant import Decoded, StoredWeight, native, schema
 from harness.quant.source import TensorSource
 
 SUBCLASSES = {"Int8Tensor": "torchao-int8", "Float8Tensor": "torchao-float8"}
@@ -91,13 +91,24 @@ def dequantize(qdata: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     rows, cols = qdata.shape
     if out is None:
         out = torch.empty((rows, cols), dtype=torch.float32, device=qdata.device)
-    tiles = out.copy_(qdata).view(rows // block[0], block[0], cols // block[1], block[1])
-    if zero_point is not None:
-        tiles.sub_(zero_point.float()[:, None, :, None])
-    tiles.mul_(scale[:, None, :, None])
+    if not (zero_point is None and block[0] == 1 and _decoded_in_c(qdata, scale, block[1], out)):
+        tiles = out.copy_(qdata).view(rows // block[0], block[0], cols // block[1], block[1])
+        if zero_point is not None:
+            tiles.sub_(zero_point.float()[:, None, :, None])
+        tiles.mul_(scale[:, None, :, None])
     if dtype != torch.float32:
         out.copy_(out.to(dtype))
     return out
+
+
+def _decoded_in_c(qdata: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor) -> bool:
+    """Tiles one row high without a zero point, in C on the CPU (harness.quant.native)."""
+    scales, flat = scale.float().reshape(-1).contiguous(), out.view(-1)
+    if qdata.dtype == torch.int8:
+        return native.decode_int8(qdata.contiguous().reshape(-1), scales, group, flat)
+    if qdata.dtype == torch.float8_e4m3fn:
+        return native.decode_e4m3(qdata.contiguous().view(torch.uint8).reshape(-1), None, scales, group, flat)
+    return False
 
 
 @dataclass
