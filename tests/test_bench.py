@@ -32,8 +32,8 @@ def _gated_run(rng, rule, base, **kw):
     return [detection.gated(lambda i=i: _run(rng, **kw)[i], rule, base) for i in range(len(CELLS))]
 
 
-def _choose(runs):
-    return detection.choose(runs, slowed_cells=2, baseline_children=5)
+def _choose(runs, pairs=()):
+    return detection.choose(runs, slowed_cells=2, baseline_children=5, pairs=pairs)
 
 
 def test_rule_from_quiet_runs_catches_20_percent_and_not_clean_runs():
@@ -71,12 +71,37 @@ def test_rule_threshold_follows_the_noise_and_counts_a_false_alarm():
 
 def test_the_threshold_weighs_a_false_alarm_and_a_missed_20_percent_alike():
     for sd, conf in ((0.02, 0), (0.04, 2), (0.08, 1)):
-        t = detection._balanced_threshold(sd, conf, cells=8, slowed_cells=4)
-        false_alarm = detection._modelled_flag(t, sd, conf, 8, 0.0)
-        miss = 1 - detection._modelled_flag(t, sd, conf, 4, 0.2)
-        assert 1.0 < t < 1.2 and false_alarm == pytest.approx(miss, rel=1e-6, abs=1e-15)
+        noise = detection.Noise(level=sd / 2, within=sd)
+        t = detection._balanced_threshold(noise, conf, cells=8, slowed_cells=4)
+        false_alarm = detection._modelled_flag(t, noise, conf, 8, 0.0)
+        miss = 1 - detection._modelled_flag(t, noise, conf, 4, 0.2)
+        assert 1.0 < t < 1.2 and false_alarm == pytest.approx(miss, rel=1e-4, abs=1e-12)
     # a noisier host: a higher threshold
-    assert detection._balanced_threshold(0.02, 0, 8, 4) < detection._balanced_threshold(0.08, 0, 8, 4)
+    quiet, noisy = detection.Noise(0.01, 0.02), detection.Noise(0.04, 0.08)
+    assert detection._balanced_threshold(quiet, 0, 8, 4) < detection._balanced_threshold(noisy, 0, 8, 4)
+
+
+def test_confirmations_count_for_less_when_children_timed_back_to_back_agree():
+    # The same spread per child; in the second host most of it is a level the children share.
+    independent, shared = detection.Noise.of(0.03, 0.03, 5), detection.Noise.of(0.03, 0.005, 5)
+    assert shared.level > independent.level and shared.within == 0.005
+    assert (detection._balanced_threshold(shared, 2, 8, 4) > detection._balanced_threshold(independent, 2, 8, 4))
+    # With no shared level at all, confirmations are independent draws: the chance is a power.
+    alone = detection.Noise(level=0.0, within=0.03)
+    one = alone.cell_flags(1.05, 0, 0.0)
+    assert alone.cell_flags(1.05, 2, 0.0) == pytest.approx(one ** 3, rel=1e-9)
+
+
+def test_the_back_to_back_spread_is_measured_from_pairs_of_children():
+    rng = random.Random(6)
+    pairs = []
+    for _ in range(400):  # a level shared by both children (sd 5%) and 1% of their own
+        level = rng.gauss(0, 0.05)
+        a, b = (CellRun("a", (math.exp(level + rng.gauss(0, 0.01)),), 1.0) for _ in range(2))
+        pairs.append((a, b))
+    assert detection._back_to_back_sd(pairs, 1, "min") == pytest.approx(0.01, rel=0.15)
+    rule, _ = _choose([_run(rng, spread=0.05) for _ in range(8)], pairs=pairs)
+    assert rule.within == pytest.approx(0.01, rel=0.15) and "back to back" in rule.describe()
 
 
 def test_too_few_clean_runs_pass_on_the_models_rate_even_when_it_underflows_to_zero():

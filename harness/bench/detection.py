@@ -11,12 +11,16 @@ rates are per run: a slower loader is caught when its run flags, and a clean run
 must not; the per-cell-run rates are reported beside them. The baseline a cell is compared with is
 the median child of ``BASELINE_CHILDREN`` (harness.bench.calibration.baseline_load).
 
-1. Choice: ``choice_runs`` clean runs of one child per cell with ``max(REPEATS)`` loads each. The
-   first ``BASELINE_CHILDREN`` of them make the baseline. For every candidate rule (the first k
-   loads, their min or median, 0 to ``max(CONFIRMATIONS)`` confirmations), the spread of the
-   per-child log of load/calibration (pooled over cells; a robust standard deviation, the MAD's)
-   gives a normal model of a run (its cells, independent children, the baseline's own error
-   included: the median of B children has about pi/(2B) of a child's variance). Its threshold is
+1. Choice: ``choice_runs`` clean runs of one child per cell with ``max(REPEATS)`` loads each, each
+   child followed at once by a second (``back_to_back``: as a confirmation follows). The first
+   ``BASELINE_CHILDREN`` runs make the baseline. For every candidate rule (the first k loads, their
+   min or median, 0 to ``max(CONFIRMATIONS)`` confirmations), the spread of the per-child log of
+   load/calibration (pooled over cells; a robust standard deviation, the MAD's) and that of the
+   back-to-back pairs give a normal model of a run (`Noise`): a level the children of one cell-run
+   share (what moves between runs, and the baseline's own error: the median of B children has
+   about pi/(2B) of a child's variance) and each child's own part. A confirmation only helps
+   against the child's own part: the level stays (a slow drift over minutes made most of the
+   false alarms of the runs that took confirmations as independent draws). Its threshold is
    where the model flags a clean run as often as it misses a run slowed by 20%, the two errors the
    issue bounds (rather than a false-alarm rate picked in advance: this host's tails are fatter than
    the normal's, on both sides); never below the largest value the rule compared with the threshold
@@ -82,12 +86,17 @@ class Rule:
     confirmations: int = 0
     modelled_20: float | None = None  # the model's chance to flag a run slowed by 20%
     modelled_false_alarm: float | None = None  # ... and a clean run
+    # the part of `spread` that differs between two children timed back to back (a confirmation's
+    # distance); the rest is a level shared by both. None: every child independent.
+    within: float | None = None
 
     def describe(self) -> str:
         again = (f", timed again in up to {self.confirmations} fresh children while over it (flag when all are)"
                  if self.confirmations else "")
+        back = "" if self.within is None else f", {100 * self.within:.1f}% back to back"
         return (f"{self.statistic} of {self.repeats} load(s) per child over the calibration; flag when the "
-                f"calibrated ratio > {self.threshold:.3f}{again} (child-to-child spread {100 * self.spread:.1f}%)")
+                f"calibrated ratio > {self.threshold:.3f}{again} (child-to-child spread {100 * self.spread:.1f}%"
+                f"{back})")
 
 
 @dataclass
@@ -126,30 +135,66 @@ def _spread(runs: Sequence[Sequence[CellRun]], k: int, stat: str) -> float:
     return max(_robust_sd(deviations), 1e-6)
 
 
-def _ratio_sd(child_sd: float, baseline_children: int) -> float:
-    """The sd of log(obtained / baseline) when the baseline is the median of that many children."""
-    return child_sd * math.sqrt(1 + math.pi / (2 * baseline_children))
+@dataclass(frozen=True)
+class Noise:
+    """The normal model of log(obtained / baseline) for one cell-run: a level its children share
+    (sd ``level``: what moves between runs, and the baseline's own error) and each child's own
+    part (sd ``within``: what differs between two children timed back to back)."""
+
+    level: float
+    within: float
+
+    @classmethod
+    def of(cls, child_sd: float, within_sd: float | None, baseline_children: int) -> Noise:
+        """From the spread of single children around their cell's median (``child_sd``), of two
+        children timed back to back (``within_sd``; None: independent children), with the baseline
+        the median of ``baseline_children`` children (about pi/(2B) of a child's variance)."""
+        within = child_sd if within_sd is None else min(within_sd, child_sd)
+        shared = max(child_sd ** 2 - within ** 2, 0.0)
+        return cls(math.sqrt(shared + child_sd ** 2 * math.pi / (2 * baseline_children)), max(within, 1e-6))
+
+    def cell_flags(self, threshold: float, confirmations: int, slowdown: float, mean: float = 0.0) -> float:
+        """The chance that 1 + ``confirmations`` children of one cell-run, ``slowdown`` slower,
+        are all over ``threshold``: each child's chance, to that power, averaged over the level."""
+        child = statistics.NormalDist(0.0, self.within)
+        centre, t = mean + math.log(1 + slowdown), math.log(threshold)
+        levels = statistics.NormalDist(0.0, 1.0)
+        steps = 200
+        total = weight = 0.0
+        for i in range(steps + 1):  # the level's normal, on a grid of +-8 sd
+            z = -8 + 16 * i / steps
+            w = levels.pdf(z)
+            total += w * (1 - child.cdf(t - centre - z * self.level)) ** (1 + confirmations)
+            weight += w
+        return total / weight
 
 
-def _modelled_flag(threshold: float, sd: float, confirmations: int, cells: int, slowdown: float) -> float:
-    """The normal model's chance that a run flags when ``cells`` of its cells are ``slowdown``
-    slower (0: a clean run of ``cells`` cells); a cell flags when 1 + ``confirmations``
-    independent children all are over ``threshold``."""
-    over = 1 - statistics.NormalDist(math.log(1 + slowdown), sd).cdf(math.log(threshold))
-    return 1 - (1 - over ** (1 + confirmations)) ** cells
+def _modelled_flag(threshold: float, noise: Noise, confirmations: int, cells: int, slowdown: float,
+                   mean: float = 0.0) -> float:
+    """The model's chance that a run flags when ``cells`` of its cells are ``slowdown`` slower
+    (0: a clean run of ``cells`` cells)."""
+    return 1 - (1 - noise.cell_flags(threshold, confirmations, slowdown, mean)) ** cells
 
 
-def _balanced_threshold(sd: float, confirmations: int, cells: int, slowed_cells: int) -> float:
+def _balanced_threshold(noise: Noise, confirmations: int, cells: int, slowed_cells: int) -> float:
     """The threshold at which the normal model misses a run slowed by ``SLOWDOWN_TARGET`` as often
     as it flags a clean one: the two errors the issue bounds weigh the same, since the model's
     tails are thinner than this host's on both sides."""
     lo, hi = 0.0, math.log(1 + SLOWDOWN_TARGET)
-    for _ in range(60):
+    for _ in range(50):
         mid = (lo + hi) / 2
-        false_alarm = _modelled_flag(math.exp(mid), sd, confirmations, cells, 0.0)
-        miss = 1 - _modelled_flag(math.exp(mid), sd, confirmations, slowed_cells, SLOWDOWN_TARGET)
+        false_alarm = _modelled_flag(math.exp(mid), noise, confirmations, cells, 0.0)
+        miss = 1 - _modelled_flag(math.exp(mid), noise, confirmations, slowed_cells, SLOWDOWN_TARGET)
         lo, hi = (mid, hi) if false_alarm > miss else (lo, mid)
     return math.exp((lo + hi) / 2)
+
+
+def _back_to_back_sd(pairs: Sequence[tuple[CellRun, CellRun]], k: int, stat: str) -> float | None:
+    """The sd of one child's own part, from pairs of children timed back to back: the robust sd
+    of their log difference over sqrt(2). None without pairs."""
+    if not pairs:
+        return None
+    return max(_robust_sd([math.log(a.value(k, stat) / b.value(k, stat)) for a, b in pairs]) / math.sqrt(2), 1e-6)
 
 
 def baseline_of(choice: Sequence[Sequence[CellRun]], k: int, stat: str, children: int) -> dict[str, float]:
@@ -167,9 +212,11 @@ def cell_flags(base: dict[str, float], children: Children, rule: Rule) -> bool:
     return all(cr.value(rule.repeats, rule.statistic) / base[cr.cell] > rule.threshold for cr in children)
 
 
-def choose(choice: Sequence[Sequence[CellRun]], *, slowed_cells: int, baseline_children: int) -> tuple[Rule, list[Rule]]:
+def choose(choice: Sequence[Sequence[CellRun]], *, slowed_cells: int, baseline_children: int,
+           pairs: Sequence[tuple[CellRun, CellRun]] = ()) -> tuple[Rule, list[Rule]]:
     """The rule (and every candidate) from clean choice runs (one child per cell each); the first
-    ``baseline_children`` runs make the baseline."""
+    ``baseline_children`` runs make the baseline. ``pairs``: children timed back to back, as a
+    confirmation is (without them the model takes every child as independent)."""
     if len(choice) < baseline_children + 2:
         raise ValueError(f"choosing a rule needs >= {baseline_children + 2} clean choice runs "
                          f"({baseline_children} for the baseline), got {len(choice)}")
@@ -180,17 +227,18 @@ def choose(choice: Sequence[Sequence[CellRun]], *, slowed_cells: int, baseline_c
     for k in (r for r in REPEATS if r <= most):
         for stat in STATISTICS if k > 1 else ("min",):
             base = baseline_of(choice, k, stat, baseline_children)
-            sd = _spread(choice, k, stat)
-            ratio_sd = _ratio_sd(sd, baseline_children)
+            sd, within = _spread(choice, k, stat), _back_to_back_sd(pairs, k, stat)
+            noise = Noise.of(sd, within, baseline_children)
             for conf in CONFIRMATIONS:
                 # What the rule compared with the threshold on the clean runs: each cell's lowest
                 # of 1 + conf consecutive children.
                 seen = max(min(run[i].value(k, stat) for run in held[j:j + conf + 1]) / base[held[0][i].cell]
                            for i in range(cells) for j in range(max(1, len(held) - conf)))
-                threshold = max(_balanced_threshold(ratio_sd, conf, cells, slowed_cells), seen)
+                threshold = max(_balanced_threshold(noise, conf, cells, slowed_cells), seen)
                 candidates.append(Rule(k, stat, threshold, sd, conf,
-                                       _modelled_flag(threshold, ratio_sd, conf, slowed_cells, SLOWDOWN_TARGET),
-                                       _modelled_flag(threshold, ratio_sd, conf, cells, 0.0)))
+                                       _modelled_flag(threshold, noise, conf, slowed_cells, SLOWDOWN_TARGET),
+                                       _modelled_flag(threshold, noise, conf, cells, 0.0),
+                                       None if within is None else min(within, sd)))
 
     def merit(r: Rule):  # the likelier error, then the cheaper rule: fewer confirmations, then loads
         return (max(1 - r.modelled_20, r.modelled_false_alarm), r.confirmations, r.repeats)
@@ -199,11 +247,13 @@ def choose(choice: Sequence[Sequence[CellRun]], *, slowed_cells: int, baseline_c
 
 
 def predicted_false_alarm(rule: Rule, clean: Sequence[Sequence[Children]], base: dict[str, float]) -> float:
-    """The per-run false-alarm rate of the normal model fitted to held-out clean first children."""
+    """The per-run false-alarm rate of the normal model fitted to held-out clean first children
+    (their mean and spread; the back-to-back part of the spread as the rule's choice measured it)."""
     logs = [math.log(ch[0].value(rule.repeats, rule.statistic) / base[ch[0].cell]) for run in clean for ch in run]
     mu, sd = statistics.fmean(logs), max(_robust_sd(logs), 1e-6)
-    per_child = 1 - statistics.NormalDist(mu, sd).cdf(math.log(rule.threshold))
-    return 1 - (1 - per_child ** (1 + rule.confirmations)) ** len(base)
+    within = sd if rule.within is None else min(rule.within, sd)
+    noise = Noise(math.sqrt(sd ** 2 - within ** 2), within)
+    return _modelled_flag(rule.threshold, noise, rule.confirmations, len(base), 0.0, mu)
 
 
 def evaluate(rule: Rule, base: dict[str, float], clean: Sequence[Sequence[Children]],
@@ -320,11 +370,15 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
     preload(cells, paths)
     slow_cells = [c for c in cells if c.engine == "reference"]
     most = max(REPEATS)
-    choice = []
+    choice, pairs = [], []
     for i in range(choice_runs):
-        choice.append([cell_run(c, paths[c.id], most) for c in cells])
+        run = []
+        for c in cells:  # each cell timed twice back to back, as a confirmation is
+            run.append(cell_run(c, paths[c.id], most))
+            pairs.append((run[-1], cell_run(c, paths[c.id], most)))
+        choice.append(run)
         echo(f"  detection: choice run {i + 1}/{choice_runs} ({time.perf_counter() - t0:.0f} s)")
-    rule, candidates = choose(choice, slowed_cells=len(slow_cells), baseline_children=BASELINE_CHILDREN)
+    rule, candidates = choose(choice, slowed_cells=len(slow_cells), baseline_children=BASELINE_CHILDREN, pairs=pairs)
     echo(f"  detection: rule: {rule.describe()}")
     base = baseline_of(choice, rule.repeats, rule.statistic, BASELINE_CHILDREN)
     clean, slowed = [], {f: [] for f in SLOWDOWNS}
@@ -344,7 +398,8 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
                      slowed_runs=ev["slowed_runs"], slowed_cell_runs=ev["slowed_cell_runs"],
                      predicted_false_alarm=predicted_false_alarm(rule, clean, base) if clean else float("nan"),
                      seconds=time.perf_counter() - t0,
-                     raw={"choice": [[vars(cr) for cr in run] for run in choice], "clean": _plain(clean),
+                     raw={"choice": [[vars(cr) for cr in run] for run in choice],
+                          "back_to_back": [vars(b) for _, b in pairs], "clean": _plain(clean),
                           "slowed": {str(f): _plain(runs) for f, runs in slowed.items()}})
 
 
