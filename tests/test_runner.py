@@ -435,3 +435,27 @@ def test_a_gated_cell_is_timed_in_several_children_for_its_baseline_and_confirme
     assert len(slowed.load.children) == 1 + calibration.CONFIRMATIONS
     assert all(c.seconds / c.calibration > 1.5 * median for c in slowed.load.children)
     assert (tmp_path / "r1" / "logs" / f"{GATED}.load{calibration.CONFIRMATIONS}.log").exists()
+
+
+def test_a_cell_child_ends_once_its_record_is_written_without_closing_its_engine(tmp_path):
+    from harness import matrix as M
+
+    cell = next(c for c in M.load(write_matrix(tmp_path / "models.yaml")).cells()
+                if c.id == "whisper.unquantized.reference")
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"mode": "cell", "cell": cell.model_dump(mode="json"), "path": None, "sequences": None,
+                               "threads": 1, "record": str(tmp_path / "record.json")}))
+    marks = tmp_path / "marks"
+    program = (
+        "import atexit, sys\n"
+        f"mark = lambda what: open({str(marks)!r}, 'a').write(what + '\\n')\n"
+        "atexit.register(mark, 'exit handlers ran')\n"
+        "from harness.engines import worker\n"
+        "from harness.engines.reference import ReferenceEngine\n"
+        "ReferenceEngine.close = lambda self: mark('engine closed')\n"
+        f"worker.main([{str(job)!r}])\n"
+        "mark('main returned')\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert R.load(tmp_path / "record.json").status == "ok"
+    assert not marks.exists()  # os._exit: no engine shutdown, no exit handlers, nothing after main

@@ -39,9 +39,9 @@ def _build_key(compiler: str) -> str:
     from harness import cpu
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    vendor, model, flags = cpu._cpuinfo()
-    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), vendor.encode(), model.encode(),
-             " ".join(sorted(flags)).encode()]
+    machine = cpu.describe()
+    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), machine["vendor"].encode(),
+             machine["model"].encode(), " ".join(sorted(cpu.flags())).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
