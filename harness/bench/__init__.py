@@ -171,12 +171,11 @@ def matrix_part(before: str, select: str | None, echo: Callable[[str], None]) ->
 def run(args) -> int:
     from harness import cpu
     from harness.bench import report
+    from harness.quant import native
 
     parts, sizes = _parts(args), _sizes(args)
     echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is for --json
-    from harness.quant import native
-
-    # Built (once per machine) before any timed child could pay for it
+    # native.describe() builds the C decoders (once per machine) before any timed child could pay for it
     fig: dict = {"load": None, "decode": None, "detection": None, "matrix": None, "machine": cpu.describe(),
                  "decoders": native.describe(), "cores": os.cpu_count(), "profiles": {}, "notes": []}
     t0 = time.perf_counter()
