@@ -107,7 +107,8 @@ def test_fp8_rounding_in_c_matches_torchs_cast_at_every_boundary(c_library):
 def test_fp8_activation_quantization_is_the_same_in_c_and_in_torch(c_library, torch_only):
     x = torch.randn(3, 5, 48) * 7
     assert torch.equal(bits(fp8.quantize_dynamic_per_token(x)), bits(torch_only(fp8.quantize_dynamic_per_token, x)))
-    assert torch.equal(bits(fp8.fake_quant(x, torch.tensor(0.05))), bits(torch_only(fp8.fake_quant, x, torch.tensor(0.05))))
+    scale = torch.tensor(0.05)
+    assert torch.equal(bits(fp8.fake_quant(x, scale)), bits(torch_only(fp8.fake_quant, x, scale)))
 
 
 def test_the_library_is_built_once_and_then_loaded_from_its_cache(monkeypatch, tmp_path):
@@ -125,8 +126,15 @@ def test_the_library_is_built_once_and_then_loaded_from_its_cache(monkeypatch, t
         native.library.cache_clear()
 
 
-@pytest.mark.parametrize("setting", [{"CC": "no-such-compiler"}, {"HARNESS_NATIVE": "0"}])
-def test_without_the_library_the_decoders_run_in_torch(monkeypatch, tmp_path, setting):
+UNAVAILABLE = "harness native decoders unavailable, decoding in plain torch: "
+
+
+@pytest.mark.parametrize("setting,warned", [
+    ({"CC": "no-such-compiler"}, [UNAVAILABLE + "no C compiler (no-such-compiler) on PATH"]),
+    ({"CC": "false"}, [UNAVAILABLE + "false failed on native.c: no message"]),  # a compiler that fails
+    ({"HARNESS_NATIVE": "0"}, []),
+])
+def test_without_the_library_the_decoders_run_in_torch(monkeypatch, tmp_path, setting, warned):
     monkeypatch.setenv("HARNESS_NATIVE_CACHE", str(tmp_path))
     for key, value in setting.items():
         monkeypatch.setenv(key, value)
@@ -135,9 +143,8 @@ def test_without_the_library_the_decoders_run_in_torch(monkeypatch, tmp_path, se
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert native.library() is None
-        assert [str(w.message) for w in caught] == (
-            ["harness native decoders unavailable, decoding in plain torch: no C compiler (no-such-compiler) on PATH"]
-            if "CC" in setting else [])
+        assert [str(w.message) for w in caught] == warned
+        assert not list(tmp_path.iterdir())  # nothing half-built left behind
         q = every_e4m3_code(4, 64)
         want = q.float() * torch.tensor(0.5)
         assert torch.equal(bits(fp8.dequantize(q, torch.tensor(0.5))), bits(want))

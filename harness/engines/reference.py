@@ -80,7 +80,8 @@ QUANT_LIBRARIES = {
 
 def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
     """Import what loading this checkpoint imports lazily (the loader itself with its format
-    modules, the architecture's modeling module, the safetensors reader, the quantization library),
+    modules, the architecture's modeling module, the safetensors reader, the quantization library,
+    the C decoders: harness.quant.native),
     so that no import is timed as load, whatever the isolation mode (a forked child inherits the
     fork server's imports, a spawned one does not)."""
     import importlib
@@ -89,7 +90,9 @@ def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
     import transformers
 
     import harness.reference  # noqa: F401
+    from harness.quant import native
 
+    native.library()  # the C decoders the first forward pass calls: loaded (or built) here, untimed
     for arch in checkpoint.config.get("architectures") or ():
         getattr(transformers, arch, None)
     method = (online or checkpoint.quantization_config or {}).get("quant_method")
