@@ -345,7 +345,18 @@ def test_time_per_gb_spread_is_judged_across_sizes():
     fig = _figures()
     fig["load"][1]["reference_s"] = 0.8  # M twice as slow per GB as S
     t = {t["target"][:2]: t for t in report.targets(fig)}["1d"]
-    assert t["ok"] is False and "2.00" in t["detail"]
+    assert t["ok"] is False and t["detail"].startswith("largest max/min over formats: 2.00")
+
+
+def test_a_fixed_cost_per_load_misses_time_per_gb_but_cancels_per_added_gb():
+    """50 ms per load plus 1 s per GB: the total per GB falls with size (judged, a miss), the cost
+    of each added GB is the same from S to M as from M to L (reported beside it, 1.00)."""
+    fig = _figures()
+    fig["load"] = [{**fig["load"][0], "size": s, "checkpoint_mb": mb, "reference_s": 0.05 + mb / 1e3,
+                    "reference_forward_s": 0.07 + 2 * mb / 1e3} for s, mb in (("S", 50), ("M", 200), ("L", 600))]
+    t = {t["target"][:2]: t for t in report.targets(fig)}["1d"]
+    assert t["ok"] is False and t["detail"].startswith("largest max/min over formats: 1.85")
+    assert "load 1.00 (transformers' inf)" in t["detail"] and "load+forward 1.00 (transformers' inf)" in t["detail"]
 
 
 def test_markdown_has_a_line_per_target_and_the_tables():
