@@ -341,6 +341,19 @@ def test_targets_pass_miss_and_not_measured():
     assert {t["target"][:2]: t["ok"] for t in report.targets(reduced)}["4 "] is None
 
 
+def test_decode_judges_dequantizations_and_shows_the_unquantized_copy_beside_them():
+    copy = {"format": "unquantized", "shape": [1, 1], "decode_s": 0.035, "fill_s": 0.01, "ratio": 3.5,
+            "decodes": False}
+    fig = _figures()
+    fig["decode"].append(copy)
+    t = {t["target"][:2]: t for t in report.targets(fig)}["2 "]
+    assert t["ok"] is True and t["detail"] == "worst ratio 2.00 (bnb-nf4); not judged: the unquantized copy 3.50"
+    fig["targets"] = report.targets(fig)
+    assert "| unquantized (a copy: not judged) | 1x1 | 35.00 |" in report.markdown(fig)
+    fig["decode"][0]["ratio"] = 3.1
+    assert {t["target"][:2]: t["ok"] for t in report.targets(fig)}["2 "] is False
+
+
 def test_time_per_gb_spread_is_judged_across_sizes():
     fig = _figures()
     fig["load"][1]["reference_s"] = 0.8  # M twice as slow per GB as S
@@ -379,7 +392,7 @@ def test_bench_quick_decode_on_a_tiny_size(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(checkpoints, "LAYER", dict(hidden_size=64, intermediate_size=128, num_attention_heads=2,
                                                    num_key_value_heads=1))
-    monkeypatch.setattr(checkpoints, "FORMATS", ("bnb-nf4",))
+    monkeypatch.setattr(checkpoints, "FORMATS", ("bnb-nf4", "unquantized"))
     from harness.quant import bnb
 
     timed = []  # the stored form's own decode is what is timed, once per repeat (not a copy of its result)
@@ -391,7 +404,7 @@ def test_bench_quick_decode_on_a_tiny_size(monkeypatch, tmp_path, capsys):
     import json
 
     fig = json.loads(capsys.readouterr().out)
-    assert [r["format"] for r in fig["decode"]] == ["bnb-nf4"]
+    assert [(r["format"], r["decodes"]) for r in fig["decode"]] == [("bnb-nf4", True), ("unquantized", False)]
     assert all(r["shape"] == [128, 64] and r["decode_s"] > 0 and r["fill_s"] > 0 for r in fig["decode"])
     assert fig["load"] is None and any("load: not measured" in n for n in fig["notes"])
     assert "## Decode" in out.read_text()

@@ -1,8 +1,9 @@
 """The C decoders and FP8 rounding (harness.quant.native) against the plain-torch path, bit for bit.
 
-Each check runs on two builds: the machine's own (`-march=native`: AVX-512 loops where the CPU has
-them) and a portable one (`-march=x86-64`: the scalar loops only), so that both code paths are
-compared with torch whatever CPU runs the tests.
+Each check runs on up to three builds: the machine's own (`-march=native`: AVX-512 loops where the
+CPU has them), an AVX2 one (`-march=x86-64-v3`, where the CPU has AVX2) and a portable one
+(`-march=x86-64`: the scalar loops only), so that every code path is compared with torch on a CPU
+with AVX-512, whatever runs the tests elsewhere.
 """
 import platform
 import shutil
@@ -11,18 +12,21 @@ import warnings
 import pytest
 import torch
 
+from harness import cpu
 from harness.quant import bnb, fp8, native, torchao
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
-BUILDS = ["native"] + (["portable"] if platform.machine() == "x86_64" else [])
+# build -> (its -march, the vector width its loops take)
+MARCH = {"avx2": ("x86-64-v3", 8), "portable": ("x86-64", 1)}
+BUILDS = ["native"] + (["avx2"] if "avx2" in cpu.flags() else []) + (["portable"] if platform.machine() == "x86_64" else [])
 
 
 @pytest.fixture(params=BUILDS)
 def c_library(request, monkeypatch, tmp_path_factory):
     """harness.quant.native with one build's library (built into a per-session cache)."""
-    if request.param == "portable":
-        monkeypatch.setattr(native, "FLAGS", tuple("-march=x86-64" if f == "-march=native" else f
+    if request.param in MARCH:
+        monkeypatch.setattr(native, "FLAGS", tuple(f"-march={MARCH[request.param][0]}" if f == "-march=native" else f
                                                    for f in native.FLAGS))
     monkeypatch.setenv("HARNESS_NATIVE_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
     native.library.cache_clear()
@@ -52,7 +56,17 @@ def every_e4m3_code(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return codes.view(rows, cols).view(torch.float8_e4m3fn)
 
 
-# 33 columns leave a scalar tail after each row's 16-wide loops; 2048 has none.
+def test_each_build_runs_its_own_vector_loops(c_library):
+    """A build whose vector loops were compiled out would pass every comparison on its scalar loops."""
+    have = cpu.flags()
+    own = 16 if "avx512f" in have else 8 if "avx2" in have else 1
+    width = MARCH[c_library][1] if c_library in MARCH else own
+    assert native.library().harness_vector_width() == width
+    assert native.describe() == {16: "C, AVX-512 (16 values at a time)", 8: "C, AVX2 (8 values at a time)",
+                                 1: "C, scalar"}[width]
+
+
+# 33 columns leave a scalar tail after each row's 16- or 8-wide loops; 2048 has none.
 @pytest.mark.parametrize("shape", [(24, 33), (16, 2048)])
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "remap"])
 def test_fp8_weights_decode_in_c_as_in_torch(c_library, torch_only, shape, scheme):

@@ -114,7 +114,8 @@ def decode_part(echo: Callable[[str], None]) -> list[dict]:
     for fmt in checkpoints.FORMATS:
         r = decode.measure(fmt, checkpoints.build("S", fmt, echo))
         echo(f"  decode {fmt}: {1e3 * r.decode_s:.2f} ms, fill {1e3 * r.fill_s:.2f} ms ({r.ratio:.2f}x)")
-        rows.append({"format": fmt, "shape": list(r.shape), "decode_s": r.decode_s, "fill_s": r.fill_s, "ratio": r.ratio})
+        rows.append({"format": fmt, "shape": list(r.shape), "decode_s": r.decode_s, "fill_s": r.fill_s, "ratio": r.ratio,
+                     "decodes": r.decodes})
     return rows
 
 
@@ -123,9 +124,9 @@ def decode_profile(rows: list[dict]) -> tuple[str, str]:
     import io
     import pstats
 
-    from harness.bench import decode
+    from harness.bench import decode, report
 
-    worst = max(rows, key=lambda r: r["ratio"])
+    worst = max(report.decoded(rows), key=lambda r: r["ratio"])
     profiler = cProfile.Profile()
     profiler.runcall(decode.measure, worst["format"], checkpoints.build("S", worst["format"], lambda _: None))
     out = io.StringIO()

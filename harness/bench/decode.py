@@ -5,7 +5,8 @@ through the reference's own decode entry point (harness.quant.formats ``decode_w
 dispatches to harness.quant.bnb/fp8/torchao ``decode``). Timed in this process, one torch thread:
 ``decode_s``, the stored form's ``dequantize(out)`` into a preallocated float32 output (what the
 reference's forward pass does with each quantized weight; an unquantized weight, which the forward
-reads in place, is copied), and ``fill_s``, ``out.fill_`` of the same output, the floor of any
+reads in place, is copied: ``decodes`` False, a row for comparison that target 2, "each format's
+dequantization", does not judge), and ``fill_s``, ``out.fill_`` of the same output, the floor of any
 decode that writes it; each the fastest of ``repeats`` back to back. (Timed in alternation, the
 fill was 2-2.5x slower, its output no longer hot in cache: the back-to-back fill is the strict
 floor.)
@@ -26,6 +27,7 @@ class DecodeResult:
     shape: tuple[int, ...]
     decode_s: float
     fill_s: float
+    decodes: bool = True
 
     @property
     def ratio(self) -> float:
@@ -60,4 +62,4 @@ def measure(fmt: str, path: Path, repeats: int = 9) -> DecodeResult:
                 weight.dequantize(out)
         decode_s = _fastest(decode, repeats)
         fill_s = _fastest(lambda: out.fill_(1.0), repeats)
-    return DecodeResult(fmt, tuple(out.shape), decode_s, fill_s)
+    return DecodeResult(fmt, tuple(out.shape), decode_s, fill_s, decodes=not isinstance(weight, torch.Tensor))

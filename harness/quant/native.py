@@ -4,7 +4,7 @@ path, at the memory's speed (docs/design.md, "Decode speed").
 torch has no kernel for "a 16- or 256-entry table per byte": `index_select` with int32 indices
 costs 0.6-1.2 ns per value on one thread, where writing the float32 output costs ~0.15 ns, and its
 float8 casts run a scalar loop (~3.7 ns per value). `native.c` decodes at about the speed of the
-write (with AVX-512; a scalar loop elsewhere). It is compiled on first use with the machine's C
+write (with AVX-512 or AVX2; a scalar loop elsewhere). It is compiled on first use with the machine's C
 compiler, for this CPU (`-march=native`), into a cache keyed by the source, the flags, the compiler
 and the CPU; `-ffp-contract=off` keeps every multiply unfused, so that the values are the torch
 path's on every CPU.
@@ -97,7 +97,7 @@ def describe() -> str:
     if lib is None:
         return "plain torch"
     width = lib.harness_vector_width()
-    return "C, AVX-512 (16 values at a time)" if width == 16 else "C, scalar"
+    return {16: "C, AVX-512 (16 values at a time)", 8: "C, AVX2 (8 values at a time)"}.get(width, "C, scalar")
 
 
 def _usable(*tensors: torch.Tensor | None) -> bool:
