@@ -373,9 +373,10 @@ def test_a_fixed_cost_per_load_misses_time_per_gb_but_cancels_per_added_gb():
 
 
 def test_markdown_has_a_line_per_target_and_the_tables():
-    fig = _figures()
+    fig = _figures(load_repeats=3)
     fig["targets"] = report.targets(fig)
     text = report.markdown(fig)
+    assert "in a fresh child process (of 3 such children per engine and checkpoint, the one of median load time)" in text
     assert text.count("\n- **") == len(fig["targets"])
     assert "| M | bnb-nf4 | 400 |" in text and "| bnb-nf4 | 5632x2048 | 20.00 | 10.00 | 2.00 |" in text
 

@@ -183,6 +183,7 @@ def run(args) -> int:
     if "load" in parts:
         echo(f"bench: load, sizes {','.join(sizes)}")
         fig["load"], kept = load_part(sizes, args.repeats, echo)
+        fig["load_repeats"] = max(1, args.repeats)
     if "decode" in parts:
         echo("bench: decode")
         fig["decode"] = decode_part(echo)

@@ -8,7 +8,7 @@
      "decode": [{format, shape, decode_s, fill_s, ratio, decodes}],
      "detection": {slowdown_10, slowdown_20, slowdown_50, false_alarm, ...},
      "matrix": {before_s, after_s, before, after},
-     "machine": harness.cpu.describe(), "decoders": harness.quant.native.describe(), "cores",
+     "machine": harness.cpu.describe(), "decoders": harness.quant.native.describe(), "cores", "load_repeats",
      "targets": [...], "profiles": {...}, "notes": [...]}
 
 ``*_forward_s`` is load plus one forward pass; ``*_peak_mb`` the peak resident set of the load's
@@ -73,7 +73,8 @@ def _marginal_spread(load: list[dict], key: str = "reference_s") -> float | None
 def _per_gb_detail(load: list[dict]) -> str:
     """The judged figure and, beside it, the same spread of load+forward and the spreads per added GB."""
     def pair(spread, key: str) -> str:
-        return f"{_num(spread(load, f'reference_{key}'), '.2f')} (transformers' {_num(spread(load, f'transformers_{key}'), '.2f')})"
+        ours, theirs = (_num(spread(load, f"{engine}_{key}"), ".2f") for engine in ("reference", "transformers"))
+        return f"{ours} (transformers' {theirs})"
 
     return (f"largest max/min over formats: {pair(_per_gb_spread, 's')}; not judged: load+forward "
             f"{pair(_per_gb_spread, 'forward_s')}; seconds per added GB from size to size, load "
@@ -165,6 +166,10 @@ def _num(x, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _children(repeats: int) -> str:
+    return "" if repeats == 1 else f" (of {repeats} such children per engine and checkpoint, the one of median load time)"
+
+
 def _load_table(load: list[dict]) -> list[str]:
     lines = ["| size | format | checkpoint MB | floor s | reference s | transformers s | reference load+forward s | "
              "transformers load+forward s | reference peak extra MB | transformers peak extra MB | "
@@ -230,10 +235,11 @@ def markdown(fig: dict) -> str:
     lines += [f"- **{_mark(t['ok'])}**: {t['target']} ({t['detail']})" for t in fig.get("targets") or []]
     lines += ["", "## Load", "", "`floor s`: reading the checkpoint's weight files from the page cache into one "
               "preallocated buffer (no loader reads its bytes faster). Load: the engine's load plus touching every "
-              "parameter and buffer, in a fresh child process, imports excluded (the reference's quantized weights "
-              "stay stored and are first read by the forward pass: compare load+forward); peak extra: peak RSS less the RSS after imports, "
-              "less the shared libraries' pages faulted in after them (a kernel's code is paged in on its first "
-              "call, like an import; the last column: add it back for the raw figure).", ""]
+              f"parameter and buffer, in a fresh child process{_children(fig.get('load_repeats') or 1)}, imports "
+              "excluded (the reference's quantized weights stay stored and are first read by the forward pass: "
+              "compare load+forward); peak extra: peak RSS less the RSS after imports, less the shared libraries' "
+              "pages faulted in after them (a kernel's code is paged in on its first call, like an import; the last "
+              "column: add it back for the raw figure).", ""]
     lines += _load_table(fig.get("load") or []) if fig.get("load") else ["not measured"]
     lines += ["", "## Decode", ""] + (_decode_table(fig["decode"]) if fig.get("decode") else ["not measured"])
     lines += ["", "## Load-time detection (cpu-load)", ""] + _detection_lines(fig.get("detection") or {})
