@@ -50,8 +50,8 @@ CALIBRATION_REPEATS = 4
 CALIBRATION_REPEATS_AFTER = 2
 # The loads a gated cell times in each child and the statistic it reports, the fresh children that
 # confirm a cell over its bound, with models.yaml's load_time bound the gate's rule, chosen by
-# `harness bench` (BENCHMARKS.md, target 3; its run of 2026-12-01 with the two-part noise model:
-# one load per child, child-to-child spread 2.2% (2.0% back to back), 2 confirmations, bound 1.118).
+# `harness bench` (BENCHMARKS.md, target 3; its second run of 2026-12-01 with the two-part noise
+# model: one load per child, child-to-child spread 1.8% (1.8% back to back), 2 confirmations, bound 1.113).
 LOAD_REPEATS = 1
 STATISTIC = "min"
 CONFIRMATIONS = 2
