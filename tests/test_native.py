@@ -1,7 +1,7 @@
 """The C decoders and FP8 rounding (harness.quant.native) against the plain-torch path, bit for bit.
 
 Each check runs on up to three builds: the machine's own (`-march=native`: AVX-512 loops where the
-CPU has them), an AVX2 one (`-march=x86-64-v3`, where the CPU has AVX2) and a portable one
+CPU has them), an AVX2 one (`-march=haswell`, where the CPU has AVX2) and a portable one
 (`-march=x86-64`: the scalar loops only), so that every code path is compared with torch on a CPU
 with AVX-512, whatever runs the tests elsewhere.
 """
@@ -18,7 +18,7 @@ from harness.quant import bnb, fp8, native, torchao
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 # build -> (its -march, the vector width its loops take)
-MARCH = {"avx2": ("x86-64-v3", 8), "portable": ("x86-64", 1)}
+MARCH = {"avx2": ("haswell", 8), "portable": ("x86-64", 1)}
 BUILDS = ["native"] + (["avx2"] if "avx2" in cpu.flags() else []) + (["portable"] if platform.machine() == "x86_64" else [])
 
 
