@@ -1,5 +1,6 @@
 """The reference loader's report and its loading discipline, on the fixtures."""
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -178,6 +179,32 @@ def test_a_large_stored_weight_is_multiplied_a_block_of_rows_at_a_time(name, mon
         assert not isinstance(held, torch.Tensor)
         got = linear.project(x, held, bias)
         assert torch.allclose(got, F.linear(x, module.weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("row_block", [1000, 1 << 19], ids=["in-blocks", "whole"])
+def test_every_dequantization_of_a_call_writes_into_the_one_reused_buffer(row_block, monkeypatch):
+    """Whole or a block of rows at a time, a stored weight is dequantized into the thread's one
+    buffer, never into a temporary of its own (target 1c of issue 13: memory is the stored form
+    plus one block), and the result is bit-identical to F.linear of the whole weight when whole."""
+    loaded = _load("llama-bnb-nf4")
+    module = loaded.model.get_submodule("model.layers.0.mlp.up_proj")
+    held = module.stored if isinstance(module, linear.ReferenceLinear) else module.fused.parts[module.index]
+    monkeypatch.setattr(linear, "ROW_BLOCK", row_block)
+    x = torch.randn(1, 5, 128)
+    linear.project(x, held, None)  # the buffer is grown to this weight's block
+    buffer = linear._buffers.by_device[x.device]
+    outs = []
+    dequantize = type(held).dequantize
+
+    def recording(self, out=None):
+        outs.append(out)
+        return dequantize(self, out)
+
+    monkeypatch.setattr(type(held), "dequantize", recording)
+    got = linear.project(x, held, None)
+    assert outs and all(o is not None and o.data_ptr() == buffer.data_ptr() for o in outs)
+    if row_block > math.prod(held.shape):
+        assert torch.equal(got, F.linear(x, module.weight))
 
 
 def test_a_decode_hook_that_replaces_the_weight_reaches_the_model():

@@ -7,7 +7,6 @@ does. `weight` is the effective float32 value either way. What quantization does
 modelled where it happens: in the dequantized weight, in the requantization of fused FP8 shards,
 and in the fake quantization of FP8 input activations.
 """
-import math
 import threading
 
 import torch
@@ -33,36 +32,40 @@ class InputQuant:
 
 
 # A stored weight of more elements than this is dequantized a block of rows of about this many
-# elements at a time, each into the same buffer, and multiplied at once: memory stays at the
-# stored form plus one block, kept in cache, and no call faults in a full-size temporary. Smaller
-# weights (every tiny fixture's) are dequantized whole: splitting a matmul by rows may change the
-# last bit of its result.
-ROW_BLOCK = 1 << 20
-_buffers = threading.local()  # device -> the float32 buffer the row blocks are dequantized into
+# elements at a time, each into the same buffer, and multiplied at once; a smaller one is
+# dequantized whole into that buffer (splitting a matmul by rows may change the last bit of its
+# result, and every tiny fixture's weights are below the block). Memory stays at the stored form
+# plus one block: no call allocates a dequantized temporary of its own. 2 MiB of float32: at 4 MiB
+# the block was an eighth of what an S bnb-nf4 load held above its checkpoint (issue 13, target
+# 1c), and blocks of half that size multiply no slower (BLAS takes ~256-row blocks at full speed).
+ROW_BLOCK = 1 << 19
+_buffers = threading.local()  # device -> the float32 buffer weights are dequantized into
 
 
 def project(x: torch.Tensor, weight: "torch.Tensor | StoredWeight", bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, effective weight, bias), with a large stored weight taken a block of rows at a time."""
-    if isinstance(weight, torch.Tensor) or math.prod(weight.shape) <= ROW_BLOCK:
-        return F.linear(x, effective(weight), bias)
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
     rows, cols = weight.shape
+    if rows * cols <= ROW_BLOCK:
+        return F.linear(x, weight.dequantize(_buffer(rows, cols, x.device)), bias)
     step = max(1, ROW_BLOCK // cols // weight.row_alignment) * weight.row_alignment
-    buffer = _buffer(step * cols, x.device)
     out = x.new_empty(*x.shape[:-1], rows)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        w = weight.rows(start, stop).dequantize(buffer[:(stop - start) * cols].view(stop - start, cols))
+        w = weight.rows(start, stop).dequantize(_buffer(stop - start, cols, x.device))
         out[..., start:stop] = F.linear(x, w, None if bias is None else bias[start:stop])
     return out
 
 
-def _buffer(numel: int, device: torch.device) -> torch.Tensor:
+def _buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """A [rows, cols] float32 view of this thread's buffer on `device`, grown when too small."""
     held = getattr(_buffers, "by_device", None)
     if held is None:
         held = _buffers.by_device = {}
-    if device not in held or held[device].numel() < numel:
-        held[device] = torch.empty(numel, dtype=torch.float32, device=device)
-    return held[device]
+    if device not in held or held[device].numel() < rows * cols:
+        held[device] = torch.empty(rows * cols, dtype=torch.float32, device=device)
+    return held[device][:rows * cols].view(rows, cols)
 
 
 def _moved(weight, fn):
