@@ -319,6 +319,25 @@ def test_a_forked_child_reports_its_exit_status_and_is_killed_on_timeout(tmp_pat
     assert missing.server.proc.poll() is not None
 
 
+def test_a_forked_child_starts_with_what_the_preload_imported_frozen(tmp_path):
+    """The fork server freezes the objects its imports left (gc.freeze): unfrozen, a child's first
+    full collection walks them all and copies their pages, ~350 ms inside whichever step of the
+    child crosses the collector's threshold, a timed load among them."""
+    (tmp_path / "freeze_probe.py").write_text(
+        "import gc\n"
+        "import json\n"
+        "from harness.engines import worker\n"
+        "worker.main = lambda args: print(json.dumps({'frozen': gc.get_freeze_count()})) or 0\n")
+    env = supervise.child_env({"MARK": "", "PYTHONPATH": str(tmp_path)}, 1)
+    try:
+        child = supervise.start_child(tmp_path / "job.json", tmp_path / "probe.log", env, "freeze_probe")
+        assert child.wait(60) == 0
+    finally:
+        supervise.stop_fork_servers()
+    report = json.loads((tmp_path / "probe.log").read_text().strip().splitlines()[-1])
+    assert report["frozen"] > 10_000  # the worker's imports alone leave tens of thousands
+
+
 def test_a_fork_server_killed_from_outside_is_replaced(tmp_path):
     try:
         first = supervise.fork_server(LIGHT, supervise.child_env({"MARK": ""}, 1))
