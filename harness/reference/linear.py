@@ -36,8 +36,9 @@ class InputQuant:
 # dequantized whole into that buffer (splitting a matmul by rows may change the last bit of its
 # result, and every tiny fixture's weights are below the block). Memory stays at the stored form
 # plus one block: no call allocates a dequantized temporary of its own. 2 MiB of float32: at 4 MiB
-# the block was an eighth of what an S bnb-nf4 load held above its checkpoint (issue 13, target
-# 1c), and blocks of half that size multiply no slower (BLAS takes ~256-row blocks at full speed).
+# the block was an eighth of S bnb-nf4's 33 MB checkpoint and held its peak on target 1c's limit
+# (issue 13), and blocks of half that size multiply no slower (BLAS takes 256-row blocks of a
+# 2048-wide weight at full speed; 128-row ones are slower).
 ROW_BLOCK = 1 << 19
 _buffers = threading.local()  # device -> the float32 buffer weights are dequantized into
 
