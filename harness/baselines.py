@@ -142,6 +142,7 @@ class Baseline(_Strict):
     noise: Noise | None = None  # measured when the baseline was written (harness.noise)
     sequences: list[BaselineSequence]
     fingerprint: Fingerprint | None = None  # the module trace's fingerprint (harness.traces.fingerprint)
+    loaded_state: dict[str, str] | None = None  # module -> digest of what was loaded (harness.loaded_state)
 
     def record_sequences(self) -> list[SequenceResult]:
         """The sequences in the result record's shape, for compare."""
@@ -169,12 +170,14 @@ class Baseline(_Strict):
             source=record.source,
             load=record.load,
             sequences=[BaselineSequence.from_sequence(s) for s in record.sequences],
+            loaded_state=record.loaded_state,
         )
 
     def to_text(self) -> str:
         data = self.model_dump()
-        if data["fingerprint"] is None:  # files without one stay as they were before fingerprints
-            del data["fingerprint"]
+        for key in ("fingerprint", "loaded_state"):  # files without one stay as they were before it
+            if data[key] is None:
+                del data[key]
         return render_json(data)
 
 
@@ -345,6 +348,13 @@ def describe_changes(old: Baseline | None, new: Baseline) -> tuple[list[str], bo
     return msgs, material
 
 
+def _loaded_state_change(old: dict[str, str] | None, new: dict[str, str]) -> str:
+    if old is None:
+        return f"loaded state recorded ({len(new)} modules)"
+    changed = [m for m in new if old.get(m) != new[m]] + [m for m in old if m not in new]
+    return f"loaded state changed in {len(changed)} module(s), first {changed[0]}"
+
+
 def refusal_of(record: Record, verdict: str | None = None) -> str | None:
     """Why ``record`` (judged ``verdict``, by default its own) must not become a baseline; None when it may."""
     verdict = verdict if verdict is not None else record.verdict
@@ -387,6 +397,9 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
             new.fingerprint = old.fingerprint
         else:
             messages.append("trace fingerprint dropped: the results changed (harness run --update-fingerprints adds it again)")
+    if old is not None and old.loaded_state != new.loaded_state and new.loaded_state is not None:
+        messages.append(_loaded_state_change(old.loaded_state, new.loaded_state))
+        material = True
     if old is not None and old.noise != noise:
         messages.append("measured noise recorded" if old.noise is None else "measured noise changed")
         material = True

@@ -313,6 +313,29 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
                        "bound": bound, "gated": gated, "regressed": gated and regressed, "improved": gated and improved})
 
 
+def check_loaded_state(record: Record, baseline: Baseline) -> Check | None:
+    """The loaded state, module by module, bit for bit against the baseline's (docs/design.md,
+    "Loaded state"): the same on every CPU, so no tolerance and no kernel condition applies. None
+    when either side has no digests (an engine that cannot read its modules, an older baseline)."""
+    mine, theirs = record.loaded_state, baseline.loaded_state
+    if mine is None or theirs is None:
+        return None
+    differing = [m for m in theirs if m in mine and mine[m] != theirs[m]]
+    missing = [m for m in theirs if m not in mine]
+    extra = [m for m in mine if m not in theirs]
+    data = {"modules": len(theirs), "differing": differing, "missing": missing, "extra": extra}
+    if not (differing or missing or extra):
+        return Check(name="loaded-state:baseline", ok=True, data=data,
+                     detail=f"loaded state equal to the baseline's in all {len(theirs)} modules")
+    first = next(m for m in [*theirs, *extra] if m in differing or m in missing or m in extra)
+    parts = [f"{len(differing)} differ"] if differing else []
+    parts += [f"{len(missing)} not loaded ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"] if missing else []
+    parts += [f"{len(extra)} not in the baseline ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})"] if extra else []
+    data["first"] = first
+    return Check(name="loaded-state:baseline", ok=False, data=data,
+                 detail=f"loaded state differs from the baseline's at {first}: of {len(theirs)} modules, " + ", ".join(parts))
+
+
 def check_module_diff(record: Record, *, against: str = "reference") -> Check | None:
     if record.module_diff is None:
         return None
@@ -397,14 +420,49 @@ def _waiver(known: list[KnownFailureLike], failing: list[Check]) -> KnownFailure
 # --------------------------------------------------------------------------------------- verdict
 
 
-def noise_for(record: Record, baseline: Baseline) -> Noise | None:
-    """The baseline's measured noise when the record ran on other kernels (another CPU, or another
-    torch capability); None on the same kernels, where nothing is loosened."""
-    if baseline.noise is None:
-        return None
+def other_kernels(record: Record, baseline: Baseline) -> bool:
+    """Whether the record ran on other kernels than the baseline (another CPU, another torch
+    capability, a kernel-restricting variable: harness.cpu.same_kernels)."""
     mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
     theirs = baseline.provenance.cpu.model_dump() if baseline.provenance.cpu else None
-    return None if cpu.same_kernels(mine, theirs) else baseline.noise
+    return not cpu.same_kernels(mine, theirs)
+
+
+def noise_for(record: Record, baseline: Baseline) -> Noise | None:
+    """The baseline's measured noise when the record ran on other kernels; None on the same
+    kernels, where nothing is loosened."""
+    return baseline.noise if baseline.noise is not None and other_kernels(record, baseline) else None
+
+
+# The checks a rounding flip can move: the logprobs, not the loaded state, the load time or accuracy.
+FLIP_MOVES = ("teacher-forced:baseline", "greedy:baseline")
+
+
+def rounding_flip(record: Record, baseline: Baseline) -> Judgement | None:
+    """A ``regressed`` record that rounding flips explain, judged ``pass`` (docs/design.md,
+    "Portability across CPUs"); None when the rule does not apply, and the record stays regressed.
+
+    The rule: the baseline comes from other kernels; every failing check is a logprob check against
+    it; the loaded state equals the baseline's, module for module; and the localisation against the
+    baseline's fingerprint shows a rounding flip on every prompt that differs (harness.traces.flips).
+    On the baseline's own kernels nothing is explained away."""
+    if record.verdict != "regressed" or not other_kernels(record, baseline):
+        return None
+    failing = [c for c in record.checks if not c.ok]
+    state = next((c for c in record.checks if c.name == "loaded-state:baseline"), None)
+    loc = next((x for x in record.localisation if x.against == "baseline"), None)
+    flip = loc.rounding_flip if loc is not None else None
+    if (not failing or any(c.name not in FLIP_MOVES for c in failing) or state is None or not state.ok
+            or flip is None or not flip.explained):
+        return None
+    checks = [c if c.ok else c.model_copy(update={
+        "ok": True, "detail": f"explained by a rounding flip ({flip.detail}): {c.detail}",
+        "data": {**(c.data or {}), "rounding_flip": flip.model_dump()}}) for c in record.checks]
+    tf = next((c for c in failing if c.name == "teacher-forced:baseline" and c.data), None)
+    worst = tf.data["worst"] if tf is not None else None
+    where = f", largest move {_fmt(worst['delta'])} at prompt {worst['prompt']} position {worst['position']}" if worst else ""
+    return Judgement("pass", f"{flip.detail}{where}; state exact ({state.data['modules']} modules), baseline from "
+                     "other kernels", checks)
 
 
 def baseline_key_problems(record: Record, baseline: Baseline, *, expected_engine_version: str | None = None,
@@ -511,8 +569,10 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
         return Judgement("missing-baseline", "no baseline stored for this cell; run with --update-baselines to create one", checks)
 
     acc = accuracy_gates.against_baseline(record, accuracy_baseline)
-    base_checks = compare_sequences(baseline.record_sequences(), record.sequences, bounds, against="baseline",
-                                    noise=noise_for(record, baseline)) + acc.checks
+    state = check_loaded_state(record, baseline)
+    base_checks = ([state] if state is not None else []) + compare_sequences(
+        baseline.record_sequences(), record.sequences, bounds, against="baseline",
+        noise=noise_for(record, baseline)) + acc.checks
     load_check = check_load_time(record, baseline, bound=bounds.load_time, gated=gate_load_time)
     checks += base_checks + ([load_check] if load_check is not None else [])
 

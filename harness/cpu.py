@@ -9,10 +9,17 @@ whether two descriptions select the same kernels.
 from __future__ import annotations
 
 import functools
+import os
 import platform as _platform
 
 # The flags that select different kernels in torch, bitsandbytes or vLLM.
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+# Variables that restrict the instruction sets a library's kernels may use, on any CPU: MKL's and
+# oneDNN's (torch's BLAS and its fused CPU ops), OpenBLAS's (numpy), numpy's own dispatch.
+# ``MKL_ENABLE_INSTRUCTIONS=AVX2`` on an AVX-512 Xeon moves float32 results as an AVX2-only EPYC
+# does (issue 26), so a run under one is on other kernels than a run without it.
+KERNEL_ENV = ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE",
+              "NPY_DISABLE_CPU_FEATURES")
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,19 +59,30 @@ def torch_capability() -> str | None:
     return torch.backends.cpu.get_cpu_capability().lower()
 
 
+# The other kernels a machine can select for itself beside a lowered torch capability: MKL's and
+# oneDNN's AVX2 code paths, which an AVX-512 Xeon takes as an AVX2-only EPYC does.
+LIBRARIES_AVX2 = {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def kernel_env() -> dict[str, str]:
+    """The :data:`KERNEL_ENV` variables set in this process."""
+    return {k: os.environ[k] for k in KERNEL_ENV if os.environ.get(k)}
+
+
 def describe() -> dict:
-    """``{"vendor", "model", "flags", "capability"}`` for records and baselines."""
+    """``{"vendor", "model", "flags", "capability", "kernel_env"}`` for records and baselines."""
     vendor, model, _ = _cpuinfo()
-    return {"vendor": vendor, "model": model, "flags": kernel_flags(), "capability": torch_capability()}
+    return {"vendor": vendor, "model": model, "flags": kernel_flags(), "capability": torch_capability(),
+            "kernel_env": kernel_env()}
 
 
 def same_kernels(a: dict | None, b: dict | None) -> bool:
-    """Whether two ``describe()`` results select the same kernels: same vendor, model, kernel flags
-    and torch capability. Unknown (None) is never the same."""
+    """Whether two ``describe()`` results select the same kernels: same vendor, model, kernel flags,
+    torch capability and kernel-restricting variables. Unknown (None) is never the same."""
     if not a or not b:
         return False
     keys = ("vendor", "model", "flags", "capability")
-    return all(a.get(k) == b.get(k) for k in keys)
+    return all(a.get(k) == b.get(k) for k in keys) and (a.get("kernel_env") or {}) == (b.get("kernel_env") or {})
 
 
 def platform() -> str:

@@ -149,13 +149,16 @@ def measure(cell: Cell, record: Record) -> Noise:
         return Noise.model_validate_json(a_out.read_text())
 
 
-def _child(job: dict, out: Path, tmp: str, capability: str | None, module: str = "harness.noise") -> None:
-    """Run ``python -m <module> JOB OUT`` under ``capability`` (harness.traces.noise runs its own child)."""
+def _child(job: dict, out: Path, tmp: str, capability: str | None, module: str = "harness.noise",
+           kernel_env: dict[str, str] | None = None) -> None:
+    """Run ``python -m <module> JOB OUT`` under ``capability`` and ``kernel_env`` (harness.cpu's
+    kernel-restricting variables); harness.traces.noise runs its own child."""
     job_path = Path(tmp) / f"{out.stem}.job.json"
     job_path.write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     if capability:
         env["ATEN_CPU_CAPABILITY"] = capability
+    env.update(kernel_env or {})
     env.setdefault("OMP_NUM_THREADS", "1")
     try:
         p = subprocess.run([sys.executable, "-m", module, str(job_path), str(out)], env=env,
@@ -170,32 +173,9 @@ def _child(job: dict, out: Path, tmp: str, capability: str | None, module: str =
 # ------------------------------------------------------------------------------------ child side
 
 
-def _boundaries():
-    """The FP8 (e4m3fn) rounding boundaries: midpoints between adjacent finite values, float64."""
-    import torch
-
-    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    values = torch.unique(values[torch.isfinite(values)])
-    return (values[1:] + values[:-1]) / 2
-
-
-def nearest_boundary(scaled, boundaries):
-    """(|x - b|, b) for the rounding boundary b nearest to each element of the scaled activation,
-    in float64."""
-    import torch
-
-    from harness.quant.fp8 import FP8_MAX
-
-    u = scaled.double().clamp(-FP8_MAX, FP8_MAX)
-    i = torch.searchsorted(boundaries, u)
-    below = boundaries[(i - 1).clamp(min=0)]
-    above = boundaries[i.clamp(max=len(boundaries) - 1)]
-    nearer_below = (u - below).abs() <= (u - above).abs()
-    boundary = torch.where(nearer_below, below, above)
-    return (u - boundary).abs(), boundary
-
-
 def distance_to_boundary(scaled, boundaries):
+    from harness.quant.fp8 import nearest_boundary
+
     return nearest_boundary(scaled, boundaries)[0]
 
 
@@ -205,7 +185,7 @@ def flip_across(rows, noise, boundaries, chosen):
     CPU's kernels can make."""
     import torch
 
-    from harness.quant.fp8 import FP8
+    from harness.quant.fp8 import FP8, nearest_boundary
 
     distance, boundary = nearest_boundary(rows, boundaries)
     flip = chosen & (distance <= noise)
@@ -223,11 +203,13 @@ class _Recorder:
     def __init__(self, model, decoder_len: int, noises: list | None = None, seed: int = 0):
         import torch
 
+        from harness.quant.fp8 import rounding_boundaries
+
         self.decoder_len = decoder_len
         self.noises = noises  # per call, [positions, features]: flip what lies within it of a boundary
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
-        self.boundaries = _boundaries() if noises is not None else None
+        self.boundaries = rounding_boundaries() if noises is not None else None
         self.calls: list[tuple[str, bool, Any]] = []  # (quantizer, positional, scaled [positions, features])
         self._stack: list[str] = []
         self._counts: dict[str, int] = {}
@@ -376,6 +358,7 @@ def run(job: dict, out: Path) -> None:
     import torch
 
     from harness import cpu
+    from harness.quant.fp8 import rounding_boundaries
 
     engine, prompts = load_reference(job)
     cell = engine.cell
@@ -386,7 +369,7 @@ def run(job: dict, out: Path) -> None:
         return
 
     other = torch.load(job["other"], weights_only=False)
-    boundaries = _boundaries()
+    boundaries = rounding_boundaries()
     quantizes = any(calls for _, calls in runs.values())
     clean_max = 0.0
     prompts_out = {}

@@ -115,6 +115,7 @@ class CpuInfo(_Strict):
     model: str
     flags: list[str]
     capability: str | None = None  # torch's effective ATEN CPU capability: default, avx2, avx512
+    kernel_env: dict[str, str] = {}  # variables that restrict the libraries' kernels (harness.cpu.KERNEL_ENV)
 
 
 class EngineInfo(_Strict):
@@ -170,6 +171,28 @@ class TraceStep(_Strict):
 LocalisationKind = Literal["weights", "quantizer", "kernel", "attention", "input", "code", "module"]
 
 
+class FlipAt(_Strict):
+    """One prompt's first diverging module, an activation quantizer, and what a rounding flip there
+    can explain (harness.traces.flips)."""
+
+    prompt: str
+    module: str
+    fragile: int  # elements of its input within kernel noise of an FP8 rounding boundary
+    moved: float  # how far its output moved on the fingerprint's projections
+    bound: float  # the most that flipping MAX_FLIPS of the fragile elements can move it
+    steps: float  # moved, in units of the largest single flip's move
+
+
+class RoundingFlip(_Strict):
+    """Whether a difference against a baseline's fingerprint is FP8 rounding flips: on every prompt
+    that differs, the first diverging module quantizes its input, that input agrees within kernel
+    noise, and its output moved no more than a few one-step flips of its fragile elements can."""
+
+    explained: bool
+    detail: str
+    at: list[FlipAt] = []
+
+
 class Localisation(_Strict):
     """Where two executions of a cell first diverge, module by module (harness.traces;
     docs/design.md, "Localisation"). ``against`` is the other engine, or ``baseline`` (the
@@ -187,6 +210,7 @@ class Localisation(_Strict):
     noise: float | None = None
     detail: str
     path: list[TraceStep] = []
+    rounding_flip: RoundingFlip | None = None  # against a baseline: whether rounding flips explain it
 
 
 class Accuracy(_Strict):
@@ -248,6 +272,9 @@ class Record(_Strict):
     sequences: list[SequenceResult] = []
     load: LoadInfo | None = None
     module_diff: ModuleDiff | None = None
+    # module -> digest of what the engine loaded there (harness.loaded_state), taken after the load
+    # and before any forward pass; None where the engine cannot read its modules
+    loaded_state: dict[str, str] | None = None
     accuracy: list[Accuracy] = []  # the cell's accuracy tasks, run in the same engine child
     localisation: list[Localisation] = []  # module-trace localisations (harness.traces), on demand
     started_at: str

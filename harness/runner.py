@@ -283,6 +283,10 @@ class Runner:
         record, retimed = self._settle_load_time(cell, record, baseline)
         j = self._judge(cell, record, baseline, raws, acc_baseline)
         result = CellResult(cell, j.apply(record), messages=retimed)
+        self._localise(result, raws)
+        flip = C.rounding_flip(result.record, baseline) if baseline is not None else None
+        if flip is not None:
+            result.record = flip.apply(result.record)
         try:
             outcome = B.handle(self.baselines_root, result.record, update_baselines=self.update_baselines,
                                measure_noise=noise.for_cell(cell))
@@ -305,7 +309,10 @@ class Runner:
                 "verdict_reason": f"{j2.reason}; baseline {kind} by --update-baselines ({was})"})
         if outcome.obtained is not None:
             result.messages.append(f"obtained result written beside the baseline: {outcome.obtained}")
-        self._trace(result, raws)
+        if self.update_fingerprints:
+            done = self.tracer.refresh_fingerprint(result.cell, result.record)
+            if done:
+                result.messages.append(done)
         return result
 
     def _settle_load_time(self, cell: Cell, record: R.Record, baseline) -> tuple[R.Record, list[str]]:
@@ -345,17 +352,15 @@ class Runner:
                 ] if load.children else []
         return record.model_copy(update={"load": load}), said + failures
 
-    def _trace(self, result: CellResult, raws: dict[str, R.Record]) -> None:
-        """Module traces (harness.traces.jobs): the localisation of a failed or regressed cell (of
-        every cell under ``trace``), and its baseline's fingerprint under ``update_fingerprints``."""
+    def _localise(self, result: CellResult, raws: dict[str, R.Record]) -> None:
+        """The module traces' localisation (harness.traces.jobs) of a failed or regressed cell (of
+        every cell under ``trace``), before its baseline is handled: a rounding flip it shows
+        settles the verdict (compare.rounding_flip)."""
         found = self.tracer.localise(result.cell, result.record, raws)
         if found:
             result.record = result.record.model_copy(update={"localisation": found})
             result.messages += [f"localisation against {loc.against}: {loc.detail}" for loc in found]
-        if self.update_fingerprints:
-            done = self.tracer.refresh_fingerprint(result.cell, result.record)
-            if done:
-                result.messages.append(done)
+            result.messages += [f"against baseline: {loc.rounding_flip.detail}" for loc in found if loc.rounding_flip]
 
     def finish(self, result: CellResult) -> CellResult:
         R.save(self.layout.record(result.cell.id), result.record)

@@ -8,6 +8,7 @@ from harness import compare as C
 from harness import noise as N
 from harness import records as R
 from harness.baselines import Baseline
+from harness.quant.fp8 import rounding_boundaries
 from tests.test_compare import BOUNDS, INFO, record, seq
 
 CPU_A = R.CpuInfo(vendor="AuthenticAMD", model="AMD EPYC", flags=["avx2", "avx512f", "avx512_bf16"], capability="avx512")
@@ -17,14 +18,14 @@ TOKENS = tuple(range(10, 19))  # none is the top-k filler id 9 of test_compare.s
 
 
 def test_rounding_boundaries_are_the_midpoints_between_fp8_values():
-    b = N._boundaries()
+    b = rounding_boundaries()
     d = N.distance_to_boundary(torch.tensor([34.0, 33.0, 448.0, 0.0]), b)
     # 32 and 36 are neighbours (spacing 4 in [32, 64)): 34 is a boundary; 448 is 16 from 432.
     assert d.tolist() == [0.0, 1.0, 16.0, pytest.approx(2.0 ** -10)]
 
 
 def test_onset_is_the_first_fragile_position_with_its_evidence():
-    b = N._boundaries()
+    b = rounding_boundaries()
     rows = torch.full((6, 4), 20.0)
     rows[3, 2] = 34.0 + 1e-4  # within its noise of the boundary at 34
     rows[5, 0] = 34.5  # 0.5 away: not fragile at this noise
@@ -37,7 +38,7 @@ def test_onset_is_the_first_fragile_position_with_its_evidence():
 
 
 def test_an_encoder_activation_places_the_onset_at_the_first_position():
-    b = N._boundaries()
+    b = rounding_boundaries()
     rows = torch.full((30, 4), 20.0)
     rows[29, 1] = 34.0
     onset = N._onset([("model.encoder.layers.0.fc1#0", False, rows)], [torch.full((30, 4), 1e-6)], b)
@@ -106,7 +107,7 @@ def test_a_changed_fixture_identity_is_stale_on_any_platform():
 def test_a_simulated_flip_moves_a_fragile_activation_to_the_other_neighbour():
     from harness.quant.fp8 import FP8
 
-    b = N._boundaries()
+    b = rounding_boundaries()
     rows = torch.tensor([[34.0001, 34.0, 20.0, 34.5]])
     noise = torch.full_like(rows, 2e-4, dtype=torch.float64)
     before = rows.to(FP8).float().tolist()

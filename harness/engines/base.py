@@ -187,6 +187,11 @@ class Engine(abc.ABC):
     def module_diff(self, checkpoint: Checkpoint) -> R.ModuleDiff | None:
         return None
 
+    def loaded_state(self) -> dict[str, str] | None:
+        """Module -> digest of what it loaded (harness.loaded_state), right after ``load`` and before
+        any forward pass; None where this engine's modules cannot be read."""
+        return None
+
     def trace(self, prompts: Sequence[EnginePrompt], sequences: Sequence[list[int]]) -> list[PromptTrace]:
         """The module trace of each prompt's scored sequence (harness.traces.PromptTrace), on
         demand only (``harness run --trace``, and a failed or regressed cell): docs/design.md,
@@ -364,6 +369,7 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
                                      duration_s=time.perf_counter() - t0)
         load = engine.load(ckpt)
         log(f"load: {load.seconds:.4f} s " + ", ".join(f"{k}={v:.4f}" for k, v in load.phases.items()))
+        loaded_state = engine.loaded_state()
         prompts = prompts_for(cell, ckpt)
         greedy = engine.greedy(prompts, cell.max_tokens, cell.top_k)
         scored_seqs = _sequences_to_score(prompts, greedy, sequences, log)
@@ -376,7 +382,7 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
             acc = A.evaluate(engine, ckpt, cell.accuracy, log=log)
         record = R.Record.for_cell(cell, engine_info=info, status="ok", fixture_identity=fixture_identity,
                                    sequences=_sequence_results(prompts, scored, greedy), load=load,
-                                   module_diff=diff, accuracy=acc, started_at=started,
+                                   module_diff=diff, loaded_state=loaded_state, accuracy=acc, started_at=started,
                                    duration_s=time.perf_counter() - t0)
         if on_sequences is not None:
             on_sequences({p.id: s for p, s in zip(prompts, scored_seqs)})
@@ -514,6 +520,14 @@ class InProcessEngine(Engine):
             s = scoring.teacher_forced(self.model, self._prompt(p), list(seq), top_k)
             out.append(R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=_lists(s.topk)))
         return out
+
+    def loaded_state(self):
+        from harness import loaded_state
+
+        model = self.model
+        while not hasattr(model, "named_modules") and hasattr(model, "model"):  # OnDevice, _NoCache
+            model = model.model
+        return loaded_state.digest(model)
 
     def trace(self, prompts, sequences):
         from harness.traces import record

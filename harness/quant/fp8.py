@@ -164,6 +164,36 @@ def _scaled(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return torch.clamp(scaled, -FP8_MAX, FP8_MAX)
 
 
+@functools.cache
+def rounding_boundaries() -> torch.Tensor:
+    """The e4m3fn rounding boundaries: the midpoints between adjacent finite values, float64."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    values = torch.unique(values[torch.isfinite(values)])
+    return (values[1:] + values[:-1]) / 2
+
+
+def nearest_boundary(scaled: torch.Tensor, boundaries: torch.Tensor | None = None):
+    """(|x - b|, b) for the rounding boundary b nearest to each element of a scaled activation
+    (x / scale), in float64."""
+    boundaries = rounding_boundaries() if boundaries is None else boundaries
+    u = scaled.double().clamp(-FP8_MAX, FP8_MAX)
+    i = torch.searchsorted(boundaries, u)
+    below = boundaries[(i - 1).clamp(min=0)]
+    above = boundaries[i.clamp(max=len(boundaries) - 1)]
+    nearer_below = (u - below).abs() <= (u - above).abs()
+    boundary = torch.where(nearer_below, below, above)
+    return (u - boundary).abs(), boundary
+
+
+def step_at(boundary: torch.Tensor) -> torch.Tensor:
+    """The distance between the two e4m3fn values on either side of each rounding boundary: what
+    a value that crosses it moves by once rounded (in scaled units)."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    values = torch.unique(values[torch.isfinite(values)])
+    i = torch.searchsorted(values, boundary.double()).clamp(1, len(values) - 1)
+    return values[i] - values[i - 1]
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """float8_e4m3fn codes of x / scale: round to nearest even, saturating at +-448."""
     return _scaled(x, scale).to(FP8)

@@ -7,6 +7,7 @@ does. `weight` is the effective float32 value either way. What quantization does
 modelled where it happens: in the dequantized weight, in the requantization of fused FP8 shards,
 and in the fake quantization of FP8 input activations.
 """
+import dataclasses
 import threading
 
 import torch
@@ -29,6 +30,34 @@ class InputQuant:
 
     def __repr__(self) -> str:
         return "static" if self.static_scale is not None else "dynamic-per-token"
+
+    def loaded_state(self) -> dict:
+        return {"kind": repr(self), "scale": self.static_scale}
+
+
+def without_activation_rounding(model) -> None:
+    """Turn off FP8 rounding of activations in ``model`` (input quantization and the KV cache's
+    fake quantization), keeping the weights as loaded: what measures the kernels' own noise per
+    module without the rounding flips the kernels cause (harness.traces.noise)."""
+    for module in model.modules():
+        if getattr(module, "input_quant", None) is not None:
+            module.input_quant = None
+        for name in ("k_scale", "v_scale"):
+            module._buffers.pop(name, None)
+
+
+def _held(weight: "torch.Tensor | StoredWeight") -> dict:
+    """A weight's loaded state (harness.loaded_state): its effective float32 value and, for a
+    stored one, the stored tensors and their form, so that both a decoding and a reading fault show."""
+    if isinstance(weight, torch.Tensor):
+        return {"effective": weight}
+    fields = {f.name: getattr(weight, f.name) for f in dataclasses.fields(weight)}
+    return {"effective": weight.dequantize(), "stored": type(weight).__name__, **fields}
+
+
+def _linear_state(module, weights: dict) -> dict:
+    quant = module.input_quant.loaded_state() if module.input_quant is not None else None
+    return {"label": module.label, "bias": module.bias, "input_quant": quant, **weights}
 
 
 # A stored weight of more elements than this is dequantized a block of rows of about this many
@@ -104,6 +133,9 @@ class ReferenceLinear(nn.Module):
             x = self.input_quant(x)
         return project(x, self.weight if self.stored is None else self.stored, self.bias)
 
+    def loaded_state(self) -> dict:
+        return _linear_state(self, {"weight": _held(self.stored if self.stored is not None else self.weight)})
+
     def extra_repr(self) -> str:
         held = "" if self.stored is None else ", dequantized per call"
         return f"{self.in_features}->{self.out_features}, {self.label}, input={self.input_quant}{held}"
@@ -145,6 +177,9 @@ class FusedLinear(nn.Module):
             x = self.input_quant(x)
         return F.linear(x, self.weight, self.bias)
 
+    def loaded_state(self) -> dict:
+        return _linear_state(self, {"sizes": self.sizes, "parts": [_held(p) for p in self.parts]})
+
     def extra_repr(self) -> str:
         return f"{self.in_features}->{self.out_features}, {self.label}, input={self.input_quant}, shards {self.sizes}"
 
@@ -175,6 +210,10 @@ class ShardLinear(nn.Module):
         if self.fused.input_quant is not None:
             x = self.fused.input_quant(x)
         return project(x, self.fused.parts[self.index], self.bias)
+
+    def loaded_state(self) -> dict:
+        """Its rows of the fused projection (the weights are the fused module's state)."""
+        return {"label": self.label, "shard": [self.index, self.start, self.stop]}
 
     def extra_repr(self) -> str:
         return f"rows {self.start}:{self.stop} of fused {self.label}"

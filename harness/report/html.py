@@ -189,7 +189,7 @@ def _load(rec: Record, history: Sequence[Entry]) -> dict | None:
 
 def _cpu(owner: Any) -> dict | None:
     """The optional ``cpu`` block of an engine_info or a baseline's provenance (absent in older
-    records): {vendor, model, flags, capability}."""
+    records): {vendor, model, flags, capability, kernel_env}."""
     cpu = getattr(owner, "cpu", None) if owner is not None else None
     if cpu is not None and hasattr(cpu, "model_dump"):
         cpu = cpu.model_dump()
@@ -197,7 +197,8 @@ def _cpu(owner: Any) -> dict | None:
         return None
     flags = cpu.get("flags")
     return {"name": " ".join(str(cpu[k]) for k in ("vendor", "model") if cpu.get(k)) or "?",
-            "capability": cpu.get("capability"), "flags": [str(f) for f in flags] if isinstance(flags, list) else []}
+            "capability": cpu.get("capability"), "flags": [str(f) for f in flags] if isinstance(flags, list) else [],
+            "kernel_env": sorted((str(k), str(v)) for k, v in (cpu.get("kernel_env") or {}).items())}
 
 
 def _provenance(entry: Entry, baseline) -> dict:

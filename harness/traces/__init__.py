@@ -29,7 +29,10 @@ class PromptTrace:
     ``weights``: name -> float32 [out_features, WEIGHT_PROJECTIONS] = W @ weight_probe(in_features),
     the effective (dequantized) weight of a linear-like leaf times fixed random vectors (leave
     out what the engine cannot read); ``quantizers``: the leaves that quantize their input
-    activations (FP8 dynamic or static input scales)."""
+    activations (FP8 dynamic or static input scales). For those, what tells a rounding flip's size
+    (harness.traces.flips): ``input_scales``: name -> the static input scale, or None for a dynamic
+    per-token one; ``column_norms``: name -> float32 [in_features], the norm of each column of the
+    effective weight (how far the output moves per unit of that input)."""
 
     prompt: str  # prompt id (p0, p1, ...)
     order: list[str] = field(default_factory=list)
@@ -37,6 +40,8 @@ class PromptTrace:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     quantizers: set[str] = field(default_factory=set)
+    input_scales: dict[str, float | None] = field(default_factory=dict)
+    column_norms: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 WEIGHT_PROJECTIONS = 4
@@ -56,12 +61,14 @@ def save(path, traces: list[PromptTrace]) -> None:
     import torch
 
     torch.save([{"prompt": t.prompt, "order": t.order, "outputs": t.outputs, "inputs": t.inputs,
-                 "weights": t.weights, "quantizers": sorted(t.quantizers)} for t in traces], path)
+                 "weights": t.weights, "quantizers": sorted(t.quantizers), "input_scales": t.input_scales,
+                 "column_norms": t.column_norms} for t in traces], path)
 
 
 def load(path) -> list[PromptTrace]:
     import torch
 
     return [PromptTrace(prompt=d["prompt"], order=d["order"], outputs=d["outputs"], inputs=d["inputs"],
-                        weights=d["weights"], quantizers=set(d["quantizers"]))
+                        weights=d["weights"], quantizers=set(d["quantizers"]),
+                        input_scales=d.get("input_scales", {}), column_norms=d.get("column_norms", {}))
             for d in torch.load(path, weights_only=True)]

@@ -79,14 +79,19 @@ def _unit(shape: tuple[int, ...], seed: int):
     return r / r.flatten(1).norm(dim=1).reshape(-1, *([1] * len(shape)))
 
 
+def unit_matrices(shape: tuple[int, int]):
+    """float64 [PROJECTIONS, positions, features]: the unit matrices a tensor of ``shape`` is
+    projected on, seeded by the shape alone."""
+    return _unit(shape, shape[0] * 1_000_003 + shape[1])
+
+
 def project(x) -> list[float]:
     """PROJECTIONS projections of a [positions, features] tensor on unit random matrices seeded by its shape."""
     import torch
 
     if x.numel() == 0:
         return [0.0] * PROJECTIONS
-    r = _unit(tuple(x.shape), x.shape[0] * 1_000_003 + x.shape[1])
-    return [float(v) for v in torch.einsum("kpf,pf->k", r, x.double())]
+    return [float(v) for v in torch.einsum("kpf,pf->k", unit_matrices(tuple(x.shape)), x.double())]
 
 
 def project_weight(w) -> list[float]:
@@ -120,9 +125,9 @@ def _made_between_modules(trace: PromptTrace) -> set[str]:
 
 
 def make(traces: list[PromptTrace], engine: str, fused: bool, a: list[PromptTrace] | None = None,
-         b: list[PromptTrace] | None = None, noise: ModuleNoise | None = None) -> Fingerprint:
-    """The fingerprint of ``traces`` (the cell's engine's), with the noise of the reference runs
-    ``a`` and ``b`` (harness.traces.noise.measure) where measured."""
+         others: list[list[PromptTrace]] = (), noise: ModuleNoise | None = None) -> Fingerprint:
+    """The fingerprint of ``traces`` (the cell's engine's), with the noise of the reference run
+    ``a`` against the runs on ``others`` kernels (harness.traces.noise.measure) where measured."""
     first = traces[0]
     with_input = _made_between_modules(first)
     rows = []
@@ -130,13 +135,13 @@ def make(traces: list[PromptTrace], engine: str, fused: bool, a: list[PromptTrac
         if name not in first.outputs:
             continue
         out = [project(t.outputs[name]) for t in traces]
-        proj_noise = _projection_noise(name, "outputs", a, b)
+        proj_noise = _projection_noise(name, "outputs", a, others)
         row = ModuleRow(module=name, noise=[_noise(noise, "outputs", name), proj_noise], out=[rounded(o) for o in out])
         if name in first.weights:
             row.weight = rounded(project_weight(first.weights[name]))
         if name in with_input and all(name in t.inputs for t in traces):
             row.input = [rounded(project(t.inputs[name])) for t in traces]
-            row.input_noise = [_noise(noise, "inputs", name), _projection_noise(name, "inputs", a, b)]
+            row.input_noise = [_noise(noise, "inputs", name), _projection_noise(name, "inputs", a, others)]
         rows.append(row)
     return Fingerprint(engine=engine, fused=fused, noise_measured_by=noise.measured_by if noise else None,
                        kernels=noise.kernels if noise else [], prompts=[t.prompt for t in traces],
@@ -147,11 +152,11 @@ def _noise(noise: ModuleNoise | None, kind: str, name: str) -> float:
     return float(f"{getattr(noise, kind).get(name, 0.0):.3g}") if noise else 0.0
 
 
-def _projection_noise(name: str, kind: str, a, b) -> float:
-    if not a or not b:
+def _projection_noise(name: str, kind: str, a, others) -> float:
+    if not a or not others:
         return 0.0
     worst = 0.0
-    for ta, tb in zip(a, b):
+    for ta, tb in ((ta, tb) for b in others for ta, tb in zip(a, b)):
         xa, xb = getattr(ta, kind).get(name), getattr(tb, kind).get(name)
         if xa is not None and xb is not None and xa.shape == xb.shape:
             worst = max([worst, *(abs(p - q) for p, q in zip(project(xa), project(xb)))])

@@ -155,7 +155,7 @@ class Tracer:
         return m.noise, " (noise measured now)"
 
     def _against_baseline(self, cell: Cell, record: R.Record) -> R.Localisation | None:
-        from harness.traces import fingerprint
+        from harness.traces import fingerprint, flips
         from harness.traces.localise import localise
 
         try:
@@ -179,8 +179,10 @@ class Tracer:
             return R.Localisation(against="baseline", detail=str(e))
         skipped = sorted(set(sequences) - set(same))
         note = f"; prompts {', '.join(skipped)} scored other sequences than the baseline's, not compared" if skipped else ""
-        return localise(fingerprint.deltas(baseline.fingerprint, [t for t in mine if t.prompt in same]),
-                        "baseline", note)
+        compared = [t for t in mine if t.prompt in same]
+        deltas = fingerprint.deltas(baseline.fingerprint, compared)
+        return localise(deltas, "baseline", note).model_copy(
+            update={"rounding_flip": flips.explain(baseline.fingerprint, compared, deltas)})
 
     # ---- fingerprints ----------------------------------------------------------------------
     def refresh_fingerprint(self, cell: Cell, record: R.Record) -> str | None:
@@ -195,10 +197,10 @@ class Tracer:
         if isinstance(m, str):
             return f"fingerprint not written: per-module noise not measured: {m}"
         try:
-            mine = m.a if cell.engine == "reference" else self.traces(cell, None, scored(record))
+            mine = self.traces(cell, None, scored(record))
         except TraceUnavailable as e:
             return f"fingerprint not written: {e}"
-        fp = fingerprint.make(mine, cell.engine, fused, m.a, m.b, m.noise)
+        fp = fingerprint.make(mine, cell.engine, fused, m.a, [m.b, m.c], m.noise)
         return B.set_fingerprint(self.runner.baselines_root, cell.tier, cell.id, fp)
 
 

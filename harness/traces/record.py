@@ -88,6 +88,10 @@ class _Recorder:
             self.trace.weights[name] = weight.detach().float().cpu() @ weight_probe(weight.shape[1])
         if quantizes_input(module):
             self.trace.quantizers.add(name)
+            kind, scale = input_quantization(module)
+            if kind is not None and weight is not None and weight.dim() == 2:
+                self.trace.input_scales[name] = scale
+                self.trace.column_norms[name] = weight.detach().float().cpu().norm(dim=0)
 
     def close(self) -> None:
         for h in self._handles:
@@ -152,6 +156,22 @@ def effective_weight(module):
     if scale is not None and weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return weight.float() * scale.float()
     return weight if weight.is_floating_point() else None
+
+
+def input_quantization(module) -> tuple[str | None, float | None]:
+    """How a quantizing leaf scales its input: ("static", scale), ("token", None) for a dynamic
+    scale per token, or (None, None) for any other scheme."""
+    owner = getattr(module, "fused", module)
+    quant = getattr(owner, "input_quant", None)
+    if quant is not None:  # the reference's InputQuant
+        return ("static", float(quant.static_scale)) if quant.static_scale is not None else ("token", None)
+    ia = getattr(getattr(module, "quantization_scheme", None), "input_activations", None)
+    if ia is None:
+        return None, None
+    if not ia.dynamic and getattr(module, "input_scale", None) is not None:
+        return "static", float(module.input_scale.detach().float().reshape(-1)[0])
+    strategy = getattr(ia.strategy, "value", ia.strategy)
+    return ("token", None) if ia.dynamic and strategy == "token" else (None, None)
 
 
 def quantizes_input(module) -> bool:

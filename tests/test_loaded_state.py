@@ -1,0 +1,161 @@
+"""The loaded state, module by module, checked bit for bit against the baseline on any machine
+(docs/design.md, "Loaded state"), and the rounding-flip rule that rests on it (issue 26)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import compare as C
+from harness import cpu
+from harness import loaded_state
+from harness import records as R
+from tests.test_compare import BOUNDS, INFO, baseline, record, seq
+
+REPO = Path(__file__).resolve().parent.parent
+STATE = {"model.layers.0.self_attn.qkv_proj": "a" * 16, "model.layers.0.mlp.down_proj": "b" * 16, "lm_head": "c" * 16}
+CPU = R.CpuInfo(vendor="GenuineIntel", model="Xeon", flags=["avx2", "avx512f"], capability="avx512")
+OTHER_CPU = CPU.model_copy(update={"vendor": "AuthenticAMD", "model": "EPYC", "flags": ["avx2"], "capability": "avx2"})
+
+
+# ------------------------------------------------------------------------------- digests
+
+
+def test_a_digest_covers_values_dtype_shape_scales_and_class():
+    a = torch.nn.Linear(4, 3)
+    base = loaded_state.digest(a)[""]
+    assert loaded_state.digest(a)[""] == base
+    with torch.no_grad():
+        a.weight[1, 2] = torch.nextafter(a.weight[1, 2], torch.tensor(1.0))  # one ulp
+    assert loaded_state.digest(a)[""] != base
+    b = torch.nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    with_scale = loaded_state.digest(b)[""]
+    assert with_scale == loaded_state.digest(a)[""]
+    b.k_scale = torch.tensor(0.5)  # a scale attached as a plain attribute still counts
+    assert loaded_state.digest(b)[""] != with_scale
+    c = torch.nn.Linear(4, 3).double()
+    assert loaded_state.digest(c)[""] != loaded_state.digest(a)[""]
+
+
+def test_modules_holding_nothing_are_left_out_and_the_order_is_the_models():
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+    assert list(loaded_state.digest(m)) == ["0", "2"]
+
+
+_CHILD = """
+import json, sys
+from harness import matrix
+from harness.engines.base import engine_class, resolve_checkpoint
+cells = {c.id: c for c in matrix.load(matrix.DEFAULT_PATH).cells(tier="cpu-tiny")}
+out = {}
+for cid in sys.argv[1:]:
+    e = engine_class(cells[cid].engine)(cells[cid])
+    e.load(resolve_checkpoint(cells[cid]))
+    out[cid] = e.loaded_state()
+    e.close()
+print(json.dumps(out))
+"""
+PORTABLE = ["llama.fp8-static-kv.reference", "llama.fp8-static-kv.transformers", "llama.bnb-nf4-dq.reference",
+            "llama.bnb-nf4-dq.transformers", "llama.torchao-int8wo.reference", "llama.torchao-int8wo.transformers",
+            "whisper.fp8-dynamic.reference"]
+
+
+def _states(env: dict[str, str]) -> dict:
+    p = subprocess.run([sys.executable, "-c", _CHILD, *PORTABLE], env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                       cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_loaded_state_is_the_same_under_every_kernel_condition():
+    """Native kernels, a lowered torch capability with the libraries' AVX2 paths, and the torch
+    decoders instead of the C ones (HARNESS_NATIVE=0): one digest per module."""
+    native = _states({})
+    assert all(len(v) > 10 for v in native.values()), native
+    assert _states({"ATEN_CPU_CAPABILITY": "default", **cpu.LIBRARIES_AVX2}) == native
+    assert _states({"HARNESS_NATIVE": "0"}) == native
+
+
+# ---------------------------------------------------------------------------- the check
+
+
+def test_equal_state_passes_and_names_the_module_count():
+    c = C.check_loaded_state(record(loaded_state=STATE), baseline(record(loaded_state=STATE)))
+    assert c.ok and c.data["modules"] == 3 and "all 3 modules" in c.detail
+
+
+def test_a_changed_missing_or_extra_module_fails_naming_the_first_in_model_order():
+    changed = {**STATE, "model.layers.0.mlp.down_proj": "d" * 16, "lm_head": "e" * 16}
+    c = C.check_loaded_state(record(loaded_state=changed), baseline(record(loaded_state=STATE)))
+    assert not c.ok and c.data["first"] == "model.layers.0.mlp.down_proj" and c.data["differing"] == [
+        "model.layers.0.mlp.down_proj", "lm_head"]
+    missing = {k: v for k, v in STATE.items() if k != "lm_head"}
+    c = C.check_loaded_state(record(loaded_state=missing), baseline(record(loaded_state=STATE)))
+    assert not c.ok and c.data["missing"] == ["lm_head"] and "not loaded (lm_head)" in c.detail
+    c = C.check_loaded_state(record(loaded_state={**STATE, "extra": "f" * 16}), baseline(record(loaded_state=STATE)))
+    assert not c.ok and c.data["extra"] == ["extra"]
+
+
+def test_no_digest_on_either_side_is_no_check():
+    assert C.check_loaded_state(record(), baseline(record(loaded_state=STATE))) is None
+    assert C.check_loaded_state(record(loaded_state=STATE), baseline(record())) is None
+
+
+def test_a_state_difference_is_regressed_on_the_same_and_on_other_kernels():
+    info = INFO.model_copy(update={"cpu": CPU})
+    b = baseline(record(loaded_state=STATE, engine_info=info))
+    changed = {**STATE, "lm_head": "0" * 16}
+    for run_cpu in (CPU, OTHER_CPU):
+        rec = record(loaded_state=changed, engine_info=INFO.model_copy(update={"cpu": run_cpu}))
+        j = C.verdict(rec, b, bounds=BOUNDS)
+        assert j.verdict == "regressed" and "loaded-state:baseline" in j.reason and "lm_head" in j.reason
+
+
+# ------------------------------------------------------------------------ rounding flips
+
+
+def _flip(explained=True) -> R.Localisation:
+    at = [R.FlipAt(prompt="p0", module="model.layers.0.mlp.gate_proj", fragile=3, moved=0.01, bound=0.04, steps=1.2)]
+    return R.Localisation(against="baseline", module="model.layers.0.mlp.gate_proj", kind="quantizer", detail="...",
+                          rounding_flip=R.RoundingFlip(explained=explained, detail="rounding flip at X" if explained
+                                                       else "not a rounding flip: Y", at=at if explained else []))
+
+
+def _judged(run_cpu, state=STATE, flip=None, lps=(-1.0, -2.5, -0.5)):
+    b = baseline(record(loaded_state=STATE, engine_info=INFO.model_copy(update={"cpu": CPU})))
+    rec = record(loaded_state=state, sequences=[seq(lps=lps)], engine_info=INFO.model_copy(update={"cpu": run_cpu}))
+    rec = C.verdict(rec, b, bounds=BOUNDS).apply(rec)
+    if flip is not None:
+        rec = rec.model_copy(update={"localisation": [flip]})
+    return rec, b
+
+
+def test_a_rounding_flip_on_other_kernels_with_the_state_exact_passes_and_says_so():
+    rec, b = _judged(OTHER_CPU, flip=_flip())
+    assert rec.verdict == "regressed"
+    j = C.rounding_flip(rec, b)
+    assert j is not None and j.verdict == "pass"
+    assert "rounding flip at X" in j.reason and "state exact (3 modules)" in j.reason and "position 2" in j.reason
+    assert all(c.ok for c in j.checks)
+    tf = next(c for c in j.checks if c.name == "teacher-forced:baseline")
+    assert tf.detail.startswith("explained by a rounding flip") and tf.data["rounding_flip"]["explained"]
+
+
+def test_a_flip_is_never_explained_away_on_the_baselines_own_kernels():
+    rec, b = _judged(CPU, flip=_flip())
+    assert rec.verdict == "regressed" and C.rounding_flip(rec, b) is None
+
+
+def test_a_flip_needs_the_state_exact_and_the_localisation_to_show_it():
+    rec, b = _judged(OTHER_CPU, state={**STATE, "lm_head": "0" * 16}, flip=_flip())
+    assert C.rounding_flip(rec, b) is None
+    rec, b = _judged(OTHER_CPU, flip=_flip(explained=False))
+    assert C.rounding_flip(rec, b) is None
+    rec, b = _judged(OTHER_CPU)  # not localised
+    assert C.rounding_flip(rec, b) is None
+    rec, b = _judged(OTHER_CPU, state=None, flip=_flip())  # no digests: nothing shows the state exact
+    assert C.rounding_flip(rec, b) is None
