@@ -159,3 +159,71 @@ def test_a_flip_needs_the_state_exact_and_the_localisation_to_show_it():
     assert C.rounding_flip(rec, b) is None
     rec, b = _judged(OTHER_CPU, state=None, flip=_flip())  # no digests: nothing shows the state exact
     assert C.rounding_flip(rec, b) is None
+
+
+# ------------------------------------------------- harness.traces.flips on constructed traces
+
+
+def _trace(x, scale, weight, *, out_factor=1.0, prompt="p0"):
+    """A two-module trace: ``norm`` makes x, ``q`` quantizes it with a static scale and projects."""
+    from harness.quant import fp8
+    from harness.traces import PromptTrace, weight_probe
+
+    y = (fp8.fake_quant(x, torch.tensor(scale)) @ weight.T) * out_factor
+    return PromptTrace(prompt=prompt, order=["norm", "q"], outputs={"norm": x.clone(), "q": y},
+                       inputs={"q": x.clone()}, weights={"q": weight @ weight_probe(weight.shape[1])},
+                       quantizers={"q"}, input_scales={"q": scale},
+                       column_norms={"q": weight.norm(dim=0)})
+
+
+def _explain(base, fresh, element_noise=1e-5):
+    from harness.traces import fingerprint, flips
+    from harness.traces.noise import ModuleNoise
+
+    noise = ModuleNoise(outputs={"norm": element_noise, "q": element_noise}, measured_by="reference")
+    fp = fingerprint.make([base], "reference", True, noise=noise)
+    return flips.explain(fp, [fresh], fingerprint.deltas(fp, [fresh]))
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(3, 8, generator=g) * 8  # below 16: steps of 1 or less, nowhere near 17
+    x[1, 2] = 17.0 + 1e-6  # just above the boundary between 16 and 18
+    w = torch.randn(5, 8, generator=g)
+    return x, w
+
+
+def test_an_input_element_that_crosses_a_boundary_within_noise_is_a_rounding_flip():
+    x, w = _inputs()
+    moved = x.clone()
+    moved[1, 2] = 17.0 - 1e-6  # within the noise: now rounds to 16, not 18
+    flip = _explain(_trace(x, 1.0, w), _trace(moved, 1.0, w))
+    assert flip.explained, flip.detail
+    (at,) = flip.at
+    assert at.module == "q" and at.fragile == 1 and 0.5 < at.steps <= 1.0 + 1e-6 and at.moved <= at.bound
+    assert flip.detail.startswith("rounding flip at q")
+
+
+def test_a_quantizer_output_moved_beyond_a_few_flips_is_not_a_rounding_flip():
+    x, w = _inputs()
+    moved = x.clone()
+    moved[1, 2] = 17.0 - 1e-6
+    flip = _explain(_trace(x, 1.0, w), _trace(moved, 1.0, w, out_factor=1.5))  # its own code is off
+    assert not flip.explained and "more than 4 one-step flips" in flip.detail
+
+
+def test_a_quantizer_with_no_fragile_input_or_a_moved_input_is_not_a_rounding_flip():
+    x, w = _inputs()
+    x[1, 2] = 15.0  # nothing near a boundary within the noise
+    flip = _explain(_trace(x, 1.0, w), _trace(x, 1.0, w, out_factor=1.01))
+    assert not flip.explained and "none can flip" in flip.detail
+    moved = x.clone()
+    moved[0] += 0.5  # the input itself moved: the first diverging module is the one that made it
+    flip = _explain(_trace(x, 1.0, w), _trace(moved, 1.0, w))
+    assert not flip.explained and "first diverging module norm" in flip.detail
+
+
+def test_identical_traces_are_no_flip_and_say_why():
+    x, w = _inputs()
+    flip = _explain(_trace(x, 1.0, w), _trace(x, 1.0, w))
+    assert not flip.explained and "no module differs" in flip.detail

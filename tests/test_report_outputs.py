@@ -242,7 +242,7 @@ def test_provenance_shows_the_run_and_the_baseline_cpu():
     p = html._provenance(entry, SimpleNamespace(provenance=prov))
     assert p["cpu"] is None or p["cpu"]["name"]  # this record may predate the cpu block
     assert p["baseline"]["cpu"] == {"name": "GenuineIntel Intel(R) Xeon(R) Platinum 8488C", "capability": "avx512",
-                                    "flags": ["avx2", "avx512f", "amx_tile"]}
+                                    "flags": ["avx2", "avx512f", "amx_tile"], "kernel_env": []}
     assert p["baseline"]["text"] == "reference 0.1.0 on cpu-x86_64-avx2, 2026-01-01T00:00:00Z, commit c0ffee"
     assert html._cpu(SimpleNamespace(cpu=rs.CPU))["capability"] == "avx512" and html._cpu(SimpleNamespace()) is None
     page = html._ENV.get_template("panel.html.j2").module.provenance(p)
