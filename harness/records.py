@@ -3,7 +3,7 @@
 An engine writes one record per cell run; compare fills in ``verdict``, ``verdict_reason``,
 ``known_failure`` and ``checks``; baselines are written from records; the report and the
 Buildkite merge step read them. The format is JSON with ``schema_version: 1`` and is documented
-field by field in the README ("The result record").
+field by field in docs/records-and-baselines.md ("The result record").
 
 Non-finite floats (a NaN logprob from a broken decode) are written as JSON ``NaN`` /
 ``Infinity`` / ``-Infinity``, as Python's json module does; everything else is plain JSON.

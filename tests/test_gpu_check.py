@@ -2,7 +2,7 @@
 the bitsandbytes wheel's pruning), the CPU smoke run of the cuda-check cells end to end (records,
 report, machine description and archive in one folder, the carried fixture installed under this
 machine's cache key instead of being rebuilt), and the dry run. The CUDA run itself has not run
-anywhere yet (README, "The device check")."""
+anywhere yet (docs/gpu-check.md)."""
 from __future__ import annotations
 
 import importlib.machinery

@@ -1,5 +1,5 @@
 """Test-only degradations of a loaded model, which the accuracy gate must catch (docs/design.md,
-"Accuracy"; README, "Test-only hooks"). Never used outside tests.
+"Accuracy"; docs/testing-hooks.md, "Test-only hooks"). Never used outside tests.
 
 They are test hooks of the engine child (``HARNESS_TEST_HOOK``, harness.engines.worker), each
 ``fault=NAME[:ARG]``. A fault patches the reference's decoding before the load, or changes the

@@ -1,4 +1,5 @@
-"""``harness bench``: the performance benchmarks of issue 13 (README, "Benchmarks").
+"""``harness bench``: the performance benchmarks of issue 13 (README, "Benchmarks";
+docs/bench.md).
 
 Parts, each selectable with ``--parts``: ``load`` (harness.bench.load, on the sizes of
 harness.bench.checkpoints), ``decode`` (harness.bench.decode), ``detection`` (harness.bench.detection,
