@@ -437,3 +437,13 @@ def test_touch_reads_the_tensors_inside_a_quantized_parameter():
     w = Quantized(torch.ones(4, 4, dtype=torch.int8), torch.ones(4))
     assert [t.dtype for t in load._plain(w)] == [torch.int8, torch.float32]
     load._touch(torch.nn.Linear(4, 4))  # plain parameters: summed without error
+
+
+def test_a_bench_run_keeps_the_hand_written_section_of_benchmarks_md():
+    old = "# Benchmarks\n\nold figures\n\n---\n\n## Measured by hand\n\n| what | s |\n|---|---|\n| CI | 1861 |\n"
+    kept = report.kept_by_hand(old)
+    assert kept == "\n---\n\n## Measured by hand\n\n| what | s |\n|---|---|\n| CI | 1861 |\n"
+    assert ("# Benchmarks\n\nnew figures\n" + kept).endswith("| CI | 1861 |\n")
+    assert report.kept_by_hand("# Benchmarks\n\nno such section\n") == ""
+    assert report.kept_by_hand((Path(__file__).parent.parent / "BENCHMARKS.md").read_text()).startswith(
+        "\n---\n\n## Measured by hand")

@@ -44,8 +44,10 @@ CAUGHT = {"regressed", "failed"}
 
 
 def _env(overlay: dict[str, str] | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", *cpu.KERNEL_ENV)}
-    return {**env, **(overlay or {})}
+    """This process's environment under a kernel condition (None: the native one). Only the
+    variables the conditions set are replaced: OPENBLAS_CORETYPE, where the machine sets it, stays."""
+    chosen = {"ATEN_CPU_CAPABILITY", *(k for c in CONDITIONS.values() for k in c)}
+    return {**{k: v for k, v in os.environ.items() if k not in chosen}, **(overlay or {})}
 
 
 def _run(tmp: Path, name: str, k: str, baselines: Path, overlay: dict[str, str] | None, *extra: str) -> dict[str, dict]:

@@ -205,7 +205,8 @@ def run(args) -> int:
             fig["profiles"][title] = text
     if "4" in missed:
         fig["profiles"]["matrix (after)"] = slowest
-    Path(args.output).write_text(report.markdown(fig))
+    out = Path(args.output)
+    out.write_text(report.markdown(fig) + report.kept_by_hand(out.read_text() if out.exists() else ""))
     echo(f"bench: done in {time.perf_counter() - t0:.0f} s; {args.output}")
     for t in fig["targets"]:
         echo(f"  {'n/a ' if t['ok'] is None else 'pass' if t['ok'] else 'MISS'}  {t['target']} ({t['detail']})")

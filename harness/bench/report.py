@@ -256,3 +256,17 @@ def markdown(fig: dict) -> str:
 
 def to_json(fig: dict) -> str:
     return json.dumps(fig, indent=1, default=str)
+
+
+BY_HAND = "## Measured by hand"
+
+
+def kept_by_hand(old: str) -> str:
+    """The hand-written section at the end of the old BENCHMARKS.md (from ``BY_HAND`` on, with the
+    rule just above it), which a bench run keeps: the figures it does not measure itself."""
+    start = old.find("\n" + BY_HAND)
+    if start < 0:
+        return ""
+    rule = old.rfind("\n---\n", 0, start + 1)
+    begin = rule + 1 if rule >= 0 and not old[rule + 5:start].strip() else start + 1
+    return "\n" + old[begin:].rstrip("\n") + "\n"
