@@ -536,7 +536,9 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
     4. no baseline -> missing-baseline
     5. baseline from another engine version / platform (or fixture, source) -> stale-baseline
        (the baseline checks are still run and reported)
-    6. a baseline check fails -> regressed, or waived when known failures match every failing check
+    6. a baseline check fails (the loaded state among them) -> regressed, or waived when known
+       failures match every failing check (a rounding flip on other kernels: rounding_flip(), which
+       the runner applies once the cell is localised)
     7. gated tier and load-time ratio > bound -> regressed (same waiver rule)
     8. a known failure covers this engine version, yet all passed -> unexpected-pass
     (accuracy results, docs/design.md "Accuracy", join in: their checks against other engines at 3,
