@@ -327,10 +327,11 @@ def check_loaded_state(record: Record, baseline: Baseline) -> Check | None:
     if not (differing or missing or extra):
         return Check(name="loaded-state:baseline", ok=True, data=data,
                      detail=f"loaded state equal to the baseline's in all {len(theirs)} modules")
-    first = next(m for m in [*theirs, *extra] if m in differing or m in missing or m in extra)
+    moved = {*differing, *missing, *extra}
+    first = next(m for m in [*theirs, *extra] if m in moved)
     parts = [f"{len(differing)} differ"] if differing else []
-    parts += [f"{len(missing)} not loaded ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"] if missing else []
-    parts += [f"{len(extra)} not in the baseline ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})"] if extra else []
+    parts += [f"{len(missing)} not loaded ({_few(missing)})"] if missing else []
+    parts += [f"{len(extra)} not in the baseline ({_few(extra)})"] if extra else []
     data["first"] = first
     return Check(name="loaded-state:baseline", ok=False, data=data,
                  detail=f"loaded state differs from the baseline's at {first}: of {len(theirs)} modules, " + ", ".join(parts))
@@ -418,6 +419,10 @@ def _waiver(known: list[KnownFailureLike], failing: list[Check]) -> KnownFailure
 
 
 # --------------------------------------------------------------------------------------- verdict
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def other_kernels(record: Record, baseline: Baseline) -> bool:

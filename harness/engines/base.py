@@ -523,11 +523,9 @@ class InProcessEngine(Engine):
 
     def loaded_state(self):
         from harness import loaded_state
+        from harness.traces.record import torch_module
 
-        model = self.model
-        while not hasattr(model, "named_modules") and hasattr(model, "model"):  # OnDevice, _NoCache
-            model = model.model
-        return loaded_state.digest(model)
+        return loaded_state.digest(torch_module(self.model))
 
     def trace(self, prompts, sequences):
         from harness.traces import record

@@ -165,10 +165,16 @@ def _scaled(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
 
 
 @functools.cache
+def _finite_values() -> torch.Tensor:
+    """Every finite e4m3fn value, ascending, float64."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    return torch.unique(values[torch.isfinite(values)])
+
+
+@functools.cache
 def rounding_boundaries() -> torch.Tensor:
     """The e4m3fn rounding boundaries: the midpoints between adjacent finite values, float64."""
-    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    values = torch.unique(values[torch.isfinite(values)])
+    values = _finite_values()
     return (values[1:] + values[:-1]) / 2
 
 
@@ -188,8 +194,7 @@ def nearest_boundary(scaled: torch.Tensor, boundaries: torch.Tensor | None = Non
 def step_at(boundary: torch.Tensor) -> torch.Tensor:
     """The distance between the two e4m3fn values on either side of each rounding boundary: what
     a value that crosses it moves by once rounded (in scaled units)."""
-    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    values = torch.unique(values[torch.isfinite(values)])
+    values = _finite_values()
     i = torch.searchsorted(values, boundary.double()).clamp(1, len(values) - 1)
     return values[i] - values[i - 1]
 
