@@ -8,7 +8,9 @@ venv:
 	@scripts/bootstrap
 run: venv
 	.venv/bin/harness run
+# The import contract first (pyproject.toml, [tool.importlinter]; a second or two), then the suite.
 test: venv
+	.venv/bin/lint-imports --no-cache
 	.venv/bin/python -m pytest -n 2
 # A longer, random run of the fault suite's fuzzing (suites/faults/test_fuzz.py): N examples per
 # property (CI runs a fixed few from a fixed seed inside `make test`).

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 from harness import files
-from harness.errors import CheckpointError
+from harness.errors import CheckpointError, UsageError
 
 
 def _load(args) -> int:
@@ -31,10 +31,6 @@ def _fixtures(args) -> int:
         for name in names:
             print(f"{name}\t{fixtures.spec(name).description}")
     return 0
-
-
-class UsageError(Exception):
-    """A usage or configuration problem: printed as one line ``error: ...``, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,9 +116,9 @@ def _run(args) -> int:
     for w in matrix.warnings(cells):
         print(w, file=sys.stderr)
     if not args.dry_run:
-        from harness.bench import checkpoints
+        from harness.fixtures import benchmark
 
-        checkpoints.ensure_for_cells(m, cells)  # cpu-load's checkpoints are built on demand
+        benchmark.ensure_for_cells(m, cells)  # cpu-load's checkpoints are built on demand
     matrix.check_paths(m, cells)
     if args.dry_run:
         from harness import dryrun
@@ -181,10 +177,7 @@ def _pin(args) -> int:
 def _bench(args) -> int:
     from harness import bench
 
-    try:
-        return bench.run(args)
-    except bench.UsageError as e:
-        raise UsageError(str(e)) from None
+    return bench.run(args)
 
 
 def _finish(args, m, cells, r, results_list, wall: float) -> int:

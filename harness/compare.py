@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from harness import cpu
 from harness.accuracy import gates as accuracy_gates
-from harness.engines.base import fuses_shards
+from harness.registry import fuses_shards
 from harness.records import Check, KnownFailureRef, LoadInfo, Record, SequenceResult, platform_key
 
 if TYPE_CHECKING:
@@ -279,7 +279,7 @@ def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[Seq
 
 def load_ratio(obtained: LoadInfo, baseline: LoadInfo) -> tuple[float, bool]:
     """(ratio, calibrated): the calibrated ratio (obtained load / its calibration) over (baseline
-    load / its calibration) when both recorded the ``calibration`` phase (harness.bench.calibration),
+    load / its calibration) when both recorded the ``calibration`` phase (harness.loadtime),
     else the plain ratio of the load times (docs/design.md, "Load time")."""
     ratio = obtained.seconds / baseline.seconds
     cal_obt, cal_base = obtained.phases.get("calibration"), baseline.phases.get("calibration")

@@ -92,3 +92,15 @@ def platform() -> str:
     isa = next((name for flag, name in (("amx_tile", "amx"), ("avx512f", "avx512"), ("avx2", "avx2"),
                                          ("sve", "sve"), ("asimd", "neon")) if flag in have), None)
     return f"cpu-{arch}-{isa}" if isa else f"cpu-{arch}"
+
+
+def available_memory() -> int | None:
+    """The memory this machine can still give (/proc/meminfo's MemAvailable), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

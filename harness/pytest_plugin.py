@@ -176,9 +176,9 @@ def harness_runner(request):
     if state.runner is None:
         pytest.fail("harness: no runner (the harness_cell parametrization did not run)", pytrace=False)
     if not state.prepared:  # created on first use: --collect-only leaves no results directory
-        from harness.bench import checkpoints
+        from harness.fixtures import benchmark
 
-        checkpoints.ensure_for_cells(state.matrix, state.runner.cells)  # cpu-load's, built on demand (locked)
+        benchmark.ensure_for_cells(state.matrix, state.runner.cells)  # cpu-load's, built on demand (locked)
         state.runner.prepare(fresh=False)
         state.prepared = True
     return state.runner

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from harness.cpu import platform as cpu_platform  # noqa: F401  (the engines' platform string)
+from harness.registry import ENGINE_NAMES
 from harness.verdicts import VERDICTS
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ SCHEMA_VERSION = 1
 Verdict = Literal[VERDICTS]  # type: ignore[valid-type]
 Status = Literal["ok", "error", "unsupported"]
 PromptKind = Literal["text", "image", "audio"]
-EngineName = Literal["reference", "transformers", "vllm"]
+EngineName = Literal[ENGINE_NAMES]  # type: ignore[valid-type]
 # A top-k entry: (token id, logprob), written as a two-element JSON list.
 TopK = list[tuple[int, float]]
 
@@ -142,7 +143,7 @@ class ChildLoad(_Strict):
 
 class LoadInfo(_Strict):
     """``seconds``: the load time (on a gated tier, the statistic of ``samples`` that
-    harness.bench.calibration names). ``phases``: named phase timings (the engine's own: read,
+    harness.loadtime names). ``phases``: named phase timings (the engine's own: read,
     decode, fuse, ...; ``calibration``: the in-run calibration workload, docs/design.md, "Load time").
     ``children``: where a gated load was timed in more than one child (a confirmation, or a
     baseline's median), every child's timing; ``seconds`` and ``phases`` are those of the child the

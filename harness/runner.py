@@ -18,7 +18,7 @@ not fuse shards (transformers) is in the group (docs/design.md, "Fusion rule").
 
 **Load time across children.** On a load-time gated tier, a cell over its bound is timed again in
 fresh ``load`` children before its verdict, and ``update_baselines`` stores the median of several
-(:meth:`Runner._settle_load_time`, harness.bench.calibration).
+(:meth:`Runner._settle_load_time`, harness.loadtime).
 
 **Baselines.** After the verdict, harness.baselines.handle(): with ``update_baselines``, a record
 that may become a baseline is written (printing what changed) and then judged again against what
@@ -44,14 +44,13 @@ from filelock import FileLock
 
 from harness import baselines as B
 from harness import compare as C
-from harness import noise, probes
+from harness import cpu, loadtime, measure_noise, probes
 from harness import records as R
 from harness import supervise, verdicts
 from harness.accuracy import store as accuracy_store
-from harness.bench import calibration
-from harness.engines.base import fuses_shards
 from harness.layout import Layout, default_results_dir, group_key
 from harness.matrix import ENGINES, Cell, Matrix, expand
+from harness.registry import fuses_shards
 from harness.sequences import ScoredSequences
 from harness.traces.jobs import Tracer
 
@@ -63,18 +62,6 @@ __all__ = ["CellResult", "Runner", "default_results_dir", "group_key", "one_line
 CELL_MEMORY_BYTES = 3 * 2**30
 
 
-def available_memory() -> int | None:
-    """The memory this machine can still give (/proc/meminfo's MemAvailable), None when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def default_jobs(threads: int | None = None) -> int:
     """``harness run -j``'s default: a group per core (each cell runs ``threads`` torch threads;
     a vLLM cell binds one core), at most as many as the available memory holds at
@@ -82,7 +69,7 @@ def default_jobs(threads: int | None = None) -> int:
     threads = threads or int(os.environ.get(supervise.THREADS_ENV) or 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = cores // threads
-    memory = available_memory()
+    memory = cpu.available_memory()
     if memory is not None:
         jobs = min(jobs, memory // CELL_MEMORY_BYTES)
     return max(1, jobs)
@@ -186,7 +173,7 @@ class Runner:
         cell, key = cells[0], group_key(cells[0])
         rec_path = self.layout.continuation(key)
         self.say(f"        computing the scored sequences of {key} with the reference engine")
-        rec = self._run_child(cell, mode="continuation", sequences=None, record_path=rec_path,
+        rec = self.run_child(cell, mode="continuation", sequences=None, record_path=rec_path,
                               sequences_out=path, log=self.layout.log(f"{cell.id}.continuation"))
         if rec is not None and rec.status != "ok":
             self.say(f"        reference continuation of {key} failed ({rec.status}); "
@@ -211,13 +198,13 @@ class Runner:
             if rec is None:
                 wants_witness = cell.engine == "reference" and any(not fuses_shards(c.engine)
                                                                    for c in self.groups[group_key(cell)])
-                rec = self._run_child(cell, mode="cell", sequences=sequences, record_path=raw,
+                rec = self.run_child(cell, mode="cell", sequences=sequences, record_path=raw,
                                       sequences_out=sequences_out, log=self.layout.log(cell.id),
                                       witness=self.layout.witness(cell.id) if wants_witness else None)
             R.save(raw, rec)
             return rec
 
-    def _run_child(self, cell: Cell, *, mode: str, sequences, record_path: Path, log: Path,
+    def run_child(self, cell: Cell, *, mode: str, sequences, record_path: Path, log: Path,
                    sequences_out: Path | None = None, witness: Path | None = None,
                    extra: dict | None = None) -> R.Record | None:
         """Run the engine child under the cell's timeout: its record, or an error record for a
@@ -289,7 +276,7 @@ class Runner:
             result.record = flip.apply(result.record)
         try:
             outcome = B.handle(self.baselines_root, result.record, update_baselines=self.update_baselines,
-                               measure_noise=noise.for_cell(cell))
+                               measure_noise=measure_noise.for_cell(cell))
         except OSError as e:  # the cell keeps its verdict and record; the baseline files were not written
             outcome = B.Outcome()
             result.messages.append(f"baseline files not written: {e.filename or self.baselines_root}: {e.strerror or e}")
@@ -316,7 +303,7 @@ class Runner:
         return result
 
     def _settle_load_time(self, cell: Cell, record: R.Record, baseline) -> tuple[R.Record, list[str]]:
-        """A gated cell's load timed in more fresh children (harness.bench.calibration): the median
+        """A gated cell's load timed in more fresh children (harness.loadtime): the median
         of several when a baseline may be written, a confirmation when the first is over the bound."""
         if not cell.gate_load_time or record.status != "ok" or record.load is None:
             return record, []
@@ -327,7 +314,7 @@ class Runner:
             n = next(children)
             out, log = self.layout.load_child(cell.id, n), self.layout.log(f"{cell.id}.load{n}")
             out.unlink(missing_ok=True)
-            failed = self._run_child(cell, mode="load", sequences=None, record_path=out.with_suffix(".error.json"),
+            failed = self.run_child(cell, mode="load", sequences=None, record_path=out.with_suffix(".error.json"),
                                      log=log, extra={"load_out": str(out)})
             try:
                 if failed is None:
@@ -339,11 +326,11 @@ class Runner:
             return None
 
         if self.update_baselines:
-            load = calibration.baseline_load(record.load, retime)
+            load = loadtime.baseline_load(record.load, retime)
             what = "median of"
         elif baseline is not None and baseline.load is not None and baseline.load.seconds > 0:
             bound = cell.bounds.load_time
-            load = calibration.confirm(record.load, retime, lambda info: C.load_ratio(info, baseline.load)[0] > bound)
+            load = loadtime.confirm(record.load, retime, lambda info: C.load_ratio(info, baseline.load)[0] > bound)
             what = "over the bound: fastest of"
         else:
             return record, []

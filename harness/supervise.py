@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import records as R
+from harness.registry import DEFAULT_PRELOAD, ENGINES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOG_TAIL_CHARS = 4000
@@ -42,8 +43,6 @@ ISOLATION_ENV = "HARNESS_ISOLATION"  # "fork" (default): children forked from a 
 # when it reaches STAGE, one of STAGES: how the fault suite interrupts a run at each stage.
 SIGNAL_HOOK_ENV = "HARNESS_TEST_SIGNAL"
 STAGES = ("fork-server-start", "cell-running", "report-writing")
-DEFAULT_PRELOAD = "harness.engines._forkserver_preload"  # torch, transformers, the harness
-PRELOADS = {"vllm": "harness.engines._vllm_preload"}  # engines whose fork server imports more
 SERVER_REPLY_TIMEOUT_S = 600.0  # a fork server answers once its preload is imported
 MAX_SERVERS = 4  # a harness run needs one per engine environment: ~0.5-1 GB each
 
@@ -108,7 +107,7 @@ def preload_for(engine: str) -> str | None:
         raise ValueError(f"{ISOLATION_ENV}={mode!r}: expected 'fork' or 'spawn'")
     if mode == "spawn" or sys.platform != "linux":
         return None
-    return PRELOADS.get(engine, DEFAULT_PRELOAD)
+    return ENGINES[engine].preload if engine in ENGINES else DEFAULT_PRELOAD
 
 
 def child_env(environment_env: dict[str, str], threads: int) -> dict[str, str]:

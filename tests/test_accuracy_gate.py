@@ -1,6 +1,6 @@
 """Deliberately degraded models fail the accuracy gate (docs/design.md, "Accuracy"), run end to end
 by `harness run` against the committed baselines (a copy), with the test-only faults of
-harness/accuracy/faults.py in the engine child:
+harness/hooks/faults.py in the engine child:
 
 | cell | fault | logprob checks | accuracy |
 |---|---|---|---|

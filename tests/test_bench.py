@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli
+from harness import cli, cpu, loadtime
 from harness import matrix as M
 from harness import records as R
-from harness.bench import calibration, checkpoints, decode, detection, report, slowdown
+from harness.bench import decode, detection, report
+from harness.fixtures import benchmark
+from harness.hooks import slowdown
 from harness.bench.detection import CellRun
 
 CELLS = ("a.unquantized.reference", "b.bnb-nf4.reference", "c.bnb-nf4.transformers")
@@ -158,23 +160,23 @@ def _info(seconds, calibration=1.0):
 
 
 def test_confirm_retimes_only_while_over_and_reports_the_fastest():
-    over = lambda info: calibration.calibrated(info) > 1.1  # noqa: E731
+    over = lambda info: loadtime.calibrated(info) > 1.1  # noqa: E731
     queue = [_info(1.3), _info(1.05), _info(2.0)]
-    got = calibration.confirm(_info(1.5), lambda: queue.pop(0), over, confirmations=2)
+    got = loadtime.confirm(_info(1.5), lambda: queue.pop(0), over, confirmations=2)
     assert got.seconds == 1.05 and [c.seconds for c in got.children] == [1.5, 1.3, 1.05]
     assert queue == [_info(2.0)]  # stopped as soon as one child was within the bound
-    assert calibration.confirm(_info(1.0), lambda: pytest.fail("retimed a cell within its bound"), over).children == []
-    slow = calibration.confirm(_info(1.5), lambda: _info(1.4, 1.0), over, confirmations=2)
+    assert loadtime.confirm(_info(1.0), lambda: pytest.fail("retimed a cell within its bound"), over).children == []
+    slow = loadtime.confirm(_info(1.5), lambda: _info(1.4, 1.0), over, confirmations=2)
     assert over(slow) and len(slow.children) == 3
     # A failed child ends the confirmation: the cell is judged on what was timed.
-    assert over(calibration.confirm(_info(1.5), lambda: None, over, confirmations=2))
+    assert over(loadtime.confirm(_info(1.5), lambda: None, over, confirmations=2))
 
 
 def test_baseline_load_is_the_median_child_by_calibrated_value():
     queue = [_info(2.0, 2.0), _info(3.0, 1.0), _info(0.5, 1.0), _info(1.2, 1.0)]
-    got = calibration.baseline_load(_info(1.1, 1.0), lambda: queue.pop(0), children=5)
+    got = loadtime.baseline_load(_info(1.1, 1.0), lambda: queue.pop(0), children=5)
     assert (got.seconds, got.phases["calibration"]) == (1.1, 1.0) and len(got.children) == 5
-    assert calibration.baseline_load(_info(1.0), lambda: None, children=5).children == []
+    assert loadtime.baseline_load(_info(1.0), lambda: None, children=5).children == []
 
 
 @pytest.fixture
@@ -234,18 +236,18 @@ def test_worker_hook_slow_installs_the_slowdown(monkeypatch):
 @pytest.fixture
 def small_calibration(monkeypatch, tmp_path):
     monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path))
-    monkeypatch.setattr(calibration, "CALIBRATION_BYTES", 1 << 16)
+    monkeypatch.setattr(loadtime, "CALIBRATION_BYTES", 1 << 16)
 
 
 def test_the_calibration_is_the_geometric_mean_of_each_parts_fastest_pass(small_calibration, monkeypatch):
     memory, dispatch = iter([9.0, 4.0, 5.0]), iter([9.0, 1.0, 2.0])  # the first of each: the warm-up
-    monkeypatch.setattr(calibration, "memory_pass", lambda path: next(memory))
-    monkeypatch.setattr(calibration, "dispatch_pass", lambda: next(dispatch))
-    assert calibration.calibrate(repeats=2) == pytest.approx(2.0)  # sqrt(4 * 1)
+    monkeypatch.setattr(loadtime, "memory_pass", lambda path: next(memory))
+    monkeypatch.setattr(loadtime, "dispatch_pass", lambda: next(dispatch))
+    assert loadtime.calibrate(repeats=2) == pytest.approx(2.0)  # sqrt(4 * 1)
 
 
 def test_the_calibration_passes_run_for_real(small_calibration):
-    assert calibration.memory_pass(calibration.calibration_file()) > 0 and calibration.dispatch_pass() > 0
+    assert loadtime.memory_pass(loadtime.calibration_file()) > 0 and loadtime.dispatch_pass() > 0
 
 
 def test_a_gated_checkpoint_is_read_into_the_page_cache_only_where_it_fits(tmp_path, monkeypatch):
@@ -255,67 +257,67 @@ def test_a_gated_checkpoint_is_read_into_the_page_cache_only_where_it_fits(tmp_p
     read = []
     real_open = open
     monkeypatch.setattr("builtins.open", lambda f, *a, **k: (read.append(Path(f).name), real_open(f, *a, **k))[1])
-    monkeypatch.setattr(runner, "available_memory", lambda: 4000)
-    assert calibration.warm_page_cache(tmp_path) and read == ["model.safetensors"]
-    monkeypatch.setattr(runner, "available_memory", lambda: 1999)
-    assert not calibration.warm_page_cache(tmp_path)
-    monkeypatch.setattr(runner, "available_memory", lambda: None)
-    assert not calibration.warm_page_cache(tmp_path) and read == ["model.safetensors"]
+    monkeypatch.setattr(cpu, "available_memory", lambda: 4000)
+    assert loadtime.warm_page_cache(tmp_path) and read == ["model.safetensors"]
+    monkeypatch.setattr(cpu, "available_memory", lambda: 1999)
+    assert not loadtime.warm_page_cache(tmp_path)
+    monkeypatch.setattr(cpu, "available_memory", lambda: None)
+    assert not loadtime.warm_page_cache(tmp_path) and read == ["model.safetensors"]
 
 
 def test_a_gated_load_is_timed_after_a_full_collection(monkeypatch):
     """Else the collector's full pass (~350 ms under a preloaded parent) lands in whichever load
     crosses its threshold, which depends on what the parent allocated before the fork."""
     steps = []
-    monkeypatch.setattr(calibration.gc, "collect", lambda *a: steps.append("collect") or 0)
-    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: steps.append("calibrate") or 1.0)
-    calibration.timed_load(lambda: (steps.append("load") or 0.1, {}), gated=True)
+    monkeypatch.setattr(loadtime.gc, "collect", lambda *a: steps.append("collect") or 0)
+    monkeypatch.setattr(loadtime, "calibrate", lambda *a, **k: steps.append("calibrate") or 1.0)
+    loadtime.timed_load(lambda: (steps.append("load") or 0.1, {}), gated=True)
     assert steps[:3] == ["collect", "calibrate", "load"]
     steps.clear()
-    calibration.timed_load(lambda: (steps.append("load") or 0.1, {}), gated=False)
+    loadtime.timed_load(lambda: (steps.append("load") or 0.1, {}), gated=False)
     assert steps == ["load"]
 
 
 def test_timed_load_gated_repeats_and_calibrates(small_calibration, monkeypatch):
-    monkeypatch.setattr(calibration, "LOAD_REPEATS", 3)
+    monkeypatch.setattr(loadtime, "LOAD_REPEATS", 3)
     for statistic, seconds in (("min", 0.1), ("median", 0.2)):
-        monkeypatch.setattr(calibration, "STATISTIC", statistic)
+        monkeypatch.setattr(loadtime, "STATISTIC", statistic)
         times = iter([0.3, 0.1, 0.2])
-        info = calibration.timed_load(lambda: (t := next(times), {"read": t / 2}), gated=True)
+        info = loadtime.timed_load(lambda: (t := next(times), {"read": t / 2}), gated=True)
         assert info.samples == [0.3, 0.1, 0.2] and info.seconds == seconds and info.phases["read"] == seconds / 2
         assert info.phases["calibration"] > 0
-    ungated = calibration.timed_load(lambda: (0.5, {"read": 0.2}), gated=False)
+    ungated = loadtime.timed_load(lambda: (0.5, {"read": 0.2}), gated=False)
     assert ungated.samples == [] and ungated.seconds == 0.5 and "calibration" not in ungated.phases
 
 
 def test_load_statistic_names_a_bad_statistic():
-    assert calibration.load_statistic([3.0, 1.0, 2.0], "median") == 2.0
+    assert loadtime.load_statistic([3.0, 1.0, 2.0], "median") == 2.0
     with pytest.raises(ValueError, match="unknown load statistic 'mean'"):
-        calibration.load_statistic([1.0], "mean")
+        loadtime.load_statistic([1.0], "mean")
 
 
 def test_checkpoint_names_sizes_and_parameters():
-    assert checkpoints.name("M", "bnb-nf4") == "llama-M-bnb-nf4"
-    assert checkpoints.parameters("S", 512) == pytest.approx(46e6, rel=0.01)
-    assert checkpoints.parameters("M", 512) < checkpoints.parameters("L", 512)
+    assert benchmark.name("M", "bnb-nf4") == "llama-M-bnb-nf4"
+    assert benchmark.parameters("S", 512) == pytest.approx(46e6, rel=0.01)
+    assert benchmark.parameters("M", 512) < benchmark.parameters("L", 512)
     with pytest.raises(ValueError, match="unknown benchmark size 'XL'"):
-        checkpoints.dims("XL")
+        benchmark.dims("XL")
     with pytest.raises(ValueError, match="unknown benchmark format 'gguf'"):
-        checkpoints.name("S", "gguf")
+        benchmark.name("S", "gguf")
 
 
 def test_cpu_load_cells_are_built_on_demand(monkeypatch, tmp_path):
     monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path))
     m = M.load()
     m._dir = tmp_path.parent
-    cells = [c.model_copy(update={"path": f"{tmp_path.name}/{checkpoints.name('M', 'bnb-nf4')}"})
+    cells = [c.model_copy(update={"path": f"{tmp_path.name}/{benchmark.name('M', 'bnb-nf4')}"})
              for c in m.cells(tier="cpu-load") if c.scheme == "bnb-nf4"]
     built = []
-    monkeypatch.setattr(checkpoints, "build", lambda size, fmt, echo: built.append((size, fmt)))
-    checkpoints.ensure_for_cells(m, cells, echo=lambda _: None)
+    monkeypatch.setattr(benchmark, "build", lambda size, fmt, echo: built.append((size, fmt)))
+    benchmark.ensure_for_cells(m, cells, echo=lambda _: None)
     assert built == [("M", "bnb-nf4")] * len(cells)
-    (tmp_path / checkpoints.name("M", "bnb-nf4")).mkdir()
-    checkpoints.ensure_for_cells(m, cells, echo=lambda _: None)  # there: nothing built
+    (tmp_path / benchmark.name("M", "bnb-nf4")).mkdir()
+    benchmark.ensure_for_cells(m, cells, echo=lambda _: None)  # there: nothing built
     assert len(built) == len(cells)
 
 
@@ -391,9 +393,9 @@ def test_bench_rejects_unknown_parts_and_sizes(capsys):
 def test_bench_quick_decode_on_a_tiny_size(monkeypatch, tmp_path, capsys):
     """The decode part end to end through the CLI, on TINY checkpoints built by the producers."""
     monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(checkpoints, "LAYER", dict(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+    monkeypatch.setattr(benchmark, "LAYER", dict(hidden_size=64, intermediate_size=128, num_attention_heads=2,
                                                    num_key_value_heads=1))
-    monkeypatch.setattr(checkpoints, "FORMATS", ("bnb-nf4", "unquantized"))
+    monkeypatch.setattr(benchmark, "FORMATS", ("bnb-nf4", "unquantized"))
     from harness.quant import bnb
 
     timed = []  # the stored form's own decode is what is timed, once per repeat (not a copy of its result)
@@ -417,8 +419,8 @@ def test_floor_reads_every_weight_file(tmp_path):
     (tmp_path / "a.safetensors").write_bytes(b"x" * 4096)
     (tmp_path / "b.safetensors").write_bytes(b"y" * 1000)
     (tmp_path / "config.json").write_text("{}")
-    assert [f.name for f in checkpoints.weight_files(tmp_path)] == ["a.safetensors", "b.safetensors"]
-    assert checkpoints.megabytes(tmp_path) == pytest.approx(5096 / 1e6)
+    assert [f.name for f in benchmark.weight_files(tmp_path)] == ["a.safetensors", "b.safetensors"]
+    assert benchmark.megabytes(tmp_path) == pytest.approx(5096 / 1e6)
     assert 0 < load.floor(tmp_path, repeats=2) < 1.0
 
 

@@ -5,10 +5,11 @@ import pytest
 
 from harness import matrix as M
 from harness import records as R
-from harness.engines import base
+from harness.engines import base, execute
 from harness.engines.reference import ReferenceEngine
 from harness.engines.transformers import TransformersEngine
 from harness.engines.worker import parse_hooks
+from harness.registry import fuses_shards
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,7 @@ def test_one_interface_and_registry():
             assert callable(getattr(cls, method))
     assert base.engine_class("reference") is ReferenceEngine
     assert base.engine_class("transformers") is TransformersEngine
-    assert ReferenceEngine.fuses_shards and not TransformersEngine.fuses_shards
-    assert base.fuses_shards("transformers") is False and base.fuses_shards("vllm") is True
+    assert fuses_shards("reference") and not fuses_shards("transformers") and fuses_shards("vllm")
     with pytest.raises(base.EngineUnavailable, match="the nope engine is not implemented"):
         base.engine_class("nope")
 
@@ -47,7 +47,7 @@ def test_both_engines_one_record_shape_same_sequences(cells):
     """whisper-bnb-nf4: audio prompts, cross-attention, 4-bit weights. Both engines score the same
     sequences and agree to float32 rounding (bitsandbytes' bf16 CPU path is off in the engine)."""
     ref_cell = _cell(cells, "whisper.bnb-nf4.reference")
-    ref = base.execute(ReferenceEngine(ref_cell), lambda: base.resolve_checkpoint(ref_cell))
+    ref = execute.execute(ReferenceEngine(ref_cell), lambda: base.resolve_checkpoint(ref_cell))
     assert ref.status == "ok", ref.error
     assert ref.engine_info.version == "0.1.0" == ref_cell.engine_version  # the pinned harness version
     assert ref.engine_info.platform == R.cpu_platform()
@@ -62,7 +62,7 @@ def test_both_engines_one_record_shape_same_sequences(cells):
     seqs = {s.prompt.id: s.scored.tokens for s in ref.sequences}
 
     tf_cell = _cell(cells, "whisper.bnb-nf4.transformers")
-    tf = base.execute(TransformersEngine(tf_cell), lambda: base.resolve_checkpoint(tf_cell), sequences=seqs)
+    tf = execute.execute(TransformersEngine(tf_cell), lambda: base.resolve_checkpoint(tf_cell), sequences=seqs)
     assert tf.status == "ok", tf.error
     assert tf.engine_info.name == "transformers" and tf.engine_info.version == tf_cell.engine_version
     assert list(tf.load.phases) == ["from_pretrained"] and tf.load.seconds == tf.load.phases["from_pretrained"]
@@ -75,7 +75,7 @@ def test_scored_sequences_given_or_own_greedy(cells):
     ckpt = base.resolve_checkpoint(cell)
     prompts = base.prompts_for(cell, ckpt)
     given = {"p0": prompts[0].tokens + [7, 8, 9], "p1": [1, 2, 3]}  # p1 does not begin with its prompt
-    rec = base.execute(ReferenceEngine(cell), ckpt, sequences=given)
+    rec = execute.execute(ReferenceEngine(cell), ckpt, sequences=given)
     by_id = {s.prompt.id: s for s in rec.sequences}
     assert by_id["p0"].scored.tokens == given["p0"]
     for pid in ("p1", "p2"):
@@ -87,11 +87,11 @@ def test_reference_unfused_is_what_transformers_executes(cells):
     engines do); transformers runs them unfused. The runner's witness: the reference unfused."""
     ref_cell = _cell(cells, "llama.fp8-static-kv.reference")
     ckpt = base.resolve_checkpoint(ref_cell)
-    fused = base.execute(ReferenceEngine(ref_cell), ckpt)
+    fused = execute.execute(ReferenceEngine(ref_cell), ckpt)
     seqs = {s.prompt.id: s.scored.tokens for s in fused.sequences}
-    unfused = base.execute(ReferenceEngine(ref_cell, {"fuse": False}), ckpt, sequences=seqs)
+    unfused = execute.execute(ReferenceEngine(ref_cell, {"fuse": False}), ckpt, sequences=seqs)
     tf_cell = _cell(cells, "llama.fp8-static-kv.transformers")
-    tf = base.execute(TransformersEngine(tf_cell), ckpt, sequences=seqs)
+    tf = execute.execute(TransformersEngine(tf_cell), ckpt, sequences=seqs)
     assert _max_delta(unfused, tf) < 1e-4
     assert _max_delta(fused, tf) > 1e-2  # far beyond the fp8 bound: requantization changes the numbers
 
@@ -103,7 +103,7 @@ def test_probe_makes_unsupported_before_loading(cells):
         def load(self, checkpoint):
             raise AssertionError("loaded despite the probe")
 
-    rec = base.execute(NoLoad(gpu_cell), lambda: base.resolve_checkpoint(gpu_cell))
+    rec = execute.execute(NoLoad(gpu_cell), lambda: base.resolve_checkpoint(gpu_cell))
     assert rec.status == "unsupported"
     assert rec.unsupported_reason == "needs 1 GPU(s); this machine has 0"
 
@@ -111,7 +111,7 @@ def test_probe_makes_unsupported_before_loading(cells):
 def test_engine_failure_is_an_error_record(cells, tmp_path):
     cell = _cell(cells, "llama.unquantized.reference")
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    rec = base.execute(ReferenceEngine(cell), base.Checkpoint(tmp_path))
+    rec = execute.execute(ReferenceEngine(cell), base.Checkpoint(tmp_path))
     assert rec.status == "error"
     assert rec.error.type in ("CheckpointError", "OSError", "ValueError", "KeyError", "EnvironmentError")
     assert "Traceback" in rec.error.log_tail
@@ -136,30 +136,30 @@ def test_online_schemes_quantize_at_load_time(cells):
     assert base.online_quantization(online("reference", "online-bnb-nf4"))["bnb_4bit_quant_type"] == "nf4"
     assert base.online_quantization(cells["whisper.bnb-nf4.reference"]) is None
     ref_cell = online("reference", "online-bnb-nf4")
-    ref = base.execute(ReferenceEngine(ref_cell), lambda: base.resolve_checkpoint(ref_cell))
+    ref = execute.execute(ReferenceEngine(ref_cell), lambda: base.resolve_checkpoint(ref_cell))
     assert ref.status == "ok" and ref.fixture.name == "whisper-unquantized"
     tf_cell = online("transformers", "online-bnb-nf4")
-    tf = base.execute(TransformersEngine(tf_cell), lambda: base.resolve_checkpoint(tf_cell),
+    tf = execute.execute(TransformersEngine(tf_cell), lambda: base.resolve_checkpoint(tf_cell),
                       sequences={s.prompt.id: s.scored.tokens for s in ref.sequences})
     assert tf.status == "ok" and _max_delta(ref, tf) < 1e-4
-    unquantized = base.execute(ReferenceEngine(cells["whisper.unquantized.reference"]),
+    unquantized = execute.execute(ReferenceEngine(cells["whisper.unquantized.reference"]),
                                lambda: base.resolve_checkpoint(cells["whisper.unquantized.reference"]),
                                sequences={s.prompt.id: s.scored.tokens for s in ref.sequences})
     assert _max_delta(ref, unquantized) > 1e-3  # it really was quantized
 
     fp8 = online("transformers", "online-fp8")
-    rec = base.execute(TransformersEngine(fp8), lambda: base.resolve_checkpoint(fp8))
+    rec = execute.execute(TransformersEngine(fp8), lambda: base.resolve_checkpoint(fp8))
     assert rec.status == "unsupported" and "no online FP8 quantization that runs on a CPU" in rec.unsupported_reason
 
 
 IMPORT_SPY = """
 import json, sys
 from harness import matrix
-from harness.bench import calibration
+from harness import loadtime
 from harness.engines import base
 
 cell = next(c for c in matrix.load().cells(tier="cpu-tiny") if c.id == sys.argv[1])
-timed_load, imported = calibration.timed_load, []
+timed_load, imported = loadtime.timed_load, []
 
 def spy(load_once, gated, **options):
     before = set(sys.modules)
@@ -167,7 +167,7 @@ def spy(load_once, gated, **options):
     imported.extend(sorted(set(sys.modules) - before))
     return info
 
-calibration.timed_load = spy
+loadtime.timed_load = spy
 engine = base.engine_class(cell.engine)(cell)
 engine.load(base.resolve_checkpoint(cell, None))
 print(json.dumps(imported))

@@ -6,6 +6,7 @@ import torch
 
 from harness import compare as C
 from harness import noise as N
+from harness import noise_child
 from harness import records as R
 from harness.baselines import Baseline
 from harness.quant.fp8 import rounding_boundaries
@@ -19,7 +20,7 @@ TOKENS = tuple(range(10, 19))  # none is the top-k filler id 9 of test_compare.s
 
 def test_rounding_boundaries_are_the_midpoints_between_fp8_values():
     b = rounding_boundaries()
-    d = N.distance_to_boundary(torch.tensor([34.0, 33.0, 448.0, 0.0]), b)
+    d = noise_child.distance_to_boundary(torch.tensor([34.0, 33.0, 448.0, 0.0]), b)
     # 32 and 36 are neighbours (spacing 4 in [32, 64)): 34 is a boundary; 448 is 16 from 432.
     assert d.tolist() == [0.0, 1.0, 16.0, pytest.approx(2.0 ** -10)]
 
@@ -30,23 +31,23 @@ def test_onset_is_the_first_fragile_position_with_its_evidence():
     rows[3, 2] = 34.0 + 1e-4  # within its noise of the boundary at 34
     rows[5, 0] = 34.5  # 0.5 away: not fragile at this noise
     noise = torch.full((6, 4), 2e-4)
-    onset = N._onset([("model.layers.3.mlp.down_proj#0", True, rows)], [noise], b)
+    onset = noise_child._onset([("model.layers.3.mlp.down_proj#0", True, rows)], [noise], b)
     assert (onset.position, onset.quantizer) == (3, "model.layers.3.mlp.down_proj#0")
     assert onset.value == pytest.approx(34.0001) and onset.distance == pytest.approx(1e-4, rel=1e-2)
     assert onset.noise == pytest.approx(2e-4)
-    assert N._onset([("x#0", True, rows)], [torch.zeros(6, 4)], b) is None
+    assert noise_child._onset([("x#0", True, rows)], [torch.zeros(6, 4)], b) is None
 
 
 def test_an_encoder_activation_places_the_onset_at_the_first_position():
     b = rounding_boundaries()
     rows = torch.full((30, 4), 20.0)
     rows[29, 1] = 34.0
-    onset = N._onset([("model.encoder.layers.0.fc1#0", False, rows)], [torch.full((30, 4), 1e-6)], b)
+    onset = noise_child._onset([("model.encoder.layers.0.fc1#0", False, rows)], [torch.full((30, 4), 1e-6)], b)
     assert onset.position == 0
-    assert N._SEEN_BY_ALL_POSITIONS.search("model.decoder.layers.1.encoder_attn.k_proj")
-    assert N._SEEN_BY_ALL_POSITIONS.search("model.language_model.layers.3.cross_attn")
-    assert not N._SEEN_BY_ALL_POSITIONS.search("model.decoder.layers.1.encoder_attn.q_proj")
-    assert not N._SEEN_BY_ALL_POSITIONS.search("model.decoder.layers.1.self_attn")
+    assert noise_child._SEEN_BY_ALL_POSITIONS.search("model.decoder.layers.1.encoder_attn.k_proj")
+    assert noise_child._SEEN_BY_ALL_POSITIONS.search("model.language_model.layers.3.cross_attn")
+    assert not noise_child._SEEN_BY_ALL_POSITIONS.search("model.decoder.layers.1.encoder_attn.q_proj")
+    assert not noise_child._SEEN_BY_ALL_POSITIONS.search("model.decoder.layers.1.self_attn")
 
 
 def _noisy_baseline(onset_at=4, bound_after=0.5) -> Baseline:
@@ -111,13 +112,13 @@ def test_a_simulated_flip_moves_a_fragile_activation_to_the_other_neighbour():
     rows = torch.tensor([[34.0001, 34.0, 20.0, 34.5]])
     noise = torch.full_like(rows, 2e-4, dtype=torch.float64)
     before = rows.to(FP8).float().tolist()
-    after = N.flip_across(rows, noise, b, torch.ones_like(rows, dtype=torch.bool)).to(FP8).float().tolist()
+    after = noise_child.flip_across(rows, noise, b, torch.ones_like(rows, dtype=torch.bool)).to(FP8).float().tolist()
     assert before == [[36.0, 32.0, 20.0, 36.0]]  # an exact tie rounds to the even neighbour, 32
     assert after == [[32.0, 36.0, 20.0, 36.0]]  # only the two within their noise of 34 flip
-    unchosen = N.flip_across(rows, noise, b, torch.zeros_like(rows, dtype=torch.bool))
+    unchosen = noise_child.flip_across(rows, noise, b, torch.zeros_like(rows, dtype=torch.bool))
     assert torch.equal(unchosen, rows)
 
 
 def test_a_stored_bound_is_rounded_up():
-    assert N._three_up(0.36912) == 0.37 and N._three_up(0.369) == 0.369 and N._three_up(1.234e-5) == 1.24e-5
-    assert N._three_up(0.0) == 0.0
+    assert noise_child._three_up(0.36912) == 0.37 and noise_child._three_up(0.369) == 0.369 and noise_child._three_up(1.234e-5) == 1.24e-5
+    assert noise_child._three_up(0.0) == 0.0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, runner, supervise
+from harness import cli, cpu, loadtime, runner, supervise
 from harness import records as R
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -393,14 +393,14 @@ def _alive(pid: int) -> bool:
 
 def test_default_jobs_is_a_group_per_core_where_memory_allows(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    monkeypatch.setattr(runner, "available_memory", lambda: 64 * 2**30)
+    monkeypatch.setattr(cpu, "available_memory", lambda: 64 * 2**30)
     assert runner.default_jobs(threads=1) == 8
     assert runner.default_jobs(threads=2) == 4  # a cell's torch threads take cores too
-    monkeypatch.setattr(runner, "available_memory", lambda: 7 * runner.CELL_MEMORY_BYTES - 1)
+    monkeypatch.setattr(cpu, "available_memory", lambda: 7 * runner.CELL_MEMORY_BYTES - 1)
     assert runner.default_jobs(threads=1) == 6
-    monkeypatch.setattr(runner, "available_memory", lambda: runner.CELL_MEMORY_BYTES // 2)
+    monkeypatch.setattr(cpu, "available_memory", lambda: runner.CELL_MEMORY_BYTES // 2)
     assert runner.default_jobs(threads=1) == 1
-    monkeypatch.setattr(runner, "available_memory", lambda: None)
+    monkeypatch.setattr(cpu, "available_memory", lambda: None)
     assert runner.default_jobs(threads=1) == 8
 
 
@@ -432,8 +432,8 @@ def test_a_gated_cell_is_timed_in_several_children_for_its_baseline_and_confirme
                                                                                            monkeypatch):
     """On a load-time gated tier the baseline records the median of BASELINE_CHILDREN children, and
     a cell over its bound is timed again in fresh children and regressed only when every one is
-    over (harness.bench.calibration): here the test hook makes the loader 3x slower."""
-    from harness.bench import calibration
+    over (harness.loadtime): here the test hook makes the loader 3x slower."""
+    from harness import loadtime
 
     matrix = tmp_path / "models.yaml"
     matrix.write_text(GATED_MATRIX)
@@ -441,19 +441,19 @@ def test_a_gated_cell_is_timed_in_several_children_for_its_baseline_and_confirme
     code, out, _ = harness(capsys, *base, "--results", tmp_path / "r0", "--update-baselines")
     assert code == 0, out
     stored = json.loads((tmp_path / "b" / "cpu-load" / f"{GATED}.json").read_text())["load"]
-    assert len(stored["children"]) == calibration.BASELINE_CHILDREN and stored["phases"]["calibration"] > 0
-    median = sorted(c["seconds"] / c["calibration"] for c in stored["children"])[calibration.BASELINE_CHILDREN // 2]
+    assert len(stored["children"]) == loadtime.BASELINE_CHILDREN and stored["phases"]["calibration"] > 0
+    median = sorted(c["seconds"] / c["calibration"] for c in stored["children"])[loadtime.BASELINE_CHILDREN // 2]
     assert stored["seconds"] / stored["phases"]["calibration"] == pytest.approx(median)
-    assert f"median of {calibration.BASELINE_CHILDREN} children" in out
+    assert f"median of {loadtime.BASELINE_CHILDREN} children" in out
 
     monkeypatch.setenv("HARNESS_TEST_HOOK", "slow=3")
     code, out, _ = harness(capsys, *base, "--results", tmp_path / "r1")
     assert code == 1, out
     slowed = R.load(tmp_path / "r1" / f"{GATED}.json")
     assert slowed.verdict == "regressed" and "slower than bound" in slowed.verdict_reason
-    assert len(slowed.load.children) == 1 + calibration.CONFIRMATIONS
+    assert len(slowed.load.children) == 1 + loadtime.CONFIRMATIONS
     assert all(c.seconds / c.calibration > 1.5 * median for c in slowed.load.children)
-    assert (tmp_path / "r1" / "logs" / f"{GATED}.load{calibration.CONFIRMATIONS}.log").exists()
+    assert (tmp_path / "r1" / "logs" / f"{GATED}.load{loadtime.CONFIRMATIONS}.log").exists()
 
 
 def test_a_cell_child_ends_once_its_record_is_written_without_closing_its_engine(tmp_path):

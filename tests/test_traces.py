@@ -2,7 +2,7 @@
 "Localisation").
 
 The five faults of issue 14, each injected into the reference's reading of the checkpoint or into
-its modules after loading (harness.accuracy.faults), never into the recording: each is localised
+its modules after loading (harness.hooks.faults), never into the recording: each is localised
 to its module, on the reference against transformers (which reads the clean checkpoint) and
 against the fingerprint of the clean reference; a clean run names none. Then the rule on
 synthetic differences, the fingerprint's format, and the runner end to end: a failed cell is
@@ -16,7 +16,7 @@ from harness import baselines as B
 from harness import cli
 from harness import matrix as M
 from harness import records as R
-from harness.accuracy import faults
+from harness.hooks import faults
 from harness.engines import base
 from harness.engines.reference import ReferenceEngine
 from harness.engines.transformers import TransformersEngine
@@ -58,7 +58,7 @@ def clean(model: str, scheme: str):
 
 @pytest.fixture
 def fault(monkeypatch):
-    """Installs a fault (harness.accuracy.faults) for one test: what it patches is restored after."""
+    """Installs a fault (harness.hooks.faults) for one test: what it patches is restored after."""
     monkeypatch.setattr(TensorSource, "get", TensorSource.get)
     monkeypatch.setattr(fp8, "_read_scale", fp8._read_scale)
     return faults.install

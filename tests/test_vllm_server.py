@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli, supervise
+from harness.registry import ENGINES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +80,7 @@ def test_forked_cells_give_the_records_of_fresh_interpreters(tmp_path, monkeypat
     supervise.stop_fork_servers()
     forked = _run(tmp_path, capsys, "forked")
     preloads = {preload for preload, _ in supervise._SERVERS}
-    assert preloads == {supervise.DEFAULT_PRELOAD, supervise.PRELOADS["vllm"]}  # both cells were forked
+    assert preloads == {supervise.DEFAULT_PRELOAD, ENGINES["vllm"].preload}  # both cells were forked
     monkeypatch.setenv(supervise.ISOLATION_ENV, "spawn")
     spawned = _run(tmp_path, capsys, "spawned")
     for cell in CELLS:

@@ -8,13 +8,8 @@
 - ``build``: the offline tiny tasks whose gold answers are the unquantized fixture's choices;
 - ``faults``: test-only degradations (``HARNESS_TEST_HOOK``) that the gates must catch.
 
-Importing this package imports neither torch nor lm-eval.
+Importing this package imports neither torch nor lm-eval. Its modules sit in different layers
+(pyproject.toml, the import contract): ``spec`` with the matrix, ``lm`` and ``lmeval`` with the
+engines, ``faults`` with the engine child, ``gates`` and ``store`` with the comparison, ``build``
+with the commands.
 """
-from __future__ import annotations
-
-
-def evaluate(engine, checkpoint, tasks, log=lambda s: None):
-    """harness.accuracy.lmeval.evaluate, imported when a cell has tasks."""
-    from harness.accuracy.lmeval import evaluate as _evaluate
-
-    return _evaluate(engine, checkpoint, tasks, log)

@@ -40,6 +40,8 @@ from typing import Literal
 
 import yaml
 
+from harness.errors import UsageError
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MIN_MARGIN = 0.05  # nats: the smallest lead kept, whatever the measured noise
 NOISE_FACTOR = 100.0  # and at least this many times the measured noise
@@ -287,8 +289,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from harness.cli import UsageError
-
     if args.action == "list":
         for r in RECIPES.values():
             print(f"{r.name}\t{r.kind}\t{r.model}\t{r.yaml_path.relative_to(DATA_DIR.parents[2])}")

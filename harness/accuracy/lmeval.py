@@ -1,7 +1,7 @@
 """Run a cell's accuracy tasks through lm-eval's own API on the cell's loaded engine (docs/design.md,
 "Accuracy").
 
-:func:`evaluate` is called by ``harness.engines.base.execute`` in the engine child, after the
+:func:`evaluate` is called by ``harness.engines.execute.execute`` in the engine child, after the
 logprob steps, with the engine still loaded: no second engine start. Each task goes through
 lm-eval's evaluator (``lm_eval.evaluator.evaluate``, set up as ``simple_evaluate`` does) with the
 ``harness`` model (harness.accuracy.lm) and a TaskManager that indexes only what the task needs:

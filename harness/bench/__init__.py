@@ -2,7 +2,7 @@
 docs/bench.md).
 
 Parts, each selectable with ``--parts``: ``load`` (harness.bench.load, on the sizes of
-harness.bench.checkpoints), ``decode`` (harness.bench.decode), ``detection`` (harness.bench.detection,
+harness.fixtures.benchmark), ``decode`` (harness.bench.decode), ``detection`` (harness.bench.detection,
 on models.yaml's cpu-load cells) and ``matrix`` (harness.bench.matrix_run, ``--before REF`` vs
 HEAD). ``--quick`` runs the S size only, and by default the load and decode parts. The figures go
 to BENCHMARKS.md (``--output``) and, with ``--json``, to stdout (harness.bench.report).
@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from harness.bench import checkpoints
-from harness.bench.calibration import REPO_ROOT
+from harness.fixtures import benchmark
+from harness.loadtime import REPO_ROOT
+from harness.errors import UsageError
 
 PARTS = ("load", "decode", "detection", "matrix")
 QUICK_PARTS = ("load", "decode")
@@ -46,10 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="also print the figures as JSON on stdout")
 
 
-class UsageError(Exception):
-    """A bad option: one line, exit 2 (harness.cli)."""
-
-
 def _parts(args) -> list[str]:
     parts = [p.strip() for p in (args.parts or ",".join(QUICK_PARTS if args.quick else PARTS)).split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]
@@ -59,10 +56,10 @@ def _parts(args) -> list[str]:
 
 
 def _sizes(args) -> list[str]:
-    sizes = ["S"] if args.quick else [s.strip() for s in (args.sizes or ",".join(checkpoints.SIZES)).split(",") if s.strip()]
-    bad = [s for s in sizes if s not in checkpoints.SIZES]
+    sizes = ["S"] if args.quick else [s.strip() for s in (args.sizes or ",".join(benchmark.SIZES)).split(",") if s.strip()]
+    bad = [s for s in sizes if s not in benchmark.SIZES]
     if bad:
-        raise UsageError(f"--sizes: unknown size {', '.join(map(repr, bad))} (known: {', '.join(checkpoints.SIZES)})")
+        raise UsageError(f"--sizes: unknown size {', '.join(map(repr, bad))} (known: {', '.join(benchmark.SIZES)})")
     return sizes
 
 
@@ -78,10 +75,10 @@ def load_part(sizes: list[str], repeats: int, echo: Callable[[str], None]) -> tu
 
     rows, kept = [], {}
     for size in sizes:
-        for fmt in checkpoints.FORMATS:
-            path = checkpoints.build(size, fmt, echo)
+        for fmt in benchmark.FORMATS:
+            path = benchmark.build(size, fmt, echo)
             floor = load.floor(path)
-            row = {"size": size, "format": fmt, "checkpoint_mb": checkpoints.megabytes(path), "floor_s": floor}
+            row = {"size": size, "format": fmt, "checkpoint_mb": benchmark.megabytes(path), "floor_s": floor}
             for engine in load.ENGINES:
                 r = _median_of([load.measure(engine, path) for _ in range(max(1, repeats))])
                 kept[(size, fmt, engine)] = r
@@ -103,7 +100,7 @@ def load_profile(rows: list[dict], kept: dict) -> tuple[str, str]:
     phases = [f"{r['size']} {r['format']}: " + ", ".join(f"{k} {v:.3f}" for k, v in
                                                      kept[(r['size'], r['format'], 'reference')].phases.items())
               for r in rows]
-    prof = load.measure("reference", checkpoints.build(worst["size"], worst["format"], lambda _: None), profile=True)
+    prof = load.measure("reference", benchmark.build(worst["size"], worst["format"], lambda _: None), profile=True)
     return (f"reference load ({worst['size']} {worst['format']}, the slowest against transformers)",
             "reference load phases, seconds:\n" + "\n".join(phases) + "\n\n" + (prof.profile or ""))
 
@@ -112,8 +109,8 @@ def decode_part(echo: Callable[[str], None]) -> list[dict]:
     from harness.bench import decode
 
     rows = []
-    for fmt in checkpoints.FORMATS:
-        r = decode.measure(fmt, checkpoints.build("S", fmt, echo))
+    for fmt in benchmark.FORMATS:
+        r = decode.measure(fmt, benchmark.build("S", fmt, echo))
         echo(f"  decode {fmt}: {1e3 * r.decode_s:.2f} ms, fill {1e3 * r.fill_s:.2f} ms ({r.ratio:.2f}x)")
         rows.append({"format": fmt, "shape": list(r.shape), "decode_s": r.decode_s, "fill_s": r.fill_s, "ratio": r.ratio,
                      "decodes": r.decodes})
@@ -129,7 +126,7 @@ def decode_profile(rows: list[dict]) -> tuple[str, str]:
 
     worst = max(report.decoded(rows), key=lambda r: r["ratio"])
     profiler = cProfile.Profile()
-    profiler.runcall(decode.measure, worst["format"], checkpoints.build("S", worst["format"], lambda _: None))
+    profiler.runcall(decode.measure, worst["format"], benchmark.build("S", worst["format"], lambda _: None))
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
     return f"decode ({worst['format']}, the slowest against fill)", out.getvalue()
@@ -143,7 +140,7 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
     cells = m.cells(tier="cpu-load")
     if not cells:
         raise UsageError(f"{args.matrix}: no cpu-load cells: the detection part needs the load-time set")
-    checkpoints.ensure_for_cells(m, cells, echo)
+    benchmark.ensure_for_cells(m, cells, echo)
     paths = {c.id: (m._dir / c.path).resolve() for c in cells}
     d = detection.measure(cells, paths, choice_runs=args.choice_runs, held_out_runs=args.held_out_runs,
                           slowed_runs=args.slowed_runs, echo=echo)
@@ -195,8 +192,8 @@ def run(args) -> int:
         echo(f"bench: matrix, {args.before} vs HEAD")
         fig["matrix"], slowest = matrix_part(args.before, args.matrix_k, echo)
     fig["notes"] += [f"{p}: not measured (not among --parts {','.join(parts)})" for p in PARTS if p not in parts]
-    if "load" in parts and sizes != list(checkpoints.SIZES):
-        fig["notes"].append(f"load: sizes {','.join(sizes)} only (of {','.join(checkpoints.SIZES)})")
+    if "load" in parts and sizes != list(benchmark.SIZES):
+        fig["notes"].append(f"load: sizes {','.join(sizes)} only (of {','.join(benchmark.SIZES)})")
     fig["targets"] = report.targets(fig)
     missed = {t["target"][0] for t in fig["targets"] if t["ok"] is False}
     for target, profile in (("1", lambda: load_profile(fig["load"], kept)), ("2", lambda: decode_profile(fig["decode"]))):

@@ -3,13 +3,13 @@
 The load-time set is models.yaml's ``cpu-load`` tier. A *child* is what an engine child of
 ``harness run`` does for one cell's load: a fresh process (forked from a parent that imported the
 libraries, as the runner's fork server does) runs the engine's own ``load`` (import warm-up, the
-calibration workload, the timed loads; harness.bench.calibration). A *cell-run* is what the gate
+calibration workload, the timed loads; harness.loadtime). A *cell-run* is what the gate
 does for one cell in one run: one child, and while the last child is over the threshold up to
-``confirmations`` more (flagged when every child is over; harness.bench.calibration.confirm, as the
+``confirmations`` more (flagged when every child is over; harness.loadtime.confirm, as the
 runner does it). A *run* is one cell-run of every cell; it flags when any cell flags. The issue's
 rates are per run: a slower loader is caught when its run flags, and a clean run of the whole set
 must not; the per-cell-run rates are reported beside them. The baseline a cell is compared with is
-the median child of ``BASELINE_CHILDREN`` (harness.bench.calibration.baseline_load).
+the median child of ``BASELINE_CHILDREN`` (harness.loadtime.baseline_load).
 
 1. Choice: ``choice_runs`` clean runs of one child per cell with ``max(REPEATS)`` loads each, each
    child followed at once by a second (``back_to_back``: as a confirmation follows). The first
@@ -27,7 +27,7 @@ the median child of ``BASELINE_CHILDREN`` (harness.bench.calibration.baseline_lo
    on the clean choice runs that made no baseline. The rule kept has the smallest of those errors,
    then the fewest confirmations and loads.
 2. Held out: new runs under the rule, interleaved: clean runs (every cell) and runs slowed by 10%,
-   20% and 50% (``HARNESS_TEST_HOOK=slow=F``, harness.bench.slowdown: the reference loader's own
+   20% and 50% (``HARNESS_TEST_HOOK=slow=F``, harness.hooks.slowdown: the reference loader's own
    reading repeated; reference cells only: transformers' loader has no such hook; a slowed run is
    the reference cells slowed), each cell-run with its real confirmation children. Reported: the
    fraction of slowed runs flagged and of slowed cell-runs, the slowdown actually injected (the
@@ -68,7 +68,7 @@ class CellRun:
 
     def value(self, k: int, statistic: str) -> float:
         """load/calibration under a rule (the first ``k`` loads, their ``statistic``)."""
-        from harness.bench.calibration import load_statistic
+        from harness.loadtime import load_statistic
 
         return load_statistic(list(self.samples[:k]), statistic) / self.calibration
 
@@ -199,8 +199,8 @@ def _back_to_back_sd(pairs: Sequence[tuple[CellRun, CellRun]], k: int, stat: str
 
 def baseline_of(choice: Sequence[Sequence[CellRun]], k: int, stat: str, children: int) -> dict[str, float]:
     """Each cell's baseline value under a rule: its median child (the lower of an even count) of
-    the first ``children`` choice runs, as harness.bench.calibration.baseline_load records one."""
-    from harness.bench.calibration import lower_median
+    the first ``children`` choice runs, as harness.loadtime.baseline_load records one."""
+    from harness.loadtime import lower_median
 
     return {cell: lower_median([cr.value(k, stat) for run in choice[:children] for cr in run if cr.cell == cell],
                                key=float)
@@ -322,10 +322,10 @@ def cell_run(cell, path, repeats: int, slow: float = 0.0) -> CellRun:
     """One cell-run: the engine's own load in a fresh (forked) process, ``repeats`` loads."""
 
     def child() -> dict:
-        from harness.bench import calibration
+        from harness import loadtime
         from harness.engines import base, worker
 
-        calibration.LOAD_REPEATS = repeats
+        loadtime.LOAD_REPEATS = repeats
         if slow:
             os.environ[worker.HOOK_ENV] = f"slow={slow}"
             worker.apply_hooks(cell.id)
@@ -342,11 +342,11 @@ def preload(cells, paths: dict) -> None:
     """Import in this (parent) process what the children would import, as the fork server does."""
     import torch
 
-    from harness.bench import calibration
+    from harness import loadtime
     from harness.engines import base, reference, transformers  # noqa: F401
 
     torch.set_num_threads(1)
-    calibration.calibration_file()
+    loadtime.calibration_file()
     for cell in cells:
         transformers.warm_imports(base.Checkpoint(paths[cell.id]))
     gc.freeze()  # as the fork server does, and unfrozen at exit as its children are (harness.engines.forkserver)
@@ -356,7 +356,7 @@ def preload(cells, paths: dict) -> None:
 def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> list[CellRun]:
     """One cell-run as the gate makes it: a ``child()``, and while the last is over the threshold
     up to ``rule.confirmations`` more."""
-    from harness.bench.calibration import retimed
+    from harness.loadtime import retimed
 
     return retimed(child(), child, lambda cr: cell_flags(base, [cr], rule), rule.confirmations)
 
@@ -364,7 +364,7 @@ def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> l
 def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_runs: int,
             echo: Callable[[str], None] = print) -> Detection:
     """Choose the rule on clean runs, then evaluate it on held-out runs (module docstring)."""
-    from harness.bench.calibration import BASELINE_CHILDREN
+    from harness.loadtime import BASELINE_CHILDREN
 
     t0 = time.perf_counter()
     preload(cells, paths)

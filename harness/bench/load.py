@@ -141,7 +141,7 @@ def _child(engine: str, path: Path, profile: bool) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from harness.bench.checkpoints import weight_files
+    from harness.fixtures.benchmark import weight_files
 
     load = _loader(engine, path)
     checkpoint_files = {str(f.resolve()) for f in weight_files(path)}
@@ -198,8 +198,8 @@ def measure(engine: str, path: Path, profile: bool = False, timeout_s: float = 1
 
 def floor(path: Path, repeats: int = 3) -> float:
     """Seconds to read the weight files from the page cache into one preallocated buffer."""
-    from harness.bench.calibration import warm_page_cache
-    from harness.bench.checkpoints import weight_files
+    from harness.loadtime import warm_page_cache
+    from harness.fixtures.benchmark import weight_files
 
     files = weight_files(path)
     buffer = bytearray(max(f.stat().st_size for f in files))

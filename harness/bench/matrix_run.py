@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.bench.calibration import REPO_ROOT
+from harness.loadtime import REPO_ROOT
 
 DEFAULT_BEFORE = "7d46f3c"  # the code before issue 13's work
 SLOWEST = 10

@@ -197,7 +197,7 @@ def _detection_lines(det: dict) -> list[str]:
     if not det:
         return ["not measured"]
     lines = [f"Rule: {det['rule']}. To apply it: `LOAD_REPEATS = {det['repeats']}`, `STATISTIC = "
-             f"\"{det['statistic']}\"` and `CONFIRMATIONS = {det['confirmations']}` in harness/bench/calibration.py, "
+             f"\"{det['statistic']}\"` and `CONFIRMATIONS = {det['confirmations']}` in harness/loadtime.py, "
              f"`bounds: {{load_time: {det['threshold']:.3f}}}` on the cpu-load models in models.yaml.", "",
              "A run is one cell-run of every cell of the set: a child, and while the last is over the threshold "
              "the confirmations; the slowdown slows the reference's cells of a run. A run is flagged when any of "

@@ -38,7 +38,8 @@ from harness.dialects.base import REGISTRY, Dialect, producer_dialects, vllm_dia
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 
-from harness.dialects.intent import EntryDisagreement, intent_disagreements  # noqa: E402
+from harness.dialects.base import EntryDisagreement  # noqa: E402
+from harness.dialects.intent import intent_disagreements  # noqa: E402
 from harness.dialects.policy import SkipPolicy  # noqa: E402
 
 DIALECTS: tuple[str, ...] = tuple(REGISTRY)

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from harness.dialects import names
-
-if TYPE_CHECKING:
-    from harness.dialects.intent import EntryDisagreement
-    from harness.dialects.policy import SkipPolicy
 
 
 @dataclass(frozen=True)
@@ -94,6 +90,44 @@ def is_linear(module_class: Any, vllm: bool) -> bool:
     return names_[0] in ("Linear", "Conv1D")
 
 
+@dataclass(frozen=True)
+class EntryDisagreement:
+    """One place where what a dialect does with a skip entry differs from what its author evidently
+    meant. ``kind``: ``overreach`` (matches a module the entry does not name: ``layers.1`` ->
+    ``layers.11``), ``wildcard-dot`` (matches only because a ``.`` matched another character),
+    ``underreach`` (names the module, dot-bounded, but the dialect does not match it: a
+    transformers key ``vision_model`` vs ``model.vision_model.*``, a torchao key naming a container),
+    ``unmatched`` (matches no module), ``spelling`` (matches nothing as written, but does in
+    memory spelling), ``order-dependent`` (several regex keys decide one module differently, so
+    dict order, alphabetical after a transformers save, decides), ``partial-fused-group`` (some
+    but not all shards of a group that engines fuse are skipped), ``group-precedence``
+    (compressed-tensors and vLLM choose different config groups), ``unread-source`` (the loader
+    never reads this key), ``invalid-regex``."""
+
+    entry: str
+    module: str | None
+    dialect: str
+    kind: str
+    explanation: str
+
+
+class PolicyView(Protocol):
+    """What a dialect reads of the policy it decides for (harness.dialects.policy.SkipPolicy, which
+    is built from this module's registry and so cannot be imported here)."""
+
+    dialect: str
+    reader: Dialect
+    entries: tuple[SkipEntry, ...]
+    config: Mapping[str, Any]
+    arch: str | None
+    fused_mapping: dict[str, Sequence[str]]
+
+    @property
+    def honoured(self) -> tuple[SkipEntry, ...]: ...
+
+    def skips(self, fqn: str, module_class: Any = "Linear") -> bool: ...
+
+
 class Dialect:
     """One library's reading of one ``quant_method``'s skip list.
 
@@ -116,16 +150,16 @@ class Dialect:
         """Append the config's entries (and notes) to ``reading``."""
         raise NotImplementedError
 
-    def decide(self, policy: SkipPolicy, fqn: str, module_class: Any) -> Decision:
+    def decide(self, policy: PolicyView, fqn: str, module_class: Any) -> Decision:
         """Whether this dialect's library leaves ``fqn`` unquantized, and why."""
         raise NotImplementedError
 
-    def entry_hits(self, policy: SkipPolicy, entry: SkipEntry, spelling: str, name: str, module_class: Any) -> bool:
+    def entry_hits(self, policy: PolicyView, entry: SkipEntry, spelling: str, name: str, module_class: Any) -> bool:
         """Does one spelling of one entry, on its own, reach ``name`` (skip it, or for a target /
         non-None FqnToConfig key, select it)."""
         raise NotImplementedError
 
-    def module_disagreements(self, policy: SkipPolicy, names_: list[str], classes: Mapping[str, Any]) -> list[EntryDisagreement]:
+    def module_disagreements(self, policy: PolicyView, names_: list[str], classes: Mapping[str, Any]) -> list[EntryDisagreement]:
         """Disagreements about single modules that only this dialect family has."""
         return []
 

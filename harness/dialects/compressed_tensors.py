@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.dialects import patterns
-from harness.dialects.base import Decision, Dialect, Reading, SkipEntry, class_names, register
-from harness.dialects.intent import EntryDisagreement
+from harness.dialects.base import REGISTRY, Decision, Dialect, EntryDisagreement, Reading, SkipEntry, class_names, register
 
 NAME = "compressed-tensors"
+VLLM_NAME = "vllm-compressed-tensors"  # vLLM's reading of this format (harness.dialects.vllm_compressed_tensors)
 
 
 def ct_match_name(name: str, target: str, fused: Mapping[str, Sequence[str]] | None = None) -> bool:
@@ -149,16 +149,16 @@ def renamed_config(policy) -> dict[str, Any]:
 
 def group_precedence(policy, names: list[str], classes: Mapping[str, Any]) -> list[EntryDisagreement]:
     """Modules to which compressed-tensors (most specific target first) and vLLM (first target in
-    config order) apply different config groups."""
-    from harness.dialects.vllm_compressed_tensors import vllm_ct_resolve
-
+    config order) apply different config groups. vLLM's rule is its dialect's ``resolve``, found in
+    the registry: that dialect reads its config through this module."""
+    vllm_resolve = REGISTRY[VLLM_NAME].resolve
     out = []
     groups = policy.config.get("config_groups") or {}
     for n in names:
         cls = classes.get(n, "Linear")
         try:
             ct = ct_resolve(n, cls, groups, policy.config.get("ignore"))
-            vl = vllm_ct_resolve(n, class_names(cls)[0], policy.config)
+            vl = vllm_resolve(n, class_names(cls)[0], policy.config)
         except (ValueError, re.error):
             continue
         if ct is not None and vl is not None and ct.group != vl[0]:

@@ -10,37 +10,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harness import architectures
 from harness.dialects import names as spelling_rules
 from harness.dialects import patterns
-
-if TYPE_CHECKING:
-    from harness.dialects.base import SkipEntry
-    from harness.dialects.policy import SkipPolicy
-
-
-@dataclass(frozen=True)
-class EntryDisagreement:
-    """One place where what a dialect does with a skip entry differs from what its author evidently
-    meant. ``kind``: ``overreach`` (matches a module the entry does not name: ``layers.1`` ->
-    ``layers.11``), ``wildcard-dot`` (matches only because a ``.`` matched another character),
-    ``underreach`` (names the module, dot-bounded, but the dialect does not match it: a
-    transformers key ``vision_model`` vs ``model.vision_model.*``, a torchao key naming a container),
-    ``unmatched`` (matches no module), ``spelling`` (matches nothing as written, but does in
-    memory spelling), ``order-dependent`` (several regex keys decide one module differently, so
-    dict order, alphabetical after a transformers save, decides), ``partial-fused-group`` (some
-    but not all shards of a group that engines fuse are skipped), ``group-precedence``
-    (compressed-tensors and vLLM choose different config groups), ``unread-source`` (the loader
-    never reads this key), ``invalid-regex``."""
-
-    entry: str
-    module: str | None
-    dialect: str
-    kind: str
-    explanation: str
+from harness.dialects.base import EntryDisagreement, SkipEntry
+from harness.dialects.policy import SkipPolicy
 
 
 _QUANT = "*+?{"

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.dialects import patterns
-from harness.dialects.base import Decision, Dialect, Reading, SkipEntry, is_linear, register
-from harness.dialects.intent import EntryDisagreement
+from harness.dialects.base import Decision, Dialect, EntryDisagreement, Reading, SkipEntry, is_linear, register
 
 NAME = "torchao"
 

@@ -9,7 +9,7 @@ from harness.dialects import compressed_tensors as ct
 from harness.dialects import patterns
 from harness.dialects.base import Decision, Dialect, Reading, SkipEntry, class_names, register
 
-NAME = "vllm-compressed-tensors"
+NAME = ct.VLLM_NAME
 
 
 def _is_equal_or_regex_match(value: str, target: str, check_contains: bool = False, use_fnmatch: bool = False) -> bool:
@@ -172,6 +172,10 @@ class VllmCompressedTensors(Dialect):
 
     def module_disagreements(self, policy, names, classes):
         return ct.group_precedence(policy, names, classes)
+
+    @staticmethod
+    def resolve(prefix: str, module_class_name: str, quantization_config: Mapping[str, Any]) -> tuple[str, str] | None:
+        return vllm_ct_resolve(prefix, module_class_name, quantization_config)
 
 
 register(VllmCompressedTensors())

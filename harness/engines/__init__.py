@@ -2,35 +2,8 @@
 
 - ``reference``: this project's own loader (harness.engines.reference)
 - ``transformers``: ``from_pretrained`` (harness.engines.transformers)
-- ``vllm``: the vLLM engine issue
+- ``vllm``: vLLM (harness.engines.vllm; its child code harness.engines.vllm_worker)
 
 Each engine runs a cell in a child process (harness.engines.worker) and returns one result record
-(harness.records.Record). Importing this package imports no engine and no torch.
+(harness.records.Record). Each has one entry in harness.registry. Importing this package imports no engine and no torch.
 """
-from harness.engines.base import (
-    ENGINE_CLASSES,
-    Checkpoint,
-    Engine,
-    EnginePrompt,
-    EngineUnavailable,
-    InProcessEngine,
-    engine_class,
-    execute,
-    fuses_shards,
-    prompts_for,
-    resolve_checkpoint,
-)
-
-__all__ = [
-    "ENGINE_CLASSES",
-    "Checkpoint",
-    "Engine",
-    "EnginePrompt",
-    "EngineUnavailable",
-    "InProcessEngine",
-    "engine_class",
-    "execute",
-    "fuses_shards",
-    "prompts_for",
-    "resolve_checkpoint",
-]

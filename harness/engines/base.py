@@ -1,8 +1,8 @@
-"""The engine interface: one class per engine, one driver that turns an engine and a job into a record.
+"""The engine interface: one class per engine, behind which every engine is driven alike.
 
 Modelled on vLLM's tests/conftest.py, where ``HfRunner`` and ``VllmRunner`` offer the same methods
 (``generate_greedy_logprobs``, prompt logprobs) and are compared through one result shape. Here
-every engine implements the same five steps and the driver :func:`execute` makes one
+every engine implements the same five steps and the driver (harness.engines.execute) makes one
 :class:`harness.records.Record` of them, whatever the engine:
 
 1. ``probe(checkpoint)``: the capability probe, made BEFORE anything is loaded. It returns the
@@ -25,7 +25,7 @@ every engine implements the same five steps and the driver :func:`execute` makes
    its modules through ``LLM.apply_model`` and diffs them against the reference; in-process
    engines return None).
 
-``close()`` frees the engine. Engines declare ``fuses_shards``: whether they execute q/k/v (and
+``close()`` frees the engine. Each engine's registry entry (harness.registry) declares ``fuses_shards``: whether they execute q/k/v (and
 gate/up) as one fused projection, the way an inference engine does. That matters only for FP8 with
 per-tensor scales, where fusing requantizes the shards to the group's largest scale; the runner
 compares an engine that does not fuse (transformers) with the reference executed unfused, and an
@@ -33,15 +33,14 @@ engine that fuses (vLLM) with the reference as it fuses (docs/design.md, "Fusion
 against").
 
 Engines run in a child process (harness.engines.worker), one cell per process, under the cell's
-timeout; :func:`execute` is what that child calls. Nothing here imports torch at module level.
+timeout. Nothing here imports torch at module level.
 """
 from __future__ import annotations
 
 import abc
+import importlib
 import json
 import os
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness import cpu
 from harness import records as R
+from harness.registry import ENGINES
 
 if TYPE_CHECKING:
     from harness.matrix import Cell
@@ -125,10 +125,9 @@ class Stop:
 
 
 class Engine(abc.ABC):
-    """One engine. Subclasses set ``name`` and ``fuses_shards`` and implement the abstract methods."""
+    """One engine. Subclasses set ``name`` (their harness.registry entry) and implement the abstract methods."""
 
     name: ClassVar[str]
-    fuses_shards: ClassVar[bool] = True
 
     def __init__(self, cell: Cell, options: dict | None = None):
         self.cell = cell
@@ -204,29 +203,13 @@ class Engine(abc.ABC):
 
 # ------------------------------------------------------------------------------- registry
 
-ENGINE_CLASSES: dict[str, str] = {
-    "reference": "harness.engines.reference:ReferenceEngine",
-    "transformers": "harness.engines.transformers:TransformersEngine",
-    "vllm": "harness.engines.vllm:VllmEngine",
-}
-
 
 def engine_class(name: str) -> type[Engine]:
-    target = ENGINE_CLASSES.get(name)
-    if target is None:
+    spec = ENGINES.get(name)
+    if spec is None:
         raise EngineUnavailable(f"the {name} engine is not implemented in this harness version")
-    module, _, attr = target.partition(":")
-    import importlib
-
+    module, _, attr = spec.implementation.partition(":")
     return getattr(importlib.import_module(module), attr)
-
-
-# Whether each engine executes fused projections (kept here so the runner need not import engines).
-FUSES_SHARDS: dict[str, bool] = {"reference": True, "transformers": False, "vllm": True}
-
-
-def fuses_shards(name: str) -> bool:
-    return FUSES_SHARDS.get(name, True)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -331,147 +314,8 @@ def prompts_for(cell: Cell, checkpoint: Checkpoint) -> list[EnginePrompt]:
     return out
 
 
-def _lists(x) -> list:
+def topk_lists(x) -> list:
     return [list(t) for t in x]
-
-
-def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *,
-            sequences: dict[str, list[int]] | None = None,
-            on_sequences: Callable[[dict[str, list[int]]], None] | None = None,
-            witness: Callable[[Engine, Checkpoint, list[EnginePrompt], dict[str, list[int]]], None] | None = None,
-            log: Callable[[str], None] = lambda s: None, accuracy: bool = True, close: bool = True) -> R.Record:
-    """Run one cell on one engine and return its (unjudged) record. Never raises for the engine's
-    own failures: an exception becomes ``status: error`` with its traceback in ``log_tail``.
-
-    ``sequences`` maps prompt id -> the token sequence to score (prompt + continuation). A prompt
-    missing from it, or all prompts when it is None, is scored on prompt + this engine's own greedy
-    tokens; ``on_sequences`` then receives the sequences that were scored (the runner caches the
-    reference's as the scored sequences of the cell). ``witness`` runs after the record's results,
-    with the same prompts and sequences (the reference's unfused variant). With ``accuracy``, the
-    cell's accuracy tasks then run on the same loaded engine (harness.accuracy; docs/design.md,
-    "Accuracy"). ``close=False`` leaves the engine open, for a process that ends right after."""
-    cell = engine.cell
-    started = R.utc_now()
-    t0 = time.perf_counter()
-    fixture_identity = None
-    info = R.EngineInfo(name=cell.engine, environment=cell.environment, platform=R.cpu_platform())
-    try:
-        info = engine.info()
-        log(f"engine: {info.name} {info.version} on {info.platform} (torch {info.torch})")
-        ckpt = checkpoint() if callable(checkpoint) else checkpoint
-        fixture_identity = ckpt.identity
-        log(f"checkpoint: {ckpt.path}")
-        reason = engine.probe(ckpt)
-        if reason:
-            log(f"probe: unsupported: {reason}")
-            return R.Record.for_cell(cell, engine_info=info, status="unsupported", unsupported_reason=reason,
-                                     fixture_identity=fixture_identity, started_at=started,
-                                     duration_s=time.perf_counter() - t0)
-        load = engine.load(ckpt)
-        log(f"load: {load.seconds:.4f} s " + ", ".join(f"{k}={v:.4f}" for k, v in load.phases.items()))
-        loaded_state = engine.loaded_state()
-        prompts = prompts_for(cell, ckpt)
-        greedy = engine.greedy(prompts, cell.max_tokens, cell.top_k)
-        scored_seqs = _sequences_to_score(prompts, greedy, sequences, log)
-        scored = engine.teacher_forced(prompts, scored_seqs, cell.top_k)
-        diff = engine.module_diff(ckpt)
-        acc = []
-        if accuracy and cell.accuracy:
-            from harness import accuracy as A
-
-            acc = A.evaluate(engine, ckpt, cell.accuracy, log=log)
-        record = R.Record.for_cell(cell, engine_info=info, status="ok", fixture_identity=fixture_identity,
-                                   sequences=_sequence_results(prompts, scored, greedy), load=load,
-                                   module_diff=diff, loaded_state=loaded_state, accuracy=acc, started_at=started,
-                                   duration_s=time.perf_counter() - t0)
-        if on_sequences is not None:
-            on_sequences({p.id: s for p, s in zip(prompts, scored_seqs)})
-        if witness is not None:
-            _run_witness(witness, engine, ckpt, prompts, scored_seqs, log)
-        return record
-    except Exception as e:  # the engine's failure is the result
-        tb = traceback.format_exc()
-        log(tb)
-        return R.Record.for_cell(cell, engine_info=info, status="error", fixture_identity=fixture_identity,
-                                 error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__, log_tail=tb),
-                                 started_at=started, duration_s=time.perf_counter() - t0)
-    finally:
-        if close:
-            try:
-                engine.close()
-            except Exception:
-                pass
-
-
-def trace_cell(engine: Engine, checkpoint: Callable[[], Checkpoint], sequences: dict[str, list[int]], out: str, *,
-               log: Callable[[str], None] = lambda s: None) -> R.Record | None:
-    """Load the cell and record the module traces of ``sequences`` (prompt id -> tokens) to ``out``
-    (harness.traces.save): docs/design.md, "Localisation". None on success; the error record when
-    the engine cannot run or fails (never raises for the engine's own failures)."""
-    from harness import traces
-
-    cell = engine.cell
-    info = R.EngineInfo(name=cell.engine, environment=cell.environment, platform=R.cpu_platform())
-    try:
-        info = engine.info()
-        ckpt = checkpoint()
-        reason = engine.probe(ckpt)
-        if reason:
-            return R.Record.for_cell(cell, engine_info=info, status="unsupported", unsupported_reason=reason)
-        engine.load(ckpt)
-        prompts = [p for p in prompts_for(cell, ckpt) if p.id in sequences]
-        t0 = time.perf_counter()
-        recorded = engine.trace(prompts, [sequences[p.id] for p in prompts])
-        traces.save(out, recorded)
-        log(f"traces: {len(recorded)} prompt(s), {len(recorded[0].order) if recorded else 0} modules, "
-            f"{time.perf_counter() - t0:.2f} s, {os.path.getsize(out)} bytes")
-        return None
-    except Exception as e:
-        tb = traceback.format_exc()
-        log(tb)
-        return R.Record.for_cell(cell, engine_info=info, status="error",
-                                 error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__, log_tail=tb))
-    finally:
-        try:
-            engine.close()
-        except Exception:
-            pass
-
-
-def _sequences_to_score(prompts: list[EnginePrompt], greedy: list[R.Greedy],
-                        sequences: dict[str, list[int]] | None, log: Callable[[str], None]) -> list[list[int]]:
-    """Per prompt, the given sequence where it starts with the prompt, else prompt + this engine's
-    own greedy tokens (said in the log)."""
-    wanted = dict(sequences or {})
-    scored_seqs = []
-    own = {}
-    for p, g in zip(prompts, greedy):
-        s = wanted.get(p.id)
-        if s is None or list(s[: len(p.tokens)]) != p.tokens:
-            s = p.tokens + list(g.tokens)
-            own[p.id] = s
-        scored_seqs.append(list(s))
-    if own:
-        log(f"scored sequences: prompt + own greedy for {', '.join(own)}")
-    return scored_seqs
-
-
-def _sequence_results(prompts: list[EnginePrompt], scored: list[R.Scored],
-                      greedy: list[R.Greedy]) -> list[R.SequenceResult]:
-    return [
-        R.SequenceResult(prompt=p.ref, prompt_tokens=p.tokens,
-                         scored=R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=_lists(s.topk)),
-                         greedy=R.Greedy(tokens=g.tokens, topk=_lists(g.topk)))
-        for p, s, g in zip(prompts, scored, greedy)
-    ]
-
-
-def _run_witness(witness, engine: Engine, ckpt: Checkpoint, prompts: list[EnginePrompt],
-                 scored_seqs: list[list[int]], log: Callable[[str], None]) -> None:
-    try:
-        witness(engine, ckpt, prompts, {p.id: s for p, s in zip(prompts, scored_seqs)})
-    except Exception:  # the cell's own record stands; the runner falls back to it
-        log("witness failed:\n" + traceback.format_exc())
 
 
 class InProcessEngine(Engine):
@@ -509,7 +353,7 @@ class InProcessEngine(Engine):
         for p in prompts:
             g = scoring.greedy(self.model, self._prompt(p), max_tokens, top_k,
                                stop=stop.reached if stop is not None else None)
-            out.append(R.Greedy(tokens=g.tokens, topk=_lists(g.topk)))
+            out.append(R.Greedy(tokens=g.tokens, topk=topk_lists(g.topk)))
         return out
 
     def teacher_forced(self, prompts, sequences, top_k):
@@ -518,7 +362,7 @@ class InProcessEngine(Engine):
         out = []
         for p, seq in zip(prompts, sequences):
             s = scoring.teacher_forced(self.model, self._prompt(p), list(seq), top_k)
-            out.append(R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=_lists(s.topk)))
+            out.append(R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=topk_lists(s.topk)))
         return out
 
     def loaded_state(self):

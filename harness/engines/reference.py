@@ -3,7 +3,7 @@
 Version: the harness package version (models.yaml pins it in the ``core`` environment). Load time:
 the load report's total, with its phases (skeleton, read, decode, fuse, assign), after the modules
 a load imports lazily are imported (:func:`warm_imports`: an import is no load time). On a gated
-tier the load is timed several times between two calibrations (harness.bench.calibration;
+tier the load is timed several times between two calibrations (harness.loadtime;
 docs/design.md, "Load time"). Fused groups
 follow docs/design.md, "Fusion rule" (``fuse=True``, as an inference engine executes them); the runner may also ask for
 the unfused variant, the witness that engines which do not fuse (transformers) are compared with.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from harness import loadtime
 from harness import records as R
 from harness.engines.base import Checkpoint, InProcessEngine, device, online_quantization
 
@@ -33,7 +34,6 @@ def harness_version() -> str:
 
 class ReferenceEngine(InProcessEngine):
     name = "reference"
-    fuses_shards = True
 
     def __init__(self, cell, options=None):
         super().__init__(cell, options)
@@ -44,12 +44,10 @@ class ReferenceEngine(InProcessEngine):
         return harness_version()
 
     def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
-        from harness.bench.calibration import timed_load
-
         warm_imports(checkpoint, online_quantization(self.cell))
         # The unfused witness's load time is never compared: timed once, as on an ungated tier.
-        return timed_load(lambda: self._load_once(checkpoint), gated=self.cell.gate_load_time and self.fuse,
-                          checkpoint_dir=checkpoint.path)
+        return loadtime.timed_load(lambda: self._load_once(checkpoint), gated=self.cell.gate_load_time and self.fuse,
+                                   checkpoint_dir=checkpoint.path)
 
     def _load_once(self, checkpoint: Checkpoint) -> tuple[float, dict[str, float]]:
         from harness import reference

@@ -4,7 +4,7 @@ exactly what a user of transformers gets, run in-process in the child.
 Load time: the wall time of ``from_pretrained`` (its only phase), after the modules it imports
 lazily are imported (:func:`warm_imports`: the model's modeling module, the quantizer and its
 library; an import is no load time, in every isolation mode). On a gated tier it is timed
-several times between two calibrations (harness.bench.calibration). How it is driven:
+several times between two calibrations (harness.loadtime). How it is driven:
 
 - Forward passes use ``use_cache=False``. harness.scoring re-runs the whole sequence at every
   greedy step, so a cache buys nothing; without one no cache code path can make two engines
@@ -15,7 +15,7 @@ several times between two calibrations (harness.bench.calibration). How it is dr
   fixtures, and only on such CPUs). The engine turns that path off (``support_avx512bf16_for_cpu =
   False`` on every Linear4bit), so the matmul runs in the checkpoint's compute dtype (float32) and
   results do not depend on the CPU's ISA.
-- transformers executes every projection unfused (``fuses_shards = False``): the runner compares it
+- transformers executes every projection unfused (its registry entry's ``fuses_shards``): the runner compares it
   with the reference executed unfused.
 
 On ``HARNESS_DEVICE=cuda`` (harness.engines.base.device; models.yaml's ``cuda-check``
@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import time
 
+from harness import loadtime
 from harness import records as R
 from harness.engines.base import Checkpoint, InProcessEngine, device, online_quantization
 
@@ -59,7 +60,6 @@ def bnb_float_compute(model) -> int:
 
 class TransformersEngine(InProcessEngine):
     name = "transformers"
-    fuses_shards = False
 
     def version(self) -> str:
         import transformers
@@ -91,8 +91,6 @@ class TransformersEngine(InProcessEngine):
         return None
 
     def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
-        from harness.bench.calibration import timed_load
-
         kwargs = {}
         online = online_quantization(self.cell)
         if online is not None:  # online scheme: the library quantizes the float checkpoint while loading
@@ -100,8 +98,8 @@ class TransformersEngine(InProcessEngine):
 
             kwargs["quantization_config"] = AutoQuantizationConfig.from_dict(online)
         warm_imports(checkpoint, online)
-        return timed_load(lambda: self._load_once(checkpoint, kwargs), gated=self.cell.gate_load_time,
-                          checkpoint_dir=checkpoint.path)
+        return loadtime.timed_load(lambda: self._load_once(checkpoint, kwargs), gated=self.cell.gate_load_time,
+                                   checkpoint_dir=checkpoint.path)
 
     def _load_once(self, checkpoint: Checkpoint, kwargs: dict) -> tuple[float, dict[str, float]]:
         import torch

@@ -288,7 +288,6 @@ def compare_modules(reference, read: dict, arch: str) -> tuple[R.ModuleDiff | No
 
 class VllmEngine(Engine):
     name = "vllm"
-    fuses_shards = True
 
     def __init__(self, cell, options=None):
         super().__init__(cell, options)

@@ -13,7 +13,7 @@ child writes, each atomically:
 Job fields: ``mode`` ("cell"; "continuation": the reference engine's greedy continuation only,
 written to ``sequences_out``; "trace": the module traces of ``sequences`` only, written to
 ``trace``, harness.traces; "load": the engine's timed load only, its LoadInfo written to
-``load_out``, for a gated cell timed again in a fresh child, harness.bench.calibration; a record
+``load_out``, for a gated cell timed again in a fresh child, harness.loadtime; a record
 only on an error), ``options`` (the engine's, e.g. the reference's ``fuse``), ``cell``
 (a harness.matrix.Cell), ``path`` (a local checkpoint),
 ``sequences`` (prompt id -> tokens to score, or null), ``threads`` (torch threads; default 1, which
@@ -28,11 +28,11 @@ Test-only hooks (never set them outside tests): ``HARNESS_TEST_HOOK`` holds hook
 - ``break=MODULE:FUNCTION``: wrap a decode function (e.g. ``harness.quant.bnb:decode``) so that the
   weight it returns is halved, as a wrong absmax would make it: a deliberately broken decode of
   one format;
-- ``fault=NAME[:ARG]``: a degradation of harness.accuracy.faults (a dropped scale, a double-quant
+- ``fault=NAME[:ARG]``: a degradation of harness.hooks.faults (a dropped scale, a double-quant
   offset ignored, a skip list ignored, corrupted embedding rows after loading), which the accuracy
   gate must catch;
 - ``slow=FRACTION``: the reference loader does FRACTION more of its own reading and decoding
-  (harness.bench.slowdown; ``slow=0.2``: 20% slower), the load-time regression the load-time gate
+  (harness.hooks.slowdown; ``slow=0.2``: 20% slower), the load-time regression the load-time gate
   must catch (harness.bench.detection).
 """
 from __future__ import annotations
@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from harness import records as R
+from harness.hooks import faults, slowdown
 
 HOOK_ENV = "HARNESS_TEST_HOOK"
 
@@ -103,12 +104,8 @@ def apply_hooks(cell_id: str) -> list:
 
             setattr(module, func_name, broken)
         elif action == "slow":
-            from harness.bench import slowdown
-
             slowdown.install(float(arg or 0))
         elif action == "fault":
-            from harness.accuracy import faults
-
             after = faults.install(arg or "")
             if after is not None:
                 after_load.append(after)
@@ -156,7 +153,7 @@ def _write_json(path: str, data) -> None:
 
 
 def run_job(job: dict) -> int:
-    from harness.engines import base
+    from harness.engines import base, execute
     from harness.matrix import Cell
 
     threads = int(job.get("threads") or 1)
@@ -198,7 +195,7 @@ def run_job(job: dict) -> int:
             _write_json(job["sequences_out"], seqs)
 
     if mode == "trace":  # module traces of the given sequences only (harness.traces)
-        failed = base.trace_cell(_HookedEngine(engine), checkpoint, job["sequences"], job["trace"], log=log)
+        failed = execute.trace_cell(_HookedEngine(engine), checkpoint, job["sequences"], job["trace"], log=log)
         if failed is not None:
             R.save(job["record"], failed)
         log(f"worker: done, traces {'not ' if failed else ''}recorded")
@@ -222,13 +219,13 @@ def run_job(job: dict) -> int:
             # Not hooked again: hooks that patch functions are already in place in this process.
             # No accuracy tasks: compare.cross_engine compares accuracy across fusion only where the
             # witness shows that fusing changes nothing (docs/design.md, "Accuracy").
-            w = base.execute(base.engine_class("reference")(cell, {"fuse": False}), ckpt, sequences=seqs, log=log,
+            w = execute.execute(base.engine_class("reference")(cell, {"fuse": False}), ckpt, sequences=seqs, log=log,
                              accuracy=False)
             R.save(job["witness"], w)
             log(f"witness: reference executed unfused: {w.status}")
 
     # Not closed: the process ends right after (`main`), and vLLM's own shutdown alone takes ~1.3 s.
-    record = base.execute(_HookedEngine(engine), checkpoint, sequences=job.get("sequences"),
+    record = execute.execute(_HookedEngine(engine), checkpoint, sequences=job.get("sequences"),
                           on_sequences=on_sequences, witness=witness, log=log, accuracy=mode == "cell",
                           close=False)
     if mode == "cell":
@@ -240,7 +237,7 @@ def run_job(job: dict) -> int:
 
 
 def _error_record(cell, info: R.EngineInfo, e: Exception) -> R.Record:
-    """The record of an exception raised outside harness.engines.base.execute, traceback logged."""
+    """The record of an exception raised outside harness.engines.execute.execute, traceback logged."""
     import traceback
 
     tb = traceback.format_exc()

@@ -7,10 +7,13 @@ A quantized weight stays in its stored form (`StoredWeight`: the tensors as on d
 where the file allows) and is dequantized each time it is used (docs/design.md, "Fast loading").
 """
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
+
+from harness.quant import native
 
 # The label of a linear module, as the reference's load report and the fixture manifests spell it.
 LABELS = (
@@ -80,6 +83,40 @@ def lookup_bytes(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor,
             out[start * width:stop * width].view(-1, group * width).mul_(scales[start // group:stop // group, None])
 
 
+def dequantize_fp8(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
+                   remap: torch.Tensor | None = None) -> torch.Tensor:
+    """The effective weight float32(q) * scale, written into `out` when given; with `remap`
+    (Fp8Parts.remap), q is remap[stored code].
+
+    In C on the CPU (harness.quant.native). Else float32(q) is looked up per byte in a 256-entry
+    table (torch's own float8 -> float32 cast is several times slower on CPU); a per-tensor scale
+    is multiplied into the table (the same product per value); per channel, each row is scaled
+    while it is in cache.
+    """
+    rows, cols = qweight.shape
+    if out is None:
+        out = torch.empty((rows, cols), dtype=torch.float32, device=qweight.device)
+    codes = qweight.contiguous().view(torch.uint8).reshape(-1)
+    per_tensor = scale.numel() == 1
+    scales = scale.reshape(-1).float().contiguous()
+    if native.decode_e4m3(codes, remap, scales, codes.numel() if per_tensor else cols, out.view(-1)):
+        return out
+    table = _float_table(qweight.dtype, qweight.device)
+    if remap is not None:
+        table = table[remap.int()]
+    if per_tensor:
+        lookup_bytes(table * scale.reshape(()), codes, out.view(-1))
+    else:
+        lookup_bytes(table, codes, out.view(-1), scales, max(1, cols))
+    return out
+
+
+@functools.cache
+def _float_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """float32 of each of the 256 values of a one-byte float dtype, exactly as its cast gives them."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().to(device)
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Whether a floating tensor holds no NaN and no infinity. Its sum is finite only then: one
     pass, the cheapest there is; a sum that overflows is looked at again (finite_bounds)."""
@@ -121,9 +158,7 @@ class Fp8Parts(StoredWeight):
         return self.remap[self.qweight.view(torch.uint8).int()].view(self.qweight.dtype)
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        from harness.quant import fp8
-
-        return fp8.dequantize(self.qweight, self.scale, out, self.remap)
+        return dequantize_fp8(self.qweight, self.scale, out, self.remap)
 
     def rows(self, start: int, stop: int) -> "Fp8Parts":
         scale = self.scale.reshape(-1, 1)[start:stop] if self.per_channel else self.scale

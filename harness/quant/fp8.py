@@ -30,7 +30,7 @@ import functools
 import torch
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded, Fp8Parts, lookup_bytes, native
+from harness.quant import Decoded, Fp8Parts, native
 from harness.quant.source import TensorSource
 
 FP8 = torch.float8_e4m3fn
@@ -113,45 +113,11 @@ def decode(src: TensorSource, weight: str) -> Decoded:
     )
 
 
-def dequantize(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
-               remap: torch.Tensor | None = None) -> torch.Tensor:
-    """The effective weight float32(q) * scale, written into `out` when given; with `remap`
-    (Fp8Parts.remap), q is remap[stored code].
-
-    In C on the CPU (harness.quant.native). Else float32(q) is looked up per byte in a 256-entry
-    table (torch's own float8 -> float32 cast is several times slower on CPU); a per-tensor scale
-    is multiplied into the table (the same product per value); per channel, each row is scaled
-    while it is in cache.
-    """
-    rows, cols = qweight.shape
-    if out is None:
-        out = torch.empty((rows, cols), dtype=torch.float32, device=qweight.device)
-    codes = qweight.contiguous().view(torch.uint8).reshape(-1)
-    per_tensor = scale.numel() == 1
-    scales = scale.reshape(-1).float().contiguous()
-    if native.decode_e4m3(codes, remap, scales, codes.numel() if per_tensor else cols, out.view(-1)):
-        return out
-    table = _float_table(qweight.dtype, qweight.device)
-    if remap is not None:
-        table = table[remap.int()]
-    if per_tensor:
-        lookup_bytes(table * scale.reshape(()), codes, out.view(-1))
-    else:
-        lookup_bytes(table, codes, out.view(-1), scales, max(1, cols))
-    return out
-
-
-@functools.cache
-def _float_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """float32 of each of the 256 values of a one-byte float dtype, exactly as its cast gives them."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().to(device)
-
-
 # ------------------------------------------------------------------------------------------------
 # numerics
 
 
-# A function every scaled activation passes through before rounding, or None. harness.noise sets
+# A function every scaled activation passes through before rounding, or None. harness.noise_child sets
 # it to find activations that lie within kernel noise of a rounding boundary, and to simulate
 # another CPU's kernels (docs/design.md, "Portability across CPUs").
 scaled_observer = None

@@ -21,27 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import verdicts
-from harness.records import Record, atomic_write_text
-from harness.verdicts import MISSING, STATES, VERDICTS
+from harness.records import atomic_write_text
+from harness.report.states import annotation_style, counts_of, state_of
+from harness.verdicts import MISSING, STATES
 
 __all__ = ["MISSING", "STATES", "Written", "annotation_style", "counts_of", "state_of", "write_reports"]
-
-
-def state_of(record: Record | None) -> str:
-    """The state shown for a record: its verdict; ``error`` when it was never judged; ``missing``
-    for no record."""
-    if record is None:
-        return MISSING
-    return record.verdict if record.verdict in VERDICTS else "error"
-
-
-def annotation_style(states: Iterable[str], problems: int = 0) -> str:
-    """Buildkite annotation style for a set of states: the worst state's (harness.verdicts), error
-    when a record file is unreadable, info when there is nothing."""
-    w = verdicts.worst(states)
-    if problems:
-        return "error"
-    return verdicts.row(w).annotation if w is not None else "info"
 
 
 @dataclass
@@ -59,13 +43,6 @@ class Written:
     def bad(self) -> bool:
         """A cell fails the run (harness.verdicts), or a record file is unreadable: --strict exits 1."""
         return bool(self.problems) or any(n and verdicts.fails_run(s) for s, n in self.counts.items())
-
-
-def counts_of(states: Iterable[str]) -> dict[str, int]:
-    counts = {s: 0 for s in STATES}
-    for s in states:
-        counts[s] = counts.get(s, 0) + 1
-    return counts
 
 
 def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expected: Iterable[str] = (),

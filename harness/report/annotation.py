@@ -14,12 +14,12 @@ import html
 import re
 
 from harness.matrix import TIERS
-from harness.report import counts_of, state_of
+from harness.registry import ENGINES
+from harness.report.states import counts_of, state_of
 from harness.report.merge import Merged
 from harness.report import accuracy
 from harness.verdicts import MISSING, SEVERITY, STATES, needs_attention, row
 
-ENGINE_SHORT = {"reference": "ref", "transformers": "tf", "vllm": "vllm"}
 MAX_ATTENTION = 40
 MAX_REASON = 300
 _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+!|~])")
@@ -91,7 +91,7 @@ def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.ht
             row = []
             for m in models:
                 members = sorted((s for s in ts if s[2] == m and s[3] == sc), key=lambda s: s[4])
-                row.append(" ".join(f"{_emoji(s[5])}{md(ENGINE_SHORT.get(s[4], s[4]), 20)}" for s in members) or " ")
+                row.append(" ".join(f"{_emoji(s[5])}{md(ENGINES[s[4]].short if s[4] in ENGINES else s[4], 20)}" for s in members) or " ")
             lines.append(f"| {md(sc, 60)} | " + " | ".join(row) + " |")
         lines += ["", "</details>"]
 
@@ -107,7 +107,7 @@ def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.ht
     if merged.notes:
         lines += ["", "**Cross-engine comparison at merge**", ""] + [f"- {md(n)}" for n in merged.notes]
     legend = " · ".join(f"{_emoji(s)} {s}" for s in STATES)
-    engines = " · ".join(f"{v} = {k}" for k, v in ENGINE_SHORT.items())
+    engines = " · ".join(f"{e.short} = {e.name}" for e in ENGINES.values())
     lines += ["", f"<sub>{legend}. Engines: {engines}.</sub>", "",
               f'<a href="artifact://{html.escape(report_path)}">Full report (HTML)</a> · JUnit XML: '
               f"<code>{html.escape(report_path.rsplit('/', 1)[0])}/junit.xml</code>", ""]

@@ -28,7 +28,9 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from harness.matrix import TIERS
 from harness.records import Record
-from harness.report import charts, counts_of, state_of
+from harness.registry import ENGINE_NAMES
+from harness.report import charts
+from harness.report.states import counts_of, state_of
 from harness.report.merge import Entry, Merged
 from harness.verdicts import ROWS, SEVERITY, STATES, needs_attention, worst
 from harness.report import accuracy, localisation
@@ -79,7 +81,7 @@ def _orders(matrix, slots: Sequence[_Slot]) -> tuple[list[str], list[str], list[
     if matrix is not None:
         for m in matrix.models.values():
             schemes += [s for s in m.schemes if s not in schemes]
-    engines = ["reference", "transformers", "vllm"]
+    engines = list(ENGINE_NAMES)
     for s in sorted(slots, key=lambda s: s.id):
         for seen, value in ((models, s.model), (schemes, s.scheme), (engines, s.engine)):
             if value not in seen:

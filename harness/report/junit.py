@@ -17,7 +17,7 @@ import re
 
 from junitparser import Attr, Error, Failure, JUnitXml, Properties, Property, Skipped, TestCase, TestSuite
 
-from harness.report import state_of
+from harness.report.states import state_of
 from harness.report.merge import Merged
 from harness.verdicts import MISSING, row
 

