@@ -10,24 +10,23 @@ environment, torch, platform, date, commit.
 - ``update(root, record)`` writes it; the CLI calls it only under ``--update-baselines``. It refuses
   a record whose verdict is failed, error, unsupported or waived (a bug in today's engine never
   becomes tomorrow's baseline), writes atomically and returns what changed.
-- ``write_obtained(root, record)`` writes ``<cell id>.obtained.json`` beside the baseline in the
-  same format, so ``diff baselines/cpu-tiny/X.json baselines/cpu-tiny/X.obtained.json`` shows a
-  mismatch. Obtained files are git-ignored.
+- ``handle(root, record)`` is the step after a verdict, through harness.store (the files of every
+  baseline kind): a mismatch writes ``<cell id>.obtained.json`` beside the baseline in the same
+  format, so ``diff baselines/cpu-tiny/X.json baselines/cpu-tiny/X.obtained.json`` shows it.
+  Obtained files are git-ignored.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from harness import files, verdicts
+from harness import files, store
 from harness.noise import Noise, NoiseError
 from harness.records import (
     CpuInfo,
@@ -43,6 +42,7 @@ from harness.records import (
     atomic_write_text,
     render_json,
 )
+from harness.store import Change, Outcome, git_commit, refusal_of
 from harness.traces.fingerprint import Fingerprint
 
 BASELINE_VERSION = 1
@@ -132,6 +132,7 @@ class BaselineSequence(_Strict):
 
 
 class Baseline(_Strict):
+    folder: ClassVar[str] = ""
     schema_version: Literal[1] = BASELINE_VERSION
     cell: str
     tier: str
@@ -185,11 +186,7 @@ class Baseline(_Strict):
 
 
 def path_for(root: str | Path, tier: str, cell_id: str) -> Path:
-    return Path(root) / tier / f"{cell_id}.json"
-
-
-def obtained_path_for(root: str | Path, tier: str, cell_id: str) -> Path:
-    return Path(root) / tier / f"{cell_id}.obtained.json"
+    return store.path_for(Baseline, root, tier, cell_id)
 
 
 def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
@@ -227,50 +224,7 @@ def parse(text: str, source: str = "<baseline>") -> Baseline:
         raise BaselineError(f"{source}: {loc}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
-def git_commit(cwd: str | Path | None = None) -> str | None:
-    """``git rev-parse HEAD`` of the checkout holding ``cwd`` (default: this package), or None."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=str(cwd or Path(__file__).resolve().parent),
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    commit = out.stdout.strip()
-    return commit if out.returncode == 0 and commit else None
-
-
 # ------------------------------------------------------------------------------------ update
-
-
-@dataclass
-class Change:
-    """What update() did to one baseline file."""
-
-    cell: str
-    path: Path
-    kind: Literal["new", "updated", "unchanged"]
-    messages: list[str] = field(default_factory=list)
-
-    @property
-    def written(self) -> bool:
-        return self.kind != "unchanged"
-
-    def __str__(self) -> str:
-        head = f"{self.path}: {self.kind}"
-        return "\n".join([head, *(f"  - {m}" for m in self.messages)])
-
-
-@dataclass
-class Outcome:
-    """What handle() did after a verdict: a baseline change, an obtained file, or a refusal."""
-
-    change: Change | None = None
-    obtained: Path | None = None
-    refused: str | None = None
 
 
 def _fmt(x: float) -> str:
@@ -355,20 +309,6 @@ def _loaded_state_change(old: dict[str, str] | None, new: dict[str, str]) -> str
     return f"loaded state changed in {len(changed)} module(s), first {changed[0]}"
 
 
-def refusal_of(record: Record, verdict: str | None = None) -> str | None:
-    """Why ``record`` (judged ``verdict``, by default its own) must not become a baseline; None when it may."""
-    verdict = verdict if verdict is not None else record.verdict
-    if verdict is None:
-        return f"{record.cell}: refusing to update the baseline of a record that was never compared (no verdict)"
-    if verdict in verdicts.REFUSED_BASELINE:
-        why = record.verdict_reason or (record.error.message if record.error else "")
-        return (f"{record.cell}: refusing to update the baseline: verdict is {verdict}" + (f" ({why})" if why else "")
-                + "; fix the cell (or record a known failure) first")
-    if record.status != "ok":
-        return f"{record.cell}: refusing to update the baseline: status is {record.status}, nothing to store"
-    return None
-
-
 def update(root: str | Path, record: Record, verdict: str | None = None, *, commit: str | None = None,
            noise: Noise | None = None) -> Change:
     """Store ``record`` as its cell's baseline and return what changed.
@@ -381,7 +321,6 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
     refusal = refusal_of(record, verdict)
     if refusal:
         raise BaselineRefused(refusal)
-    path = path_for(root, record.tier, record.cell)
     try:
         old = read(root, record.tier, record.cell)
     except BaselineError as e:
@@ -407,10 +346,8 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
         messages.insert(0, f"old baseline unreadable, replaced: {unreadable}")
         material = True
     if old is not None and not material and verdict not in ("regressed", "improved", "stale-baseline"):
-        return Change(record.cell, path, "unchanged", messages)
-    atomic_write_text(path, new.to_text())
-    obtained_path_for(root, record.tier, record.cell).unlink(missing_ok=True)
-    return Change(record.cell, path, "new" if old is None and not unreadable else "updated", messages)
+        return store.save(root, new, "unchanged", messages)
+    return store.save(root, new, "new" if old is None and not unreadable else "updated", messages)
 
 
 def set_fingerprint(root: str | Path, tier: str, cell_id: str, fingerprint: Fingerprint) -> str:
@@ -428,44 +365,24 @@ def set_fingerprint(root: str | Path, tier: str, cell_id: str, fingerprint: Fing
     return f"{path}: trace fingerprint {kind} ({len(fingerprint.modules)} modules)"
 
 
-def write_obtained(root: str | Path, record: Record) -> Path:
-    """Write the obtained result beside the baseline, in the baseline's format, atomically."""
-    path = obtained_path_for(root, record.tier, record.cell)
-    atomic_write_text(path, Baseline.from_record(record, commit=git_commit()).to_text())
-    return path
-
-
-def clear_obtained(root: str | Path, tier: str, cell_id: str) -> None:
-    obtained_path_for(root, tier, cell_id).unlink(missing_ok=True)
-
-
 def handle(root: str | Path, record: Record, *, update_baselines: bool = False,
            measure_noise: Callable[[Record], Noise | None] | None = None) -> Outcome:
-    """The step after a verdict, for the CLI and the pytest plugin: with ``update_baselines``,
-    update (a refusal is returned, not raised), with the noise ``measure_noise`` gives for the
-    record; otherwise write the obtained file when the record is ok and its verdict is a
-    mismatch, and clear a stale obtained file on pass."""
-    if update_baselines:
+    """The step after a verdict, for the CLI and the pytest plugin (harness.store.handle): with
+    ``update_baselines``, update with the noise ``measure_noise`` gives for the record (a refusal
+    is returned, not raised); otherwise write the obtained file when the record is ok and its
+    verdict is a mismatch, and clear a stale obtained file on pass."""
+
+    def regenerate() -> Change:
+        noise, problem = None, None
         try:
-            refusal = refusal_of(record)
-            if refusal:
-                raise BaselineRefused(refusal)
-            noise, problem = None, None
-            try:
-                noise = measure_noise(record) if measure_noise else None
-            except NoiseError as e:
-                problem = f"noise not measured, so another CPU is judged by the family bound alone: {e}"
-            change = update(root, record, noise=noise)
-            if problem:
-                change.messages.append(problem)
-            return Outcome(change=change)
-        except BaselineRefused as e:
-            out = Outcome(refused=str(e))
-            if record.status == "ok":
-                out.obtained = write_obtained(root, record)
-            return out
-    if record.status == "ok" and record.verdict in verdicts.WRITES_OBTAINED:
-        return Outcome(obtained=write_obtained(root, record))
-    if record.verdict == "pass":
-        clear_obtained(root, record.tier, record.cell)
-    return Outcome()
+            noise = measure_noise(record) if measure_noise else None
+        except NoiseError as e:
+            problem = f"noise not measured, so another CPU is judged by the family bound alone: {e}"
+        change = update(root, record, noise=noise)
+        if problem:
+            change.messages.append(problem)
+        return change
+
+    # a refused result is kept beside the baseline, so that what was refused can be diffed
+    return store.handle(Baseline, root, record, update_baselines=update_baselines, regenerate=regenerate,
+                        obtained_when_refused=True)

@@ -10,6 +10,7 @@ from harness import baselines as B
 from harness import compare as C
 from harness import matrix as M
 from harness import records as R
+from harness import store
 from harness import verdicts as V
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,7 +179,7 @@ def test_obtained_written_on_mismatch_and_ignored_by_git(tmp_path):
     # a later pass clears it; an update removes it as well
     B.handle(tmp_path, record(verdict="pass"))
     assert not obtained.exists()
-    B.write_obtained(tmp_path, regressed)
+    store.write_obtained(B.Baseline, tmp_path, regressed)
     B.handle(tmp_path, regressed, update_baselines=True)
     assert not obtained.exists()
     # git ignores obtained files under baselines/

@@ -4,21 +4,22 @@ One file per cell beside (not inside) its logprob baseline, so that accuracy res
 updated without touching the logprob baselines. Same provenance as a logprob baseline (engine,
 version, platform, CPU, date, commit), the fixture or source, and per task: lm-eval's task name,
 metric and filter, value, stderr, sample count, the task's hash, few-shot count, limit and the
-per-sample values. Written only under ``--update-baselines``, with the same refusals as every
-baseline (harness.baselines.refusal_of); a mismatch writes ``<cell id>.obtained.json`` beside it.
+per-sample values. Its files go through the one mechanism of every baseline kind (harness.store):
+written only under ``--update-baselines``, with the same refusals as every baseline, and a
+mismatch writes ``<cell id>.obtained.json`` beside it.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from harness import baselines as B
-from harness import verdicts
-from harness.records import Accuracy, FixtureRef, Record, SourceRef, atomic_write_text, render_json
+from harness import store
+from harness.records import Accuracy, FixtureRef, Record, SourceRef, render_json
 
 VERSION = 1
 
@@ -35,6 +36,7 @@ TaskBaseline = create_model("TaskBaseline", __base__=_Strict,
 
 
 class AccuracyBaseline(_Strict):
+    folder: ClassVar[str] = "accuracy"
     schema_version: Literal[1] = VERSION
     cell: str
     tier: str
@@ -55,11 +57,7 @@ class AccuracyBaseline(_Strict):
 
 
 def path_for(root: str | Path, tier: str, cell_id: str) -> Path:
-    return Path(root) / tier / "accuracy" / f"{cell_id}.json"
-
-
-def obtained_path_for(root: str | Path, tier: str, cell_id: str) -> Path:
-    return Path(root) / tier / "accuracy" / f"{cell_id}.obtained.json"
+    return store.path_for(AccuracyBaseline, root, tier, cell_id)
 
 
 def read(root: str | Path, tier: str, cell_id: str) -> AccuracyBaseline | None:
@@ -110,39 +108,33 @@ class Outcome:
     written: bool = False
 
 
+def _regenerate(root: str | Path, record: Record) -> store.Change:
+    """The accuracy baseline written when it is new or changed."""
+    try:
+        old = read(root, record.tier, record.cell)
+    except B.BaselineError as e:
+        old, problem = None, str(e)
+    else:
+        problem = None
+    new = AccuracyBaseline.from_record(record, commit=store.git_commit())
+    changes = ["new accuracy baseline: " + ", ".join(f"{t} {v.metric} {v.value}" for t, v in new.tasks.items())] \
+        if old is None else _material(old, new)
+    if problem:
+        changes.insert(0, f"old accuracy baseline unreadable, replaced: {problem}")
+    return store.save(root, new, ("new" if old is None else "updated") if changes else "unchanged", changes)
+
+
 def handle(root: str | Path, record: Record, *, update_baselines: bool = False) -> Outcome:
-    """The step after a verdict, for a record with accuracy results (nothing otherwise): with
-    ``update_baselines``, write the accuracy baseline when it is new or changed (refusals as for
-    any baseline); without, write the obtained file on a mismatch verdict and clear it on pass."""
-    out = Outcome()
+    """The step after a verdict, for a record with accuracy results (nothing otherwise), through
+    harness.store.handle: with ``update_baselines``, write the accuracy baseline when it is new or
+    changed (refusals as for any baseline); without, write the obtained file on a mismatch verdict
+    and clear it on pass."""
     if not record.accuracy:
-        return out
-    path = path_for(root, record.tier, record.cell)
-    obtained = obtained_path_for(root, record.tier, record.cell)
-    if update_baselines:
-        refusal = B.refusal_of(record)
-        if refusal:
-            out.messages.append(f"accuracy baseline refused: {refusal}")
-            return out
-        try:
-            old = read(root, record.tier, record.cell)
-        except B.BaselineError as e:
-            old, problem = None, str(e)
-        else:
-            problem = None
-        new = AccuracyBaseline.from_record(record, commit=B.git_commit())
-        changes = ["new accuracy baseline: " + ", ".join(f"{t} {v.metric} {v.value}" for t, v in new.tasks.items())] \
-            if old is None else _material(old, new)
-        if problem:
-            changes.insert(0, f"old accuracy baseline unreadable, replaced: {problem}")
-        if changes:
-            atomic_write_text(path, new.to_text())
-            obtained.unlink(missing_ok=True)
-            out.written = True
-            out.messages.append("\n".join([f"{path}: {'new' if old is None else 'updated'}", *(f"  - {m}" for m in changes)]))
-        return out
-    if record.status == "ok" and record.verdict in verdicts.WRITES_OBTAINED:
-        atomic_write_text(obtained, AccuracyBaseline.from_record(record, commit=B.git_commit()).to_text())
-    elif record.verdict == "pass":
-        obtained.unlink(missing_ok=True)
-    return out
+        return Outcome()
+    done = store.handle(AccuracyBaseline, root, record, update_baselines=update_baselines,
+                        regenerate=lambda: _regenerate(root, record))
+    if done.refused:
+        return Outcome([f"accuracy baseline refused: {done.refused}"])
+    if done.change is not None and done.change.written:
+        return Outcome([str(done.change)], written=True)
+    return Outcome()
