@@ -22,7 +22,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -231,73 +231,137 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+# A difference old -> new: its line for the change's messages, or None for one that gets no line of
+# its own (the top-k lists: describe_changes sums those up in one line after all others).
+Difference = str | None
+
+
+class ChangeRule(NamedTuple):
+    """One kind of difference between a cell's old and new baseline. Only a ``material`` one makes
+    the new baseline worth writing (update())."""
+
+    name: str
+    material: bool
+    differences: Callable[[Baseline, Baseline], list[Difference]]
+
+
+class PromptRule(NamedTuple):
+    """One kind of difference between the old and new results of one prompt (all material)."""
+
+    name: str
+    differences: Callable[[BaselineSequence, BaselineSequence], list[Difference]]
+
+
+def _first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _provenance_changes(old: Baseline, new: Baseline) -> list[Difference]:
+    labels = (("engine_version", "engine version"), ("platform", "platform"), ("torch", "torch"),
+              ("environment", "environment"))
+    pairs = [(label, getattr(old.provenance, key), getattr(new.provenance, key)) for key, label in labels]
+    return [f"provenance: {label} {a} -> {b}" for label, a, b in pairs if a != b]
+
+
+def _fixture_change(old: Baseline, new: Baseline) -> list[Difference]:
+    if (old.fixture and old.fixture.identity) == (new.fixture and new.fixture.identity):
+        return []
+    return [f"fixture identity {old.fixture.identity if old.fixture else None} -> {new.fixture.identity if new.fixture else None}"]
+
+
+def _source_change(old: Baseline, new: Baseline) -> list[Difference]:
+    return [f"source {old.source} -> {new.source}"] if old.source != new.source else []
+
+
+def _prompt_set_changes(old: Baseline, new: Baseline) -> list[Difference]:
+    old_ids, new_ids = {s.prompt.id for s in old.sequences}, {s.prompt.id for s in new.sequences}
+    return ([f"prompt {pid}: removed" for pid in sorted(old_ids - new_ids)]
+            + [f"prompt {pid}: added" for pid in sorted(new_ids - old_ids)])
+
+
+def _prompt_tokens_change(a: BaselineSequence, b: BaselineSequence) -> list[Difference]:
+    return ["prompt tokens changed"] if a.prompt_tokens != b.prompt_tokens else []
+
+
+def _scored_tokens_change(a: BaselineSequence, b: BaselineSequence) -> list[Difference]:
+    at, bt = [r.token for r in a.scored], [r.token for r in b.scored]
+    return [f"scored tokens changed at position {_first_difference(at, bt)}"] if at != bt else []
+
+
+def _logprobs_change(a: BaselineSequence, b: BaselineSequence) -> list[Difference]:
+    # Equal logprobs (-inf for an image placeholder included) are no change; NaN never compares small.
+    deltas = [
+        (0.0 if ra.logprob == rb.logprob else abs(ra.logprob - rb.logprob), ra.pos)
+        for ra, rb in zip(a.scored[1:], b.scored[1:])
+        if ra.token == rb.token and ra.logprob is not None and rb.logprob is not None
+    ]
+    deltas = [(d if not math.isnan(d) else math.inf, p) for d, p in deltas]
+    worst, pos = max(deltas) if deltas else (0.0, None)
+    return [f"max |Δlogprob| vs old {_fmt(worst)} at position {pos}"] if worst > 0 else []
+
+
+def _scored_topk_change(a: BaselineSequence, b: BaselineSequence) -> list[Difference]:
+    return [None] if any(ra.topk != rb.topk for ra, rb in zip(a.scored, b.scored)) else []
+
+
+def _greedy_change(a: BaselineSequence, b: BaselineSequence) -> list[Difference]:
+    ag, bg = [r.token for r in a.greedy], [r.token for r in b.greedy]
+    if ag == bg:
+        return [None] if [r.topk for r in a.greedy] != [r.topk for r in b.greedy] else []
+    step = _first_difference(ag, bg)
+    x = ag[step] if step < len(ag) else "(end)"
+    y = bg[step] if step < len(bg) else "(end)"
+    return [f"greedy tokens changed at step {step}: {x} -> {y}"]
+
+
+PROMPT_RULES: tuple[PromptRule, ...] = (
+    PromptRule("prompt tokens", _prompt_tokens_change),
+    PromptRule("scored tokens", _scored_tokens_change),
+    PromptRule("logprobs", _logprobs_change),
+    PromptRule("scored top-k", _scored_topk_change),
+    PromptRule("greedy", _greedy_change),
+)
+
+
+def _prompt_changes(old: Baseline, new: Baseline) -> list[Difference]:
+    """PROMPT_RULES on every prompt both baselines hold, in the new one's order."""
+    old_seqs = {s.prompt.id: s for s in old.sequences}
+    new_seqs = {s.prompt.id: s for s in new.sequences}
+    shared = [(pid, old_seqs[pid], b) for pid, b in new_seqs.items() if pid in old_seqs]
+    return [None if d is None else f"prompt {pid}: {d}"
+            for pid, a, b in shared for rule in PROMPT_RULES for d in rule.differences(a, b)]
+
+
+def _load_change(old: Baseline, new: Baseline) -> list[Difference]:
+    if not (old.load and new.load and old.load.seconds != new.load.seconds):
+        return []
+    return [f"load {_fmt(old.load.seconds)} s -> {_fmt(new.load.seconds)} s"]
+
+
+# In the order of the messages.
+CHANGE_RULES: tuple[ChangeRule, ...] = (
+    ChangeRule("provenance", True, _provenance_changes),
+    ChangeRule("fixture identity", True, _fixture_change),
+    ChangeRule("source", True, _source_change),
+    ChangeRule("prompt set", True, _prompt_set_changes),
+    ChangeRule("prompts", True, _prompt_changes),
+    ChangeRule("load time", False, _load_change),
+)
+
+
 def describe_changes(old: Baseline | None, new: Baseline) -> tuple[list[str], bool]:
-    """Human-readable differences old -> new, and whether any is material (anything but the
-    date, the commit and load-time statistics)."""
+    """Human-readable differences old -> new (CHANGE_RULES), and whether any is material (anything
+    but the date, the commit and load-time statistics)."""
     if old is None:
         n = sum(len(s.scored) for s in new.sequences)
         return [f"new baseline: {len(new.sequences)} sequence(s), {n} scored positions, "
                 f"{new.provenance.engine} {new.provenance.engine_version} on {new.provenance.platform}"], True
-    msgs: list[str] = []
-    material = False
-    op, np_ = old.provenance, new.provenance
-    for key, label in (("engine_version", "engine version"), ("platform", "platform"), ("torch", "torch"), ("environment", "environment")):
-        a, b = getattr(op, key), getattr(np_, key)
-        if a != b:
-            msgs.append(f"provenance: {label} {a} -> {b}")
-            material = True
-    if (old.fixture and old.fixture.identity) != (new.fixture and new.fixture.identity):
-        msgs.append(f"fixture identity {old.fixture.identity if old.fixture else None} -> {new.fixture.identity if new.fixture else None}")
-        material = True
-    if old.source != new.source:
-        msgs.append(f"source {old.source} -> {new.source}")
-        material = True
-    old_seqs = {s.prompt.id: s for s in old.sequences}
-    new_seqs = {s.prompt.id: s for s in new.sequences}
-    for pid in sorted(set(old_seqs) - set(new_seqs)):
-        msgs.append(f"prompt {pid}: removed")
-        material = True
-    for pid in sorted(set(new_seqs) - set(old_seqs)):
-        msgs.append(f"prompt {pid}: added")
-        material = True
-    for pid in [p for p in new_seqs if p in old_seqs]:
-        a, b = old_seqs[pid], new_seqs[pid]
-        if a.prompt_tokens != b.prompt_tokens:
-            msgs.append(f"prompt {pid}: prompt tokens changed")
-            material = True
-        at, bt = [r.token for r in a.scored], [r.token for r in b.scored]
-        if at != bt:
-            pos = next((i for i, (x, y) in enumerate(zip(at, bt)) if x != y), min(len(at), len(bt)))
-            msgs.append(f"prompt {pid}: scored tokens changed at position {pos}")
-            material = True
-        # Equal logprobs (-inf for an image placeholder included) are no change; NaN never compares small.
-        deltas = [
-            (0.0 if ra.logprob == rb.logprob else abs(ra.logprob - rb.logprob), ra.pos)
-            for ra, rb in zip(a.scored[1:], b.scored[1:])
-            if ra.token == rb.token and ra.logprob is not None and rb.logprob is not None
-        ]
-        deltas = [(d if not math.isnan(d) else math.inf, p) for d, p in deltas]
-        if deltas:
-            worst, pos = max(deltas)
-            if worst > 0:
-                msgs.append(f"prompt {pid}: max |Δlogprob| vs old {_fmt(worst)} at position {pos}")
-                material = True
-        if any(ra.topk != rb.topk for ra, rb in zip(a.scored, b.scored)):
-            material = True
-        ag, bg = [r.token for r in a.greedy], [r.token for r in b.greedy]
-        if ag != bg:
-            step = next((i for i, (x, y) in enumerate(zip(ag, bg)) if x != y), min(len(ag), len(bg)))
-            x = ag[step] if step < len(ag) else "(end)"
-            y = bg[step] if step < len(bg) else "(end)"
-            msgs.append(f"prompt {pid}: greedy tokens changed at step {step}: {x} -> {y}")
-            material = True
-        elif [r.topk for r in a.greedy] != [r.topk for r in b.greedy]:
-            material = True
-    if old.load and new.load and old.load.seconds != new.load.seconds:
-        msgs.append(f"load {_fmt(old.load.seconds)} s -> {_fmt(new.load.seconds)} s")
-    if material and op.commit != np_.commit:
-        msgs.append(f"provenance: commit {op.commit} -> {np_.commit}")
-    if material and not any(m for m in msgs if not m.startswith(("load ", "provenance: commit"))):
+    found = [(rule, d) for rule in CHANGE_RULES for d in rule.differences(old, new)]
+    material = any(rule.material for rule, _ in found)
+    msgs = [d for _, d in found if d is not None]
+    if material and old.provenance.commit != new.provenance.commit:
+        msgs.append(f"provenance: commit {old.provenance.commit} -> {new.provenance.commit}")
+    if material and all(d is None for rule, d in found if rule.material):
         msgs.append("top-k logprobs changed")
     return msgs, material
 

@@ -13,11 +13,12 @@ child writes, each atomically:
 Job fields: ``mode`` ("cell"; "continuation": the reference engine's greedy continuation only,
 written to ``sequences_out``; "trace": the module traces of ``sequences`` only, written to
 ``trace``, harness.traces; "load": the engine's timed load only, its LoadInfo written to
-``load_out``, for a gated cell timed again in a fresh child, harness.loadtime; a record
+``load_out``, for a gated cell timed again in a fresh child, harness.bench.calibration; a record
 only on an error), ``options`` (the engine's, e.g. the reference's ``fuse``), ``cell``
 (a harness.matrix.Cell), ``path`` (a local checkpoint),
 ``sequences`` (prompt id -> tokens to score, or null), ``threads`` (torch threads; default 1, which
-also makes results independent of the core count), and the output paths above.
+also makes results independent of the core count), and the output paths above; ``main`` reads
+them once, into a Job.
 
 Test-only hooks (never set them outside tests): ``HARNESS_TEST_HOOK`` holds hooks separated by
 ``;``, each ``ACTION[=ARG][@CELL_GLOB]`` (fnmatch on the cell id; no glob: every cell):
@@ -44,10 +45,14 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from harness import records as R
+from harness.engines import base, execute
 from harness.hooks import faults, slowdown
+from harness.matrix import Cell
 
 HOOK_ENV = "HARNESS_TEST_HOOK"
 
@@ -152,11 +157,45 @@ def _write_json(path: str, data) -> None:
     R.atomic_write_text(Path(path), json.dumps(data) + "\n")
 
 
-def run_job(job: dict) -> int:
-    from harness.engines import base, execute
-    from harness.matrix import Cell
+@dataclass(frozen=True)
+class Job:
+    """A job file (the fields of the module docstring), read once, where the child starts. ``cell``
+    is the cell this child runs: in continuation mode the reference engine's of the job's model and
+    scheme."""
 
-    threads = int(job.get("threads") or 1)
+    mode: Literal["cell", "continuation", "trace", "load"]
+    cell: Cell
+    record: str
+    path: str | None = None
+    sequences: dict[str, list[int]] | None = None
+    threads: int = 1
+    options: dict | None = None
+    info: str | None = None
+    sequences_out: str | None = None
+    witness: str | None = None
+    trace: str | None = None
+    load_out: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> Job:
+        mode = data.get("mode", "cell")
+        if mode not in RUN_MODES:
+            raise ValueError(f"job mode {mode!r}: not one of {', '.join(RUN_MODES)}")
+        cell = Cell.model_validate(data["cell"])
+        if mode == "continuation":
+            cell = cell.model_copy(update={"engine": "reference", "id": f"{cell.model}.{cell.scheme}.reference"})
+        return cls(mode=mode, cell=cell, record=data["record"], path=data.get("path"), sequences=data.get("sequences"),
+                   threads=int(data.get("threads") or 1), options=data.get("options"), info=data.get("info"),
+                   sequences_out=data.get("sequences_out"), witness=data.get("witness"),
+                   trace=data["trace"] if mode == "trace" else None,
+                   load_out=data["load_out"] if mode == "load" else None)
+
+    def checkpoint(self):
+        return base.resolve_checkpoint(self.cell, self.path)
+
+
+def _quiet_libraries(threads: int) -> None:
+    """The torch thread count the results are independent of, and no progress bars in the log."""
     try:
         import torch
 
@@ -170,69 +209,79 @@ def run_job(job: dict) -> int:
     except Exception:
         pass
 
-    die_with_parent()
-    cell = Cell.model_validate(job["cell"])
-    mode = job.get("mode", "cell")
-    if mode == "continuation":
-        cell = cell.model_copy(update={"engine": "reference", "id": f"{cell.model}.{cell.scheme}.reference"})
-    log(f"worker: {mode} {cell.id} (pid {os.getpid()}, {threads} torch thread(s))")
 
+def _run_trace(job: Job, engine, info: R.EngineInfo) -> None:
+    """The module traces of the job's sequences only (harness.traces)."""
+    failed = execute.trace_cell(_HookedEngine(engine), job.checkpoint, job.sequences, job.trace, log=log)
+    if failed is not None:
+        R.save(job.record, failed)
+    log(f"worker: done, traces {'not ' if failed else ''}recorded")
+
+
+def _run_load(job: Job, engine, info: R.EngineInfo) -> None:
+    """The engine's timed load only (harness.bench.calibration); a record only on an error."""
+    hooked = _HookedEngine(engine)
     try:
-        engine = base.engine_class(cell.engine)(cell, job.get("options"))
-        info = engine.info()
+        load = hooked.load(job.checkpoint())
+        hooked.close()
     except Exception as e:
-        R.save(job["record"], _error_record(cell, R.EngineInfo(name=cell.engine, environment=cell.environment,
-                                                                platform=R.cpu_platform()), e))
-        return 0
-    if job.get("info"):
-        _write_json(job["info"], info.model_dump())
+        R.save(job.record, _error_record(job.cell, info, e))
+        return
+    _write_json(job.load_out, load.model_dump())
+    log(f"worker: done, load {load.seconds:.4f} s")
 
-    def checkpoint():
-        return base.resolve_checkpoint(cell, job.get("path"))
 
+def _witness(job: Job):
+    """What records the reference executed unfused, when the job asks for it; else None."""
+    if not job.witness or job.cell.engine != "reference":
+        return None
+
+    def witness(_engine, ckpt, prompts, seqs):
+        # Not hooked again: hooks that patch functions are already in place in this process.
+        # No accuracy tasks: compare.cross_engine compares accuracy across fusion only where the
+        # witness shows that fusing changes nothing (docs/design.md, "Accuracy").
+        w = execute.execute(base.engine_class("reference")(job.cell, {"fuse": False}), ckpt, sequences=seqs, log=log,
+                         accuracy=False)
+        R.save(job.witness, w)
+        log(f"witness: reference executed unfused: {w.status}")
+
+    return witness
+
+
+def _run_execute(job: Job, engine, info: R.EngineInfo) -> None:
+    """The cell's whole execution; in continuation mode only its sequences matter, so the record is
+    written only when something failed."""
     def on_sequences(seqs):
-        if job.get("sequences_out"):
-            _write_json(job["sequences_out"], seqs)
-
-    if mode == "trace":  # module traces of the given sequences only (harness.traces)
-        failed = execute.trace_cell(_HookedEngine(engine), checkpoint, job["sequences"], job["trace"], log=log)
-        if failed is not None:
-            R.save(job["record"], failed)
-        log(f"worker: done, traces {'not ' if failed else ''}recorded")
-        return 0
-
-    if mode == "load":
-        hooked = _HookedEngine(engine)
-        try:
-            load = hooked.load(checkpoint())
-            hooked.close()
-        except Exception as e:
-            R.save(job["record"], _error_record(cell, info, e))
-            return 0
-        _write_json(job["load_out"], load.model_dump())
-        log(f"worker: done, load {load.seconds:.4f} s")
-        return 0
-
-    witness = None
-    if job.get("witness") and cell.engine == "reference":
-        def witness(_engine, ckpt, prompts, seqs):
-            # Not hooked again: hooks that patch functions are already in place in this process.
-            # No accuracy tasks: compare.cross_engine compares accuracy across fusion only where the
-            # witness shows that fusing changes nothing (docs/design.md, "Accuracy").
-            w = execute.execute(base.engine_class("reference")(cell, {"fuse": False}), ckpt, sequences=seqs, log=log,
-                             accuracy=False)
-            R.save(job["witness"], w)
-            log(f"witness: reference executed unfused: {w.status}")
+        if job.sequences_out:
+            _write_json(job.sequences_out, seqs)
 
     # Not closed: the process ends right after (`main`), and vLLM's own shutdown alone takes ~1.3 s.
-    record = execute.execute(_HookedEngine(engine), checkpoint, sequences=job.get("sequences"),
-                          on_sequences=on_sequences, witness=witness, log=log, accuracy=mode == "cell",
+    record = execute.execute(_HookedEngine(engine), job.checkpoint, sequences=job.sequences,
+                          on_sequences=on_sequences, witness=_witness(job), log=log, accuracy=job.mode == "cell",
                           close=False)
-    if mode == "cell":
-        R.save(job["record"], record)
-    elif record.status != "ok":
-        R.save(job["record"], record)
+    if job.mode == "cell" or record.status != "ok":
+        R.save(job.record, record)
     log(f"worker: done, status {record.status}")
+
+
+RUN_MODES = {"cell": _run_execute, "continuation": _run_execute, "trace": _run_trace, "load": _run_load}
+
+
+def run_job(job: Job) -> int:
+    _quiet_libraries(job.threads)
+    die_with_parent()
+    cell = job.cell
+    log(f"worker: {job.mode} {cell.id} (pid {os.getpid()}, {job.threads} torch thread(s))")
+    try:
+        engine = base.engine_class(cell.engine)(cell, job.options)
+        info = engine.info()
+    except Exception as e:
+        R.save(job.record, _error_record(cell, R.EngineInfo(name=cell.engine, environment=cell.environment,
+                                                             platform=R.cpu_platform()), e))
+        return 0
+    if job.info:
+        _write_json(job.info, info.model_dump())
+    RUN_MODES[job.mode](job, engine, info)
     return 0
 
 
@@ -251,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m harness.engines.worker JOB.json", file=sys.stderr)
         return 2
-    job = json.loads(Path(args[0]).read_text())
+    job = Job.from_json(json.loads(Path(args[0]).read_text()))
     code = run_job(job)
     # Everything the job writes is written and closed by now. What is left for the interpreter's
     # exit (engine shutdown, finalizers, a full collection of every object) changes no output and

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import re
+from typing import NamedTuple
 
 from harness.matrix import TIERS
 from harness.registry import ENGINES
@@ -41,74 +42,105 @@ def _emoji(state: str) -> str:
     return row(state).emoji
 
 
-def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.html") -> str:
+class Slot(NamedTuple):
+    """One cell of the matrix as the annotation shows it; ``state`` is a verdict or ``missing``."""
+
+    id: str
+    tier: str
+    model: str
+    scheme: str
+    engine: str
+    state: str
+    reason: str
+
+
+def _missing_slot(cid: str, tier: str) -> Slot:
+    parts = cid.split(".")
+    model, scheme, engine = (".".join(parts[:-2]), parts[-2], parts[-1]) if len(parts) >= 3 else (cid, "?", "?")
+    return Slot(cid, tier, model, scheme, engine, MISSING,
+                "no result record came back (crash, timeout at the agent, lost agent or cancel)")
+
+
+def _slots_of(merged: Merged, matrix=None) -> list[Slot]:
+    """Every cell with a record, then every expected cell without one."""
     tiers_of = {c.id: c.tier for c in matrix.cells()} if matrix is not None else {}
-    slots: list[tuple[str, str, str, str, str, str]] = []  # id, tier, model, scheme, engine, state
-    reasons: dict[str, str] = {}
-    for cid, e in merged.current.items():
-        r = e.record
-        slots.append((cid, r.tier, r.model, r.scheme, r.engine, state_of(r)))
-        reasons[cid] = r.verdict_reason or ""
-    for cid in merged.missing:
-        parts = cid.split(".")
-        model, scheme, engine = (".".join(parts[:-2]), parts[-2], parts[-1]) if len(parts) >= 3 else (cid, "?", "?")
-        slots.append((cid, tiers_of.get(cid, "unknown"), model, scheme, engine, MISSING))
-        reasons[cid] = "no result record came back (crash, timeout at the agent, lost agent or cancel)"
-    counts = counts_of(s[5] for s in slots)
+    slots = [Slot(cid, e.record.tier, e.record.model, e.record.scheme, e.record.engine, state_of(e.record),
+                  e.record.verdict_reason or "") for cid, e in merged.current.items()]
+    return slots + [_missing_slot(cid, tiers_of.get(cid, "unknown")) for cid in merged.missing]
+
+
+def _in_order(known_order: list[str], present: set[str]) -> list[str]:
+    """``present`` in the matrix's order, those the matrix does not know sorted after."""
+    return [x for x in known_order if x in present] + sorted(present - set(known_order))
+
+
+def _headline(merged: Merged, slots: list[Slot], counts: dict[str, int]) -> list[str]:
     bad = [s for s in SEVERITY if counts.get(s) and needs_attention(s)]
-
-    lines: list[str] = []
     if not slots:
-        lines.append("#### Quantized loading matrix: no cells selected")
+        head = "#### Quantized loading matrix: no cells selected"
     elif bad:
-        attention = sum(counts[s] for s in bad)
-        lines.append(f"#### Quantized loading matrix: {attention} of {len(slots)} cells need attention")
+        head = f"#### Quantized loading matrix: {sum(counts[s] for s in bad)} of {len(slots)} cells need attention"
     else:
-        lines.append(f"#### Quantized loading matrix: all {len(slots)} cells pass")
-    lines.append("")
-    lines.append(" · ".join(f"{_emoji(s)} {s} **{counts[s]}**" for s in STATES if counts.get(s)) or "nothing ran")
+        head = f"#### Quantized loading matrix: all {len(slots)} cells pass"
+    lines = [head, "", " · ".join(f"{_emoji(s)} {s} **{counts[s]}**" for s in STATES if counts.get(s)) or "nothing ran"]
     if merged.problems:
-        lines.append("")
-        lines.append(f"💥 **{len(merged.problems)} unreadable result file(s):** "
-                     + "; ".join(f"`{md(p.path, 120)}`: {md(p.message, 160)}" for p in merged.problems[:10]))
+        lines += ["", f"💥 **{len(merged.problems)} unreadable result file(s):** "
+                  + "; ".join(f"`{md(p.path, 120)}`: {md(p.message, 160)}" for p in merged.problems[:10])]
+    return lines
 
+
+def _tier_table(tier: str, slots: list[Slot], models_order: list[str], scheme_order: list[str]) -> list[str]:
+    """The collapsible table of one tier: rows schemes, columns models, each cell its engines."""
+    models = _in_order(models_order, {s.model for s in slots})
+    schemes = _in_order(scheme_order, {s.scheme for s in slots})
+    tier_bad = sum(1 for s in slots if needs_attention(s.state))
+    lines = ["", f"<details{' open' if tier_bad else ''}><summary><b>{html.escape(tier)}</b>: {_n(len(slots), 'cell')}"
+             f"{f', {tier_bad} need' + ('s' if tier_bad == 1 else '') + ' attention' if tier_bad else ', all pass'}</summary>", ""]
+    lines.append("| scheme \\\\ model | " + " | ".join(md(m, 60) for m in models) + " |")
+    lines.append("|---" * (len(models) + 1) + "|")
+    for sc in schemes:
+        cells = []
+        for m in models:
+            members = sorted((s for s in slots if s.model == m and s.scheme == sc), key=lambda s: s.engine)
+            cells.append(" ".join(f"{_emoji(s.state)}{md(ENGINES[s.engine].short if s.engine in ENGINES else s.engine, 20)}" for s in members) or " ")
+        lines.append(f"| {md(sc, 60)} | " + " | ".join(cells) + " |")
+    return lines + ["", "</details>"]
+
+
+def _tier_tables(slots: list[Slot], matrix=None) -> list[str]:
     models_order = list(matrix.models) if matrix is not None else []
     scheme_order: list[str] = []
     if matrix is not None:
         for m in matrix.models.values():
             scheme_order += [s for s in m.schemes if s not in scheme_order]
-    tiers = [t for t in TIERS if any(s[1] == t for s in slots)] + sorted({s[1] for s in slots} - set(TIERS))
-    for tier in tiers:
-        ts = [s for s in slots if s[1] == tier]
-        models = [m for m in models_order if any(s[2] == m for s in ts)] + sorted({s[2] for s in ts} - set(models_order))
-        schemes = [x for x in scheme_order if any(s[3] == x for s in ts)] + sorted({s[3] for s in ts} - set(scheme_order))
-        tier_bad = sum(1 for s in ts if needs_attention(s[5]))
-        lines += ["", f"<details{' open' if tier_bad else ''}><summary><b>{html.escape(tier)}</b>: {_n(len(ts), 'cell')}"
-                  f"{f', {tier_bad} need' + ('s' if tier_bad == 1 else '') + ' attention' if tier_bad else ', all pass'}</summary>", ""]
-        lines.append("| scheme \\\\ model | " + " | ".join(md(m, 60) for m in models) + " |")
-        lines.append("|---" * (len(models) + 1) + "|")
-        for sc in schemes:
-            row = []
-            for m in models:
-                members = sorted((s for s in ts if s[2] == m and s[3] == sc), key=lambda s: s[4])
-                row.append(" ".join(f"{_emoji(s[5])}{md(ENGINES[s[4]].short if s[4] in ENGINES else s[4], 20)}" for s in members) or " ")
-            lines.append(f"| {md(sc, 60)} | " + " | ".join(row) + " |")
-        lines += ["", "</details>"]
+    lines: list[str] = []
+    for tier in _in_order(list(TIERS), {s.tier for s in slots}):
+        lines += _tier_table(tier, [s for s in slots if s.tier == tier], models_order, scheme_order)
+    return lines
 
-    lines += accuracy.annotation_lines([e.record for e in merged.current.values()], md, "✅", "❌")
 
-    need = sorted((s for s in slots if needs_attention(s[5])), key=lambda s: (SEVERITY.index(s[5]), s[0]))
-    if need:
-        lines += ["", "**Needs attention**", ""]
-        for s in need[:MAX_ATTENTION]:
-            lines.append(f"- {_emoji(s[5])} `{md(s[0], 120)}` **{s[5]}**: {md(reasons.get(s[0]))}")
-        if len(need) > MAX_ATTENTION:
-            lines.append(f"- … and {len(need) - MAX_ATTENTION} more (see the report)")
-    if merged.notes:
-        lines += ["", "**Cross-engine comparison at merge**", ""] + [f"- {md(n)}" for n in merged.notes]
+def _needs_attention(slots: list[Slot]) -> list[str]:
+    need = sorted((s for s in slots if needs_attention(s.state)), key=lambda s: (SEVERITY.index(s.state), s.id))
+    if not need:
+        return []
+    lines = ["", "**Needs attention**", ""]
+    lines += [f"- {_emoji(s.state)} `{md(s.id, 120)}` **{s.state}**: {md(s.reason)}" for s in need[:MAX_ATTENTION]]
+    if len(need) > MAX_ATTENTION:
+        lines.append(f"- … and {len(need) - MAX_ATTENTION} more (see the report)")
+    return lines
+
+
+def _footer(merged: Merged, report_path: str) -> list[str]:
+    lines = (["", "**Cross-engine comparison at merge**", ""] + [f"- {md(n)}" for n in merged.notes]) if merged.notes else []
     legend = " · ".join(f"{_emoji(s)} {s}" for s in STATES)
     engines = " · ".join(f"{e.short} = {e.name}" for e in ENGINES.values())
-    lines += ["", f"<sub>{legend}. Engines: {engines}.</sub>", "",
-              f'<a href="artifact://{html.escape(report_path)}">Full report (HTML)</a> · JUnit XML: '
-              f"<code>{html.escape(report_path.rsplit('/', 1)[0])}/junit.xml</code>", ""]
-    return "\n".join(lines)
+    return lines + ["", f"<sub>{legend}. Engines: {engines}.</sub>", "",
+                    f'<a href="artifact://{html.escape(report_path)}">Full report (HTML)</a> · JUnit XML: '
+                    f"<code>{html.escape(report_path.rsplit('/', 1)[0])}/junit.xml</code>", ""]
+
+
+def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.html") -> str:
+    slots = _slots_of(merged, matrix)
+    lines = _headline(merged, slots, counts_of(s.state for s in slots)) + _tier_tables(slots, matrix)
+    lines += accuracy.annotation_lines([e.record for e in merged.current.values()], md, "✅", "❌")
+    return "\n".join(lines + _needs_attention(slots) + _footer(merged, report_path))
