@@ -26,7 +26,7 @@ from typing import ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from harness import files, store
+from harness import files, store, verdicts
 from harness.noise import Noise, NoiseError
 from harness.records import (
     CpuInfo,
@@ -409,7 +409,7 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
     if unreadable:
         messages.insert(0, f"old baseline unreadable, replaced: {unreadable}")
         material = True
-    if old is not None and not material and verdict not in ("regressed", "improved", "stale-baseline"):
+    if old is not None and not material and not verdicts.row(verdict).rewrites_baseline:
         return store.save(root, new, "unchanged", messages)
     return store.save(root, new, "new" if old is None and not unreadable else "updated", messages)
 

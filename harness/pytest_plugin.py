@@ -210,7 +210,7 @@ def check(result, record_property=None, record_path=None) -> None:
     for c in rec.checks:
         if not c.ok:
             lines.append(f"  check {c.name}: {c.detail}")
-    if verdict in ("missing-baseline", "stale-baseline"):
+    if verdicts.row(verdict).acceptable:
         lines.append(f"  to accept this result: pytest suites --update-baselines -k '{rec.cell}'  "
                      f"(or: harness run --update-baselines -k '{rec.cell}')")
     for m in result.messages:

@@ -140,6 +140,6 @@ def handle(kind: type[Content], root: str | Path, record: Record, *, update_base
         return Outcome(obtained=write_obtained(kind, root, record) if keep else None, refused=refusal)
     if record.status == "ok" and record.verdict in verdicts.WRITES_OBTAINED:
         return Outcome(obtained=write_obtained(kind, root, record))
-    if record.verdict == "pass":
+    if record.verdict in verdicts.CLEARS_OBTAINED:
         clear_obtained(kind, root, record.tier, record.cell)
     return Outcome()

@@ -3,9 +3,10 @@
 Every output reads its policy from here, so none can disagree with another (docs/design.md,
 "Verdicts"): ``harness run``'s exit status and ``harness report --strict`` (``fails_run``), the
 pytest plugin (``pytest``), JUnit XML (``junit``), the Buildkite annotation (``annotation``,
-``emoji``), the HTML report (``colour``, ``text``, ``meaning``, ``severity``) and the baselines
-(``baseline``: may a baseline be written from it; ``obtained``: is the obtained result written
-beside the baseline). ``harness.records.Verdict`` is built from this table's verdict rows.
+``emoji``), the HTML report (``colour``, ``text``, ``meaning``, ``severity``, ``shows_log``), the
+baselines (``baseline``: may a baseline be written from it; ``obtained``: is the obtained result
+written beside the baseline, or a stale one removed; ``rewrites_baseline``; ``acceptable``), the
+localisation (``localised``) and the report's cross-check (``has_results``). Adding a verdict means one row here, and the check that gives it. ``harness.records.Verdict`` is built from this table's verdict rows.
 
 The policy: a cell fails the run when it is wrong (regressed, failed, error), when it cannot be
 judged against a baseline of its own (missing-baseline, stale-baseline), when a known failure no
@@ -26,6 +27,7 @@ MISSING = "missing"  # not a verdict: an expected cell for which no record came 
 PytestOutcome = Literal["passed", "failed", "skipped", "xfailed"]
 JunitKind = Literal["passed", "failure", "error", "skipped"]
 AnnotationStyle = Literal["error", "warning", "info", "success"]
+ObtainedFile = Literal["write", "clear", "keep"]
 
 
 @dataclass(frozen=True)
@@ -36,39 +38,51 @@ class Row:
     pytest: PytestOutcome | None  # the test's outcome (None: no test has this state)
     junit: JunitKind
     baseline: bool  # --update-baselines may write a baseline from a record with this verdict
-    obtained: bool  # without --update-baselines, the obtained result is written beside the baseline
+    # Without --update-baselines, the obtained result beside the baseline: written, a stale one
+    # removed, or left as it is.
+    obtained: ObtainedFile
     annotation: AnnotationStyle  # the Buildkite annotation's style when this is the worst state
     colour: str  # background colour in the report
     text: str  # text colour on that background
     emoji: str  # the annotation's symbol
     meaning: str  # one line, the legend's
+    # The cell is traced again to localise its first diverging module (harness.traces.jobs).
+    localised: bool = False
+    # The report shows the tail of the engine child's log.
+    shows_log: bool = False
+    # --update-baselines rewrites the baseline even when no stored value changed.
+    rewrites_baseline: bool = False
+    # The failure message says how to accept the result as the baseline.
+    acceptable: bool = False
+    # The record holds results that the report's cross-check compares across engines.
+    has_results: bool = True
     verdict: bool = True  # False for ``missing``, which only the report knows
 
 
 _ROWS = (
-    Row("pass", False, 10, "passed", "passed", True, False, "success", "#2e7d32", "#ffffff", "✅",
+    Row("pass", False, 10, "passed", "passed", True, "clear", "success", "#2e7d32", "#ffffff", "✅",
         "matches the baseline within the bounds"),
-    Row("regressed", True, 2, "failed", "failure", True, True, "error", "#d32f2f", "#ffffff", "📉",
-        "differs from the baseline beyond the bounds (or loads slower)"),
-    Row("improved", False, 9, "passed", "passed", True, True, "success", "#00897b", "#ffffff", "🚀",
-        "loads faster than 1/bound of the baseline (gated tiers)"),
-    Row("failed", True, 1, "failed", "failure", False, True, "error", "#7b1fa2", "#ffffff", "❌",
-        "engines disagree beyond the bounds, or a module differs from the reference"),
-    Row("error", True, 0, "failed", "error", False, False, "error", "#212121", "#ffffff", "💥",
-        "crashed, timed out, or was never judged"),
+    Row("regressed", True, 2, "failed", "failure", True, "write", "error", "#d32f2f", "#ffffff", "📉",
+        "differs from the baseline beyond the bounds (or loads slower)", localised=True, shows_log=True, rewrites_baseline=True),
+    Row("improved", False, 9, "passed", "passed", True, "write", "success", "#00897b", "#ffffff", "🚀",
+        "loads faster than 1/bound of the baseline (gated tiers)", rewrites_baseline=True),
+    Row("failed", True, 1, "failed", "failure", False, "write", "error", "#7b1fa2", "#ffffff", "❌",
+        "engines disagree beyond the bounds, or a module differs from the reference", localised=True, shows_log=True),
+    Row("error", True, 0, "failed", "error", False, "keep", "error", "#212121", "#ffffff", "💥",
+        "crashed, timed out, or was never judged", shows_log=True, has_results=False),
     # skipped when a capability probe says so; xfailed when a known failure does (pytest_outcome)
-    Row("unsupported", False, 8, "skipped", "skipped", False, False, "info", "#b0bec5", "#263238", "⚪",
-        "a capability probe or a known failure says this engine cannot run it"),
-    Row("waived", False, 7, "xfailed", "skipped", False, True, "info", "#8d6e63", "#ffffff", "🟤",
-        "fails, exactly as a known failure in models.yaml says"),
-    Row("unexpected-pass", True, 5, "failed", "failure", True, False, "warning", "#fbc02d", "#3e2723", "❗",
+    Row("unsupported", False, 8, "skipped", "skipped", False, "keep", "info", "#b0bec5", "#263238", "⚪",
+        "a capability probe or a known failure says this engine cannot run it", has_results=False),
+    Row("waived", False, 7, "xfailed", "skipped", False, "write", "info", "#8d6e63", "#ffffff", "🟤",
+        "fails, exactly as a known failure in models.yaml says", shows_log=True),
+    Row("unexpected-pass", True, 5, "failed", "failure", True, "keep", "warning", "#fbc02d", "#3e2723", "❗",
         "passes although a known failure covers it: narrow models.yaml"),
-    Row("stale-baseline", True, 4, "failed", "failure", True, True, "warning", "#ef6c00", "#ffffff", "⏳",
-        "the baseline is from another engine version, platform or fixture: not a pass"),
-    Row("missing-baseline", True, 6, "failed", "failure", True, True, "warning", "#1976d2", "#ffffff", "❔",
-        "no baseline stored: not a pass"),
-    Row(MISSING, True, 3, None, "error", False, False, "error", "#ffffff", "#424242", "⛔",
-        "expected, but no result record came back (crash, lost agent, cancel)", verdict=False),
+    Row("stale-baseline", True, 4, "failed", "failure", True, "write", "warning", "#ef6c00", "#ffffff", "⏳",
+        "the baseline is from another engine version, platform or fixture: not a pass", rewrites_baseline=True, acceptable=True),
+    Row("missing-baseline", True, 6, "failed", "failure", True, "write", "warning", "#1976d2", "#ffffff", "❔",
+        "no baseline stored: not a pass", acceptable=True),
+    Row(MISSING, True, 3, None, "error", False, "keep", "error", "#ffffff", "#424242", "⛔",
+        "expected, but no result record came back (crash, lost agent, cancel)", has_results=False, verdict=False),
 )
 
 ROWS: dict[str, Row] = {r.name: r for r in _ROWS}
@@ -77,7 +91,9 @@ STATES: tuple[str, ...] = (*VERDICTS, MISSING)
 SEVERITY: tuple[str, ...] = tuple(sorted(STATES, key=lambda s: ROWS[s].severity))  # worst first
 FAILING: frozenset[str] = frozenset(s for s in STATES if ROWS[s].fails_run)
 REFUSED_BASELINE: frozenset[str] = frozenset(v for v in VERDICTS if not ROWS[v].baseline)
-WRITES_OBTAINED: frozenset[str] = frozenset(v for v in VERDICTS if ROWS[v].obtained)
+WRITES_OBTAINED: frozenset[str] = frozenset(v for v in VERDICTS if ROWS[v].obtained == "write")
+CLEARS_OBTAINED: frozenset[str] = frozenset(v for v in VERDICTS if ROWS[v].obtained == "clear")
+LOCALISED: frozenset[str] = frozenset(v for v in VERDICTS if ROWS[v].localised)
 
 
 def row(state: str) -> Row:

@@ -3,8 +3,10 @@ status, `harness report --strict`, the pytest plugin, JUnit XML, the Buildkite a
 HTML report agree with it for every verdict (and the report's state "missing")."""
 from __future__ import annotations
 
+import ast
 import xml.etree.ElementTree as ET
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 import report_scenario as rs
@@ -27,6 +29,25 @@ def test_the_table_is_the_one_list_of_verdicts():
     assert V.SEVERITY[0] == "error" and V.SEVERITY[-1] == "pass"
     # baselines.py reads these two sets: it refuses and writes obtained files as the table says
     assert V.REFUSED_BASELINE == {"failed", "error", "unsupported", "waived"}
+
+
+def test_no_module_keeps_its_own_list_of_verdicts():
+    """Adding a verdict means one row of harness/verdicts.py: no other module holds a literal
+    tuple, list or set of two or more verdict names (a policy column of the table decides; a
+    ``Literal[...]`` of record statuses, which share two of the names, is not such a list)."""
+    names = set(V.STATES)
+    found = []
+    for path in sorted(Path(V.__file__).parent.rglob("*.py")):
+        if path.name == "verdicts.py":
+            continue
+        tree = ast.parse(path.read_text())
+        type_arguments = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}  # Literal[...]
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and id(node) not in type_arguments:
+                listed = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+                if len(listed) >= 2:
+                    found.append(f"{path.name}:{node.lineno}: {listed}")
+    assert found == []
 
 
 def test_the_policy():

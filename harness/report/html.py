@@ -32,7 +32,7 @@ from harness.registry import ENGINE_NAMES
 from harness.report import charts
 from harness.report.states import counts_of, state_of
 from harness.report.merge import Entry, Merged
-from harness.verdicts import ROWS, SEVERITY, STATES, needs_attention, worst
+from harness.verdicts import ROWS, SEVERITY, STATES, needs_attention, row, worst
 from harness.report import accuracy, localisation
 
 LOG_LINES = 60  # lines of an engine log shown
@@ -225,7 +225,7 @@ def _provenance(entry: Entry, baseline) -> dict:
 def _log_tail(entry: Entry) -> dict | None:
     r = entry.record
     out: dict[str, Any] = {"error": r.error, "file": None, "unreadable": None}
-    if r.status != "ok" or state_of(r) in ("error", "failed", "regressed", "waived"):
+    if r.status != "ok" or row(state_of(r)).shows_log:
         if entry.log is not None:
             try:
                 lines = entry.log.read_text(errors="replace").splitlines()[-LOG_LINES:]

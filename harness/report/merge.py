@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import compare
+from harness import compare, verdicts
 from harness.records import Record, RecordError
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ def _cross_check(entry: Entry, others: list[Record], cell, known, merged: Merged
     checks = [*rec.checks, *new]
     failing_new = [c for c in new if not c.ok]
     j = None
-    if failing_new and rec.verdict not in (None, "error", "unsupported"):
+    if failing_new and rec.verdict is not None and verdicts.row(rec.verdict).has_results:
         j = compare.disagreement(rec, checks, cell.known_failures)
     if j is None:
         entry.record = rec.model_copy(update={"checks": checks})

@@ -26,6 +26,7 @@ from filelock import FileLock
 from harness import baselines as B
 from harness import measure_noise
 from harness import records as R
+from harness import verdicts
 from harness.layout import Layout, group_key
 from harness.matrix import ENGINES
 from harness.noise import NoiseError
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
     from harness.matrix import Cell
     from harness.traces import PromptTrace
     from harness.traces.noise import Measured, ModuleNoise
-
-LOCALISED_VERDICTS = ("failed", "regressed")
-
 
 class TraceUnavailable(Exception):
     """A trace child did not record traces; ``str()`` is one line."""
@@ -116,7 +114,7 @@ class Tracer:
 
     # ---- localisation ----------------------------------------------------------------------
     def wanted(self, record: R.Record) -> bool:
-        return record.status == "ok" and (self.always or record.verdict in LOCALISED_VERDICTS)
+        return record.status == "ok" and (self.always or record.verdict in verdicts.LOCALISED)
 
     def localise(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> list[R.Localisation]:
         """The record's localisations (empty when the cell is not traced)."""
