@@ -39,8 +39,9 @@ from typing import Any
 
 import yaml
 
+from harness import matrix as mx
 from harness.changes import git_changed_files, git_show, select_changed
-from harness.matrix import ENGINES, TIERS, Cell, Environment, Matrix, MatrixError
+from harness.matrix import DEFAULT_PATH, ENGINES, TIERS, Cell, Environment, Matrix, MatrixError
 
 # ------------------------------------------------------------------------------------ queues
 
@@ -487,7 +488,6 @@ def add_arguments(p) -> None:
 
 def _matrix_arg(path: str | None) -> tuple[Path, str]:
     """The matrix file, and its path as the steps see it (relative to the checkout root)."""
-    from harness.matrix import DEFAULT_PATH
 
     if path is None:
         return DEFAULT_PATH, "models.yaml"
@@ -510,7 +510,6 @@ def _read_lines(path: str) -> list[str]:
 def run(args) -> int:
     import sys
 
-    from harness import matrix as mx
 
     try:
         mpath, mrel = _matrix_arg(args.matrix)

@@ -4,11 +4,13 @@ import sys
 import time
 from pathlib import Path
 
-from harness import files
+from harness import files, hub, liblog
+from harness.accuracy import build as accuracy_build
 from harness.errors import CheckpointError, UsageError
 
 
 def _load(args) -> int:
+    # lazy: torch, transformers and more, +5.8 s (scripts/import-graph --costs)
     from harness import reference
 
     loaded = reference.load(args.path, quantization=args.quantize)
@@ -17,6 +19,7 @@ def _load(args) -> int:
 
 
 def _fixtures(args) -> int:
+    # lazy: numpy, regex, +110 ms (scripts/import-graph --costs)
     from harness import fixtures
 
     names = fixtures.names()
@@ -42,6 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _selected_cells(args):
+    # lazy: pydantic, +250 ms (scripts/import-graph --costs)
     from harness import matrix
 
     m = matrix.load(args.matrix)
@@ -82,6 +86,7 @@ class Progress:
             print(line, file=self.stream, flush=True)
 
     def cell(self, i: int, n: int, res) -> None:
+        # lazy: pydantic, numpy and more, +480 ms (scripts/import-graph --costs)
         from harness import runner
 
         self.echo(runner.progress_line(i, n, res))
@@ -99,6 +104,7 @@ class Progress:
 
 
 def _run(args) -> int:
+    # lazy: pydantic, numpy and more, +340 ms (scripts/import-graph --costs)
     from harness import matrix, runner
 
     m, cells = _selected_cells(args)
@@ -116,11 +122,13 @@ def _run(args) -> int:
     for w in matrix.warnings(cells):
         print(w, file=sys.stderr)
     if not args.dry_run:
+        # lazy: numpy, regex, +110 ms (scripts/import-graph --costs)
         from harness.fixtures import benchmark
 
         benchmark.ensure_for_cells(m, cells)  # cpu-load's checkpoints are built on demand
     matrix.check_paths(m, cells)
     if args.dry_run:
+        # lazy: pydantic, +200 ms (scripts/import-graph --costs)
         from harness import dryrun
 
         return dryrun.report(m, cells, matrix_path=args.matrix, baselines_root=args.baselines, tier=args.tier)
@@ -162,19 +170,19 @@ def _run(args) -> int:
 
 
 def _prefetch(args) -> int:
-    from harness import hub
-
     _, cells = _selected_cells(args)
     return hub.run_prefetch(args, cells)
 
 
 def _pin(args) -> int:
+    # lazy: pydantic, +190 ms (scripts/import-graph --costs)
     from harness import pin
 
     return pin.run(args)
 
 
 def _bench(args) -> int:
+    # lazy: pydantic, numpy and more, +270 ms (scripts/import-graph --costs)
     from harness import bench
 
     return bench.run(args)
@@ -182,7 +190,9 @@ def _bench(args) -> int:
 
 def _finish(args, m, cells, r, results_list, wall: float) -> int:
     """The verdict table, the baseline changes, the report; the exit status (harness.verdicts)."""
+    # lazy: pydantic, numpy and more, +290 ms (scripts/import-graph --costs)
     from harness import runner, supervise
+    # lazy: pydantic, +150 ms (scripts/import-graph --costs)
     from harness.report import write_reports
 
     table, code = runner.summary_text(results_list)
@@ -222,6 +232,7 @@ def parser() -> argparse.ArgumentParser:
 
     # cells and run: the matrix on the engines (harness.runner)
     def selection(sp):
+        # lazy: pydantic, +250 ms (scripts/import-graph --costs)
         from harness.matrix import DEFAULT_PATH, TIERS
 
         sp.add_argument("-k", metavar="EXPR", help="select cells with a pytest -k expression over their ids")
@@ -260,6 +271,7 @@ def parser() -> argparse.ArgumentParser:
     pf = sub.add_parser("prefetch", help="fetch the hub checkpoints of the selected cells into this machine's hub "
                                          "cache, once, with a timeout and retries per checkpoint (exit 75 on failure)")
     selection(pf)
+    # lazy: pydantic, +200 ms (scripts/import-graph --costs)
     from harness import hub, pin
 
     hub.add_prefetch_arguments(pf)
@@ -270,6 +282,7 @@ def parser() -> argparse.ArgumentParser:
     pn.set_defaults(func=_pin)
 
     # report and pipeline: their arguments and logic live in harness.report and harness.buildkite
+    # lazy: pydantic, +230 ms (scripts/import-graph --costs)
     from harness import buildkite, report
 
     rp = sub.add_parser("report", help="write the HTML report, JUnit XML and Buildkite annotation from result directories")
@@ -280,6 +293,7 @@ def parser() -> argparse.ArgumentParser:
     buildkite.add_arguments(pl)
     pl.set_defaults(func=buildkite.run)
 
+    # lazy: pydantic, numpy and more, +270 ms (scripts/import-graph --costs)
     from harness import bench
 
     bn = sub.add_parser("bench", help="measure load, decode, the load-time gate and the matrix's wall time; "
@@ -287,7 +301,6 @@ def parser() -> argparse.ArgumentParser:
     bench.add_arguments(bn)
     bn.set_defaults(func=_bench)
 
-    from harness.accuracy import build as accuracy_build
 
     acc = sub.add_parser("accuracy", help="list the offline tiny accuracy tasks, or rebuild them on purpose")
     accuracy_build.add_arguments(acc)
@@ -296,13 +309,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from harness import liblog
-
     liblog.route()  # the libraries' own messages go to a log, never to the terminal
+    # lazy: pydantic, +250 ms (scripts/import-graph --costs)
     from harness.matrix import MatrixError
 
     args = parser().parse_args(argv)
     if getattr(args, "baselines", "unset") is None:
+        # lazy: pydantic, +250 ms (scripts/import-graph --costs)
         from harness.baselines import DEFAULT_ROOT
 
         args.baselines = str(DEFAULT_ROOT)

@@ -18,14 +18,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness import buildkite, probes
 from harness import baselines as B
-from harness import probes
 from harness.matrix import UNPINNED, Cell, Matrix, MatrixError
 
 
 def _environment(m: Matrix, name: str) -> tuple[str, str | None]:
     """(what the environment is, its problem or None)."""
-    from harness import buildkite
 
     env = m.environments[name]
     try:
@@ -37,8 +36,6 @@ def _environment(m: Matrix, name: str) -> tuple[str, str | None]:
 
 
 def _queue(cell: Cell) -> tuple[str, str | None]:
-    from harness import buildkite
-
     try:
         return buildkite.queue_for(cell).name, None
     except MatrixError as e:
@@ -47,6 +44,7 @@ def _queue(cell: Cell) -> tuple[str, str | None]:
 
 def _checkpoint(cell: Cell, matrix_dir: Path) -> str:
     if cell.source_kind == "fixture":
+        # lazy: numpy, regex, +100 ms (scripts/import-graph --costs)
         from harness.fixtures import cache
 
         state = "cached" if cache.fixture_dir(cell.fixture_name).is_dir() else "built on first use"

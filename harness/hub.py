@@ -46,6 +46,7 @@ def cache_dir() -> Path:
 
 def ref_for(revision: str) -> str:
     """The revision to ask the hub for: a pinned commit, or ``main`` for ``unpinned``."""
+    # lazy: pydantic, yaml, +300 ms (scripts/import-graph --costs)
     from harness.matrix import UNPINNED
 
     return MAIN if revision == UNPINNED else revision

@@ -21,6 +21,7 @@ import yaml
 
 from harness import hub
 from harness import matrix as M
+from harness.matrix import DEFAULT_PATH
 
 
 def _child(node: yaml.MappingNode, key: str):
@@ -99,8 +100,6 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
-    from harness.matrix import DEFAULT_PATH
-
     p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (default: models.yaml)")
     p.add_argument("--model", action="append", metavar="NAME", help="only this model (repeatable)")
     p.add_argument("--ref", default=hub.MAIN, help="the branch or tag to resolve (default: main)")

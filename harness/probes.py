@@ -215,6 +215,7 @@ def configuration_problems(cell: Cell, matrix_dir: Path) -> list[str]:
     if cell.engine not in ENGINES:
         problems.append(f"the {cell.engine} engine is not implemented in this harness version")
     if cell.source_kind == "fixture":
+        # lazy: numpy, regex, +150 ms (scripts/import-graph --costs)
         from harness import fixtures
 
         if cell.fixture_name not in fixtures.names():

@@ -39,8 +39,10 @@ from pathlib import Path
 
 import pytest
 
+from harness import baselines, matrix, verdicts
 from harness import records as R
-from harness.matrix import MatrixError
+from harness.layout import default_results_dir
+from harness.matrix import DEFAULT_PATH, MatrixError
 
 __all__ = [
     "harness_runner",
@@ -71,9 +73,6 @@ def pytest_addoption(parser):
 
 class _State:
     def __init__(self, config):
-        from harness import baselines
-        from harness.matrix import DEFAULT_PATH
-
         opt = config.option
         self.config = config
         self.matrix_path = Path(opt.matrix or DEFAULT_PATH)
@@ -90,8 +89,6 @@ class _State:
     @property
     def matrix(self):
         if self._matrix is None:
-            from harness import matrix
-
             try:
                 self._matrix = matrix.load(self.matrix_path)
             except MatrixError as e:
@@ -128,8 +125,6 @@ def pytest_configure(config):
         for sub in ("raw", "witness", "sequences"):  # an earlier session's results must not be reused
             shutil.rmtree(state.results / sub, ignore_errors=True)
     else:
-        from harness.layout import default_results_dir
-
         state.results = default_results_dir(prefix="pytest-")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistHooks(state), "harness-xdist")
@@ -164,6 +159,7 @@ def pytest_collection_finish(session):
              if hasattr(item, "callspec") and "harness_cell" in item.callspec.params]
     if not cells:
         return
+    # lazy: numpy, filelock and more, +320 ms (scripts/import-graph --costs)
     from harness.runner import Runner
 
     state.runner = Runner(state.matrix, cells, results=state.results, baselines_root=state.baselines,
@@ -176,6 +172,7 @@ def harness_runner(request):
     if state.runner is None:
         pytest.fail("harness: no runner (the harness_cell parametrization did not run)", pytrace=False)
     if not state.prepared:  # created on first use: --collect-only leaves no results directory
+        # lazy: numpy, regex, +300 ms (scripts/import-graph --costs)
         from harness.fixtures import benchmark
 
         benchmark.ensure_for_cells(state.matrix, state.runner.cells)  # cpu-load's, built on demand (locked)
@@ -189,7 +186,7 @@ def harness_runner(request):
 
 def check(result, record_property=None, record_path=None) -> None:
     """Turn a judged cell into the test's outcome (see the module docstring)."""
-    from harness import verdicts
+    # lazy: numpy, filelock and more, +320 ms (scripts/import-graph --costs)
     from harness.runner import one_line
 
     rec: R.Record = result.record
@@ -237,7 +234,6 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if getattr(config, "workerinput", None) is not None or not _REPORTS:
         return
-    from harness import verdicts
 
     state = config.stash.get(_STASH, None)
     tr = terminalreporter

@@ -114,6 +114,7 @@ def greedy(model, prompt: Prompt, max_tokens: int, k: int, stop=None) -> Greedy:
 
 def fixture_prompts(path) -> list[Prompt]:
     """The fixed prompts of a fixture directory, from its manifest."""
+    # lazy: regex, +60 ms (scripts/import-graph --costs)
     from harness import fixtures
 
     inputs = fixtures.prompt_inputs(fixtures.manifest(path))

@@ -251,8 +251,6 @@ def test_the_calibration_passes_run_for_real(small_calibration):
 
 
 def test_a_gated_checkpoint_is_read_into_the_page_cache_only_where_it_fits(tmp_path, monkeypatch):
-    from harness import runner
-
     (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
     read = []
     real_open = open

@@ -155,6 +155,7 @@ def test_choose_files_prefers_safetensors_and_skips_other_frameworks():
 
 
 def test_prefetch_once_per_agent_then_cells_read_the_snapshot_without_the_hub(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # an in-process vLLM test of this worker sets it
     cache = tmp_path / "hub"
     with StandinHub({"acme/tiny": REPO}) as standin:
         o = hub.prefetch("acme/tiny", sha(42), endpoint=standin.url, cache=cache, attempts=1, log=lambda s: None)
@@ -177,7 +178,8 @@ def test_prefetch_once_per_agent_then_cells_read_the_snapshot_without_the_hub(tm
     assert hub.prefetched("acme/tiny", sha(42), cache) is None
 
 
-def test_prefetch_retries_and_times_out_per_attempt(tmp_path):
+def test_prefetch_retries_and_times_out_per_attempt(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # an in-process vLLM test of this worker sets it
     cache = tmp_path / "hub"
     lines: list[str] = []
     with StandinHub({"acme/tiny": REPO}) as standin:

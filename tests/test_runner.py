@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, cpu, loadtime, runner, supervise
+from harness import cli, cpu, runner, supervise
 from harness import records as R
 
 ROOT = Path(__file__).resolve().parent.parent

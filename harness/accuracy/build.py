@@ -159,7 +159,9 @@ def _write(directory: Path, recipe: Recipe, items: list[dict], until: list[str] 
 
 
 def _unquantized_engine(recipe: Recipe):
+    # lazy: pydantic, +300 ms (scripts/import-graph --costs)
     from harness import matrix
+    # lazy: pydantic, +230 ms (scripts/import-graph --costs)
     from harness.engines import base
 
     cell = {c.id: c for c in matrix.load().cells()}[f"{recipe.model}.unquantized.reference"]
@@ -173,7 +175,9 @@ def score(recipe: Recipe, yaml_path: Path) -> dict:
     """What the unquantized fixture does on the items of ``yaml_path``, through lm-eval on the
     reference engine: per item the choices' loglikelihoods, or the generated text and its smallest
     step gap, or the text's loglikelihood."""
+    # lazy: pydantic, +230 ms (scripts/import-graph --costs)
     from harness.accuracy.lmeval import make_lm, run_task
+    # lazy: pydantic, +180 ms (scripts/import-graph --costs)
     from harness.accuracy.spec import CellAccuracyTask, Gate
 
     engine, ckpt = _unquantized_engine(recipe)
@@ -227,6 +231,7 @@ def build(recipe: Recipe, out_dir: Path = DATA_DIR, say=print) -> Path:
     import torch
     from transformers import AutoTokenizer
 
+    # lazy: numpy, regex, +180 ms (scripts/import-graph --costs)
     from harness import fixtures
 
     torch.set_num_threads(1)

@@ -148,7 +148,8 @@ def make_lm(engine, checkpoint, log: Callable[[str], None] = lambda s: None, **o
     """The registered ``harness`` lm-eval model over a loaded engine."""
     from lm_eval.api.registry import get_model
 
-    import harness.accuracy.lm  # noqa: F401  (registers the model)
+    # lazy: lm_eval, which this module imports only where a task runs; importing it registers the model
+    import harness.accuracy.lm  # noqa: F401
 
     return get_model("harness").create_from_arg_obj({"engine": engine, "checkpoint": checkpoint, "log": log, **options})
 

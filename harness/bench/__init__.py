@@ -16,16 +16,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from harness import cpu
+from harness.bench import decode, detection, load, matrix_run, report
+from harness.errors import UsageError
 from harness.fixtures import benchmark
 from harness.loadtime import REPO_ROOT
-from harness.errors import UsageError
 
 PARTS = ("load", "decode", "detection", "matrix")
 QUICK_PARTS = ("load", "decode")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from harness.bench import matrix_run
+    # lazy: yaml, +60 ms (scripts/import-graph --costs)
     from harness.matrix import DEFAULT_PATH
 
     p.add_argument("--parts", metavar="P[,P]", help=f"the parts to run: {', '.join(PARTS)} (default: all; "
@@ -71,8 +73,6 @@ def _median_of(results: list) -> object:
 
 
 def load_part(sizes: list[str], repeats: int, echo: Callable[[str], None]) -> tuple[list[dict], dict]:
-    from harness.bench import load
-
     rows, kept = [], {}
     for size in sizes:
         for fmt in benchmark.FORMATS:
@@ -94,7 +94,6 @@ def load_part(sizes: list[str], repeats: int, echo: Callable[[str], None]) -> tu
 def load_profile(rows: list[dict], kept: dict) -> tuple[str, str]:
     """(title, text): the reference's load phases of every case and a cProfile of the slowest
     (reference over transformers)."""
-    from harness.bench import load
 
     worst = max(rows, key=lambda r: r["reference_s"] / r["transformers_s"])
     phases = [f"{r['size']} {r['format']}: " + ", ".join(f"{k} {v:.3f}" for k, v in
@@ -106,8 +105,6 @@ def load_profile(rows: list[dict], kept: dict) -> tuple[str, str]:
 
 
 def decode_part(echo: Callable[[str], None]) -> list[dict]:
-    from harness.bench import decode
-
     rows = []
     for fmt in benchmark.FORMATS:
         r = decode.measure(fmt, benchmark.build("S", fmt, echo))
@@ -122,7 +119,6 @@ def decode_profile(rows: list[dict]) -> tuple[str, str]:
     import io
     import pstats
 
-    from harness.bench import decode, report
 
     worst = max(report.decoded(rows), key=lambda r: r["ratio"])
     profiler = cProfile.Profile()
@@ -133,8 +129,8 @@ def decode_profile(rows: list[dict]) -> tuple[str, str]:
 
 
 def detection_part(args, echo: Callable[[str], None]) -> dict:
+    # lazy: yaml, +60 ms (scripts/import-graph --costs)
     from harness import matrix
-    from harness.bench import detection
 
     m = matrix.load(args.matrix)
     cells = m.cells(tier="cpu-load")
@@ -155,8 +151,6 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
 
 
 def matrix_part(before: str, select: str | None, echo: Callable[[str], None]) -> tuple[dict, str]:
-    from harness.bench import matrix_run
-
     b, a = matrix_run.measure(before, echo, select)
     slowest = "\n".join(f"{cell}: {s:.1f} s" for cell, s in a.slowest)
     return ({"before_s": b.seconds, "after_s": a.seconds, "before": f"{b.ref} {b.commit[:10]}",
@@ -168,8 +162,7 @@ def matrix_part(before: str, select: str | None, echo: Callable[[str], None]) ->
 
 
 def run(args) -> int:
-    from harness import cpu
-    from harness.bench import report
+    # lazy: torch, +1.6 s (scripts/import-graph --costs)
     from harness.quant import native
 
     parts, sizes = _parts(args), _sizes(args)

@@ -47,7 +47,9 @@ def measure(fmt: str, path: Path, repeats: int = 9) -> DecodeResult:
     """Decode and fill of ``WEIGHT`` of the checkpoint at ``path`` (format ``fmt``)."""
     import torch
 
+    # lazy: torch, +1.4 s (scripts/import-graph --costs)
     from harness.quant import formats
+    # lazy: torch, +1.8 s (scripts/import-graph --costs)
     from harness.quant.source import TensorSource
 
     torch.set_num_threads(1)

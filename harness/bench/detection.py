@@ -49,6 +49,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from harness import loadtime
+from harness.engines import base, reference, transformers  # noqa: F401
+from harness.loadtime import BASELINE_CHILDREN, load_statistic, lower_median, retimed
+
 REPEATS = (1, 3, 5, 9)
 STATISTICS = ("min", "median")
 CONFIRMATIONS = (0, 1, 2)
@@ -68,7 +72,6 @@ class CellRun:
 
     def value(self, k: int, statistic: str) -> float:
         """load/calibration under a rule (the first ``k`` loads, their ``statistic``)."""
-        from harness.loadtime import load_statistic
 
         return load_statistic(list(self.samples[:k]), statistic) / self.calibration
 
@@ -200,7 +203,6 @@ def _back_to_back_sd(pairs: Sequence[tuple[CellRun, CellRun]], k: int, stat: str
 def baseline_of(choice: Sequence[Sequence[CellRun]], k: int, stat: str, children: int) -> dict[str, float]:
     """Each cell's baseline value under a rule: its median child (the lower of an even count) of
     the first ``children`` choice runs, as harness.loadtime.baseline_load records one."""
-    from harness.loadtime import lower_median
 
     return {cell: lower_median([cr.value(k, stat) for run in choice[:children] for cr in run if cr.cell == cell],
                                key=float)
@@ -322,7 +324,7 @@ def cell_run(cell, path, repeats: int, slow: float = 0.0) -> CellRun:
     """One cell-run: the engine's own load in a fresh (forked) process, ``repeats`` loads."""
 
     def child() -> dict:
-        from harness import loadtime
+        # lazy: yaml, +80 ms (scripts/import-graph --costs)
         from harness.engines import base, worker
 
         loadtime.LOAD_REPEATS = repeats
@@ -342,8 +344,6 @@ def preload(cells, paths: dict) -> None:
     """Import in this (parent) process what the children would import, as the fork server does."""
     import torch
 
-    from harness import loadtime
-    from harness.engines import base, reference, transformers  # noqa: F401
 
     torch.set_num_threads(1)
     loadtime.calibration_file()
@@ -356,7 +356,6 @@ def preload(cells, paths: dict) -> None:
 def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> list[CellRun]:
     """One cell-run as the gate makes it: a ``child()``, and while the last is over the threshold
     up to ``rule.confirmations`` more."""
-    from harness.loadtime import retimed
 
     return retimed(child(), child, lambda cr: cell_flags(base, [cr], rule), rule.confirmations)
 
@@ -364,7 +363,6 @@ def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> l
 def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_runs: int,
             echo: Callable[[str], None] = print) -> Detection:
     """Choose the rule on clean runs, then evaluate it on held-out runs (module docstring)."""
-    from harness.loadtime import BASELINE_CHILDREN
 
     t0 = time.perf_counter()
     preload(cells, paths)

@@ -34,6 +34,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from harness.engines import reference as reference_engine
+from harness.engines import transformers as transformers_engine
+from harness.engines.base import Checkpoint
+from harness.fixtures.benchmark import weight_files
+from harness.loadtime import warm_page_cache
+
 ENGINES = ("reference", "transformers")
 PROMPT_TOKENS = 16
 PROFILE_TOP = 15
@@ -112,26 +118,21 @@ def _touch(model) -> None:
 
 def _loader(engine: str, path: Path):
     """The engine's load (after its warm-up), as a function returning the model."""
-    from harness.engines.base import Checkpoint
-
     checkpoint = Checkpoint(path)
     if engine == "reference":
-        from harness import reference
-        from harness.engines.reference import warm_imports
+        from harness import reference  # lazy: torch and the formats' libraries, ~5 s (scripts/import-graph --costs)
 
-        warm_imports(checkpoint)
+        reference_engine.warm_imports(checkpoint)
         return lambda: reference.load(path)
     import torch
     import transformers
 
-    from harness.engines.transformers import bnb_float_compute, warm_imports
-
-    warm_imports(checkpoint)
+    transformers_engine.warm_imports(checkpoint)
     cls = getattr(transformers, checkpoint.config["architectures"][0])
 
     def load():
         model = cls.from_pretrained(path, device_map="cpu", dtype=torch.float32).eval()
-        bnb_float_compute(model)
+        transformers_engine.bnb_float_compute(model)
         return model
 
     return load
@@ -141,8 +142,6 @@ def _child(engine: str, path: Path, profile: bool) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from harness.fixtures.benchmark import weight_files
-
     load = _loader(engine, path)
     checkpoint_files = {str(f.resolve()) for f in weight_files(path)}
     rss, library = _rss_mb(), _library_mb(checkpoint_files)
@@ -198,9 +197,6 @@ def measure(engine: str, path: Path, profile: bool = False, timeout_s: float = 1
 
 def floor(path: Path, repeats: int = 3) -> float:
     """Seconds to read the weight files from the page cache into one preallocated buffer."""
-    from harness.loadtime import warm_page_cache
-    from harness.fixtures.benchmark import weight_files
-
     files = weight_files(path)
     buffer = bytearray(max(f.stat().st_size for f in files))
     warm_page_cache(path)  # the gated engines' own: a floor read from the disk is no floor

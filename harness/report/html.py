@@ -266,6 +266,7 @@ class _Baselines:
         self._cache: dict[str, Any] = {}
 
     def get(self, record: Record):
+        # lazy: pydantic, +50 ms (scripts/import-graph --costs)
         from harness import baselines as B
 
         if record.cell not in self._cache:

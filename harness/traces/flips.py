@@ -54,6 +54,7 @@ def explain(fp: Fingerprint, traces: list[PromptTrace], prompts: list[PromptDelt
 def _flip_at(p: PromptDeltas, m: str, trace: PromptTrace, rows: dict) -> R.FlipAt:
     import torch
 
+    # lazy: torch, numpy, +3.8 s (scripts/import-graph --costs)
     from harness.quant import fp8
 
     module, kind, why = classify(p, m)

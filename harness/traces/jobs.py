@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING, Protocol
 
 from filelock import FileLock
 
+from harness import measure_noise, traces, verdicts
 from harness import baselines as B
-from harness import measure_noise
 from harness import records as R
-from harness import verdicts
 from harness.layout import Layout, group_key
 from harness.matrix import ENGINES
 from harness.noise import NoiseError
 from harness.registry import fuses_shards
+from harness.traces import diff, fingerprint, flips
+from harness.traces.localise import localise
 
 if TYPE_CHECKING:
     from harness.matrix import Cell
@@ -74,7 +75,6 @@ class Tracer:
         """The cell's traces of ``sequences`` (the reference executed fused or not as ``fuse``
         says; None: as the engine executes), from a trace child, once per run (a file lock shares
         them between the runner's threads and pytest-xdist workers)."""
-        from harness import traces
 
         variant = "" if fuse is None or fuse == fuses_shards(cell.engine) else ".fused" if fuse else ".unfused"
         out = self._path(cell.id, variant)
@@ -131,8 +131,6 @@ class Tracer:
         return [e for e in ENGINES if e in failing and e in raws and raws[e].status == "ok"]
 
     def _against_engine(self, cell: Cell, engine: str, record: R.Record) -> R.Localisation | None:
-        from harness.traces import diff
-
         other = next((c for c in self.runner.groups[group_key(cell)] if c.engine == engine), None)
         fused = fuses_shards(cell.engine) and fuses_shards(engine)
         if other is None or (fuses_shards(cell.engine) != fuses_shards(engine) and "reference" not in (cell.engine, engine)):
@@ -162,9 +160,6 @@ class Tracer:
         return m.noise, " (noise measured now)"
 
     def _against_baseline(self, cell: Cell, record: R.Record) -> R.Localisation | None:
-        from harness.traces import fingerprint, flips
-        from harness.traces.localise import localise
-
         try:
             baseline = B.read(self.runner.baselines_root, cell.tier, cell.id)
         except B.BaselineError as e:
@@ -195,7 +190,6 @@ class Tracer:
     def refresh_fingerprint(self, cell: Cell, record: R.Record) -> str | None:
         """Add or refresh the fingerprint of the baseline ``record`` passed against; returns what
         was done, one line (None when the record did not pass)."""
-        from harness.traces import fingerprint
 
         if record.verdict != "pass":
             return None

@@ -43,6 +43,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from harness.engines.vllm_worker import read_modules, shard_layout
 from harness.traces import PromptTrace, weight_probe
 
 RECORDER = "_harness_trace_recorder"  # the attribute of vLLM's model that holds the recorder
@@ -157,7 +158,6 @@ def read_back(model) -> dict:
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from harness.engines.vllm_worker import shard_layout
 
     rec = getattr(model, RECORDER)
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
@@ -208,6 +208,7 @@ def hf_names_of_vllm(hf_names: Sequence[str], arch: str) -> dict[tuple[str, str]
     """(vLLM module, checkpoint shard) -> transformers module: ``names.to_vllm`` inverted over
     ``hf_names``. A shard is the transformers module's leaf name (``q_proj`` of ``qkv_proj``; an
     unfused module is its own shard). Keys two transformers modules share are left out."""
+    # lazy: regex, +110 ms (scripts/import-graph --costs)
     from harness.dialects.names import to_vllm
 
     out: dict[tuple[str, str], str] = {}
@@ -349,7 +350,6 @@ def trace(llm, arch: str, requests: Sequence[tuple[str, object, int]], log: Call
     The hooks are removed afterwards, whatever happens."""
     from vllm import SamplingParams
 
-    from harness.engines.vllm_worker import read_modules
 
     hf_of = hf_names_of_vllm(hf_module_names(llm.model_config.model), arch)
     weights = PromptTrace(prompt="")
