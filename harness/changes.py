@@ -13,6 +13,7 @@ from typing import Any
 
 from harness import architectures
 from harness.matrix import ENGINES, Cell, Matrix, MatrixError
+from harness.registry import FORMATS
 
 Selector = Callable[[Cell], bool]
 ALL: Selector = lambda c: True  # noqa: E731
@@ -51,13 +52,18 @@ class Rule:
         return self.per_path(path) if self.per_path is not None else self.select
 
 
+def _format_rules(engine: str | None = None) -> tuple[Rule, ...]:
+    """Each format's files (harness.registry.FORMATS): its module here (engine None), or the paths
+    of that engine's source tree that touch its cells only. They do not overlap."""
+    return tuple(Rule(path, f"{spec.name} schemes", _family(spec.name)) for spec in FORMATS.values()
+                 for path in ((spec.path,) if engine is None else spec.engine_sources.get(engine, ())))
+
+
 # This project's files, first match wins. Unmatched files select every cell.
 PROJECT_RULES: tuple[Rule, ...] = (
     *(Rule(p, "documentation and tests (no cell)", NONE) for p in
       ("*.md", "docs/*", "tests/*", "suites/*", "reports/*", ".gitignore", "LICENSE*")),
-    Rule("harness/quant/bnb.py", "bnb schemes", _family("bnb")),
-    Rule("harness/quant/fp8.py", "fp8 schemes", _family("fp8")),
-    Rule("harness/quant/torchao.py", "torchao schemes", _family("torchao")),
+    *_format_rules(),
     *(r for e in ENGINES for r in (
         Rule(f"harness/engines/{e}.py", f"{e} cells", _engine(e)),
         Rule(f"harness/engines/{e}/*", f"{e} cells", _engine(e)),
@@ -88,14 +94,7 @@ ENGINE_RULES: dict[str, tuple[Rule, ...]] = {
         Rule("vllm/model_executor/models/vision.py", "all vllm cells", ALL),
         Rule("vllm/model_executor/models/*.py", "cells of that architecture",
              per_path=lambda path: _arch_in("vllm", Path(path).stem)),
-        Rule(f"{_VQ}/bitsandbytes.py", "bnb schemes", _family("bnb")),
-        Rule("vllm/model_executor/model_loader/bitsandbytes_loader.py", "bnb schemes", _family("bnb")),
-        Rule(f"{_VQ}/fp8.py", "fp8 schemes", _family("fp8")),
-        Rule(f"{_VQ}/kv_cache.py", "fp8 schemes", _family("fp8")),
-        Rule(f"{_VQ}/compressed_tensors/*", "fp8 schemes", _family("fp8")),
-        Rule(f"{_VQ}/utils/*fp8*", "fp8 schemes", _family("fp8")),
-        Rule(f"{_VQ}/utils/w8a8_utils.py", "fp8 schemes", _family("fp8")),
-        Rule(f"{_VQ}/torchao.py", "torchao schemes", _family("torchao")),
+        *_format_rules("vllm"),
         Rule(f"{_VQ}/__init__.py", "all vllm cells", ALL),
         Rule(f"{_VQ}/base_config.py", "all vllm cells", ALL),
         Rule(f"{_VQ}/utils/*", "all vllm cells", ALL),
@@ -108,13 +107,7 @@ ENGINE_RULES: dict[str, tuple[Rule, ...]] = {
           ("*.md", "docs/*", "tests/*", "examples/*", "benchmark*", ".github/*", "utils/*")),
         Rule("src/transformers/models/*", "cells of that architecture",
              per_path=lambda path: _arch_in("transformers", Path(path).parts[3] if len(Path(path).parts) > 4 else "")),
-        Rule("src/transformers/quantizers/quantizer_bnb_4bit.py", "bnb schemes", _family("bnb")),
-        Rule("src/transformers/integrations/bitsandbytes.py", "bnb schemes", _family("bnb")),
-        Rule("src/transformers/quantizers/quantizer_torchao.py", "torchao schemes", _family("torchao")),
-        Rule("src/transformers/integrations/torchao.py", "torchao schemes", _family("torchao")),
-        Rule("src/transformers/quantizers/quantizer_compressed_tensors.py", "fp8 schemes", _family("fp8")),
-        Rule("src/transformers/quantizers/quantizer_finegrained_fp8.py", "fp8 schemes", _family("fp8")),
-        Rule("src/transformers/integrations/finegrained_fp8.py", "fp8 schemes", _family("fp8")),
+        *_format_rules("transformers"),
         Rule("src/transformers/quantizers/quantizer_*.py", "other quantization methods (no cell)", NONE),
         Rule("src/transformers/integrations/*", "other integrations (no cell)", NONE),
     ),

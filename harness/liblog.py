@@ -26,9 +26,13 @@ import sys
 import threading
 from pathlib import Path
 
+from harness.registry import ENGINES, methods
+
 LOG_ENV = "HARNESS_LOG"  # a file to write the libraries' messages to (default: <repo>/.cache/logs/libraries.log)
-LIBRARIES = frozenset({"torch", "torchao", "transformers", "bitsandbytes", "compressed_tensors", "accelerate",
-                       "vllm", "vllm_bnb_plugin", "safetensors", "tokenizers", "huggingface_hub", "triton"})
+# The libraries besides the engines' and the formats' own (harness.registry).
+LIBRARIES = frozenset({"torch", "accelerate", "safetensors", "tokenizers", "huggingface_hub", "triton",
+                       *(lib for spec in ENGINES.values() for lib in spec.libraries),
+                       *(m.library for m in methods().values() if m.library)})
 ROTATE_BYTES = 8 << 20  # beyond this the log is moved to <log>.1 when a command starts
 
 _lock = threading.RLock()

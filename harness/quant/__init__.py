@@ -13,18 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from harness import registry
 from harness.quant import native
 
 # The label of a linear module, as the reference's load report and the fixture manifests spell it.
-LABELS = (
-    "unquantized",
-    "bnb-nf4",
-    "bnb-fp4",
-    "fp8-tensor",
-    "fp8-channel",
-    "torchao-int8",
-    "torchao-float8",
-)
+LABELS = ("unquantized", *(label for spec in registry.FORMATS.values() for label in spec.labels))
 
 
 class StoredWeight:

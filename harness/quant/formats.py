@@ -5,12 +5,15 @@ tensors, whatever config.json says. `quant_method` only reads what the producer 
 """
 from __future__ import annotations
 
+import importlib
+
+from harness import registry
 from harness.errors import CheckpointError
-from harness.quant import Decoded, bnb, fp8, schema, torchao
+from harness.quant import Decoded, schema
 from harness.quant.source import TensorSource
 
-# (name, module) in the order they are asked; their layouts do not overlap
-FORMATS = (("bnb", bnb), ("torchao", torchao), ("fp8", fp8))
+# (name, module) in the order they are asked (harness.registry.FORMATS); their layouts do not overlap
+FORMATS = tuple((spec.name, importlib.import_module(spec.module)) for spec in registry.FORMATS.values())
 
 
 def quantization_config(config: dict) -> dict | None:

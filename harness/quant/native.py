@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from harness import cpu
+
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
 
@@ -36,8 +38,6 @@ def cache_dir() -> Path:
 
 
 def _build_key(compiler: str) -> str:
-    from harness import cpu
-
     # not checked: a compiler that fails here fails the build, which says so
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     machine = cpu.describe()

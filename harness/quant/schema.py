@@ -26,11 +26,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
+from harness import registry
 from harness.errors import CheckpointError
 
-KNOWN_METHODS = ("bitsandbytes", "compressed-tensors", "fp8", "torchao")
-ALIASES = {"bitsandbytes_4bit": "bitsandbytes", "bitsandbytes_8bit": "bitsandbytes",
-           "compressed_tensors": "compressed-tensors"}
+# Every format's quant_methods (harness.registry.FORMATS), and the other spellings that mean them.
+KNOWN_METHODS = tuple(sorted(registry.methods()))
+ALIASES = {alias: m.name for m in registry.methods().values() for alias in m.aliases}
 
 
 def ConfigProblem(file: str, key: str, detail: str) -> CheckpointError:  # noqa: N802 (an error, like a class)
@@ -174,14 +175,6 @@ class TorchaoConfig(_Open):
     modules_to_not_convert: Names | None = None
 
 
-_SCHEMAS: dict[str, type[BaseModel]] = {
-    "bitsandbytes": BitsandbytesConfig,
-    "compressed-tensors": CompressedTensorsConfig,
-    "fp8": Fp8Config,
-    "torchao": TorchaoConfig,
-}
-
-
 # ------------------------------------------------------------------------------------ messages
 
 
@@ -253,14 +246,16 @@ def quantization_config(qc: Any, file: str, prefix: str = "quantization_config")
     if not isinstance(qc, Mapping):
         raise ConfigProblem(file, prefix, f"must be an object (got {_short(qc)})")
     method = method_of(qc, file, prefix)
-    if method == "torchao":
-        _validate_torchao(qc, file, prefix)
+    check = registry.resolve(registry.methods()[method].schema)  # a model, or a function validating it
+    if isinstance(check, type) and issubclass(check, BaseModel):
+        _validate(check, qc, file, prefix)
     else:
-        _validate(_SCHEMAS[method], qc, file, prefix)
+        check(qc, file, prefix)
     return method
 
 
-def _validate_torchao(qc: Mapping, file: str, prefix: str) -> None:
+def validate_torchao(qc: Mapping, file: str, prefix: str) -> None:
+    """A torchao config: TorchaoConfig, and every serialized object inside it a class torchao deserializes."""
     cfg = _validate(TorchaoConfig, qc, file, prefix)
     for name, ser in (cfg.quant_type or {}).items():
         where = _key(prefix, f"quant_type.{name}._data")

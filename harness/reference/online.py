@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import architectures, dialects, files
+from harness import architectures, dialects, files, registry
 from harness.dialects import SkipPolicy, intent_disagreements
 from harness.dialects.compressed_tensors import ct_resolve
 from harness.dialects.names import to_vllm
@@ -63,26 +63,9 @@ from harness.reference.report import Disagreement, LoadReport
 
 WHERE = "quantization"
 
-# The configs the matrix's online schemes mean, exactly as their libraries serialize them
-# (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=float32)
-# and TorchAoConfig(Int8WeightOnlyConfig()) .to_dict() under transformers 5.19 / torchao 0.18).
-PRESETS: dict[str, dict] = {
-    "online-bnb-nf4": {
-        "quant_method": "bitsandbytes", "_load_in_8bit": False, "_load_in_4bit": True,
-        "llm_int8_threshold": 6.0, "llm_int8_skip_modules": None, "llm_int8_enable_fp32_cpu_offload": False,
-        "llm_int8_has_fp16_weight": False, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
-        "bnb_4bit_compute_dtype": "float32", "bnb_4bit_quant_storage": "uint8",
-        "load_in_4bit": True, "load_in_8bit": False,
-    },
-    "online-torchao-int8wo": {
-        "quant_method": "torchao",
-        "quant_type": {"default": {"_type": "Int8WeightOnlyConfig", "_version": 2, "_data": {
-            "group_size": None, "granularity": {"_type": "PerRow", "_version": 1, "_data": {"dim": -1}},
-            "set_inductor_config": True}}},
-        "modules_to_not_convert": None, "include_input_output_embeddings": False, "untie_embedding_weights": False,
-    },
-    "online-fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": []},
-}
+# The configs the matrix's online schemes mean, exactly as their libraries serialize them: each
+# format's presets (harness.registry.FORMATS).
+PRESETS: dict[str, dict] = {name: config for spec in registry.FORMATS.values() for name, config in spec.presets.items()}
 
 _FP8_ARGS = {"num_bits": 8, "type": "float", "symmetric": True}
 
