@@ -11,7 +11,7 @@ the files they leave are where harness.layout says.
 cannot run (hardware, engine environment) an ``unsupported`` one, before any child starts, any
 fixture is built or any checkpoint is fetched (docs/design.md, "Probes before fetching").
 
-**Judging.** compare.judge() with the cell's settings, the group's other ok records of this run
+**Judging.** judging.judge() with the cell's settings, the group's other ok records of this run
 (compare.cross_engine's rule), the group's known failures (an engine one covers is no witness) and
 the reference executed unfused: the reference child writes that witness when an engine that does
 not fuse shards (transformers) is in the group (docs/design.md, "Fusion rule").
@@ -44,6 +44,7 @@ from filelock import FileLock
 
 from harness import baselines as B
 from harness import compare as C
+from harness import judging
 from harness import cpu, loadtime, measure_noise, probes
 from harness import records as R
 from harness import supervise, verdicts
@@ -256,7 +257,7 @@ class Runner:
     def _judge(self, cell: Cell, record: R.Record, baseline, raws: dict[str, R.Record],
                accuracy_baseline=None) -> C.Judgement:
         group = self.groups[group_key(cell)]
-        return C.judge(cell, record, baseline, [r for e, r in raws.items() if e != cell.engine],
+        return judging.judge(cell, record, baseline, [r for e, r in raws.items() if e != cell.engine],
                        known_failures=[k for c in group for k in c.known_failures], unfused=self.unfused(raws),
                        accuracy_baseline=accuracy_baseline)
 

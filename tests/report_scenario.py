@@ -1,6 +1,6 @@
 """Realistic judged result records for the report and pipeline tests (not a test module).
 
-Records are built for cells of the repo's models.yaml, judged by harness.compare against
+Records are built for cells of the repo's models.yaml, judged by harness.judging against
 baselines made from a reference run, so the checks carry the same data a real run has.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from harness import compare, matrix
+from harness import judging, matrix
 from harness.baselines import Baseline
 from harness.records import (
     EngineInfo,
@@ -100,7 +100,7 @@ def ok_record(cell_id: str, seqs, *, load_s: float = 0.05, started: datetime, ve
 def judged(cell_id: str, record: Record, baseline_record: Record | None, known=()) -> Record:
     cell = CELLS[cell_id]
     baseline = Baseline.from_record(baseline_record) if baseline_record is not None else None
-    j = compare.verdict(record, baseline, bounds=cell.bounds, known_failures=known,
+    j = judging.verdict(record, baseline, bounds=cell.bounds, known_failures=known,
                         expected_engine_version=cell.engine_version, gate_load_time=cell.gate_load_time)
     return j.apply(record)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from harness import compare as C
+from harness import judging
 from harness import matrix
 from harness import records as R
 from harness.accuracy import gates, store
@@ -257,7 +258,7 @@ def stored(tmp_path, rec):
 
 def verdict_of(rec, baseline, acc_baseline, others=(), unfused=None):
     cell = {c.id: c for c in load().cells()}[rec.cell]
-    return C.judge(cell, rec, baseline, others, accuracy_baseline=acc_baseline, unfused=unfused)
+    return judging.judge(cell, rec, baseline, others, accuracy_baseline=acc_baseline, unfused=unfused)
 
 
 def test_accuracy_joins_the_verdict(tmp_path):

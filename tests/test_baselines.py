@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from harness import baselines as B
-from harness import compare as C
+from harness import judging
 from harness import matrix as M
 from harness import records as R
 from harness import store
@@ -197,7 +197,7 @@ def test_hand_altered_baseline_file_makes_the_cell_regressed(tmp_path):
     altered = text.replace('{"pos": 2, "token": 3, "logprob": -2.0,', '{"pos": 2, "token": 3, "logprob": -2.01,')
     assert altered != text
     path.write_text(altered)
-    j = C.verdict(record(verdict=None), B.read(tmp_path, TIER, CELL), bounds=BOUNDS)
+    j = judging.verdict(record(verdict=None), B.read(tmp_path, TIER, CELL), bounds=BOUNDS)
     assert j.verdict == "regressed" and "position 2" in j.reason
     assert V.summarize([j.verdict]).exit_code == 1
 

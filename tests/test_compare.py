@@ -3,6 +3,7 @@
 import pytest
 
 from harness import compare as C
+from harness import judging
 from harness import matrix as M
 from harness import records as R
 from harness.baselines import Baseline
@@ -113,7 +114,7 @@ def test_prompt_set_mismatch_fails():
 
 
 def test_pass():
-    j = C.verdict(record(), baseline(), bounds=BOUNDS)
+    j = judging.verdict(record(), baseline(), bounds=BOUNDS)
     assert j.verdict == "pass"
     assert {c.name for c in j.checks} == {"teacher-forced:baseline", "greedy:baseline", "load-time:baseline"}
     out = j.apply(record())
@@ -122,27 +123,27 @@ def test_pass():
 
 def test_unsupported_from_capability_probe():
     r = record(status="unsupported", sequences=[], load=None, unsupported_reason="fp8 static needs AMX on CPU")
-    j = C.verdict(r, baseline(), bounds=BOUNDS)
+    j = judging.verdict(r, baseline(), bounds=BOUNDS)
     assert (j.verdict, j.reason) == ("unsupported", "fp8 static needs AMX on CPU")
 
 
 def test_error_matching_known_failure_is_unsupported_otherwise_error():
-    j = C.verdict(error_record(), None, bounds=BOUNDS, known_failures=[kf(pattern=r"KeyError: .*k_scale")])
+    j = judging.verdict(error_record(), None, bounds=BOUNDS, known_failures=[kf(pattern=r"KeyError: .*k_scale")])
     assert j.verdict == "unsupported" and j.reason == "known failure: vLLM 0.32 mis-scales k_proj"
     assert j.apply(error_record()).known_failure.link == "https://example.org/1"
     # the pattern may match the log tail
-    j = C.verdict(error_record(message="engine core died", log_tail="...\nValueError: bad k_scale"), None, bounds=BOUNDS,
+    j = judging.verdict(error_record(message="engine core died", log_tail="...\nValueError: bad k_scale"), None, bounds=BOUNDS,
                   known_failures=[kf(pattern="bad k_scale")])
     assert j.verdict == "unsupported"
     # version outside the range, other engine, or pattern not matching: error
     for k in (kf(pattern="k_scale", versions="<0.32"), kf(pattern="k_scale", engine="transformers"), kf(pattern="v_scale")):
-        j = C.verdict(error_record(), None, bounds=BOUNDS, known_failures=[k])
+        j = judging.verdict(error_record(), None, bounds=BOUNDS, known_failures=[k])
         assert j.verdict == "error" and j.reason == "KeyError: KeyError: 'k_scale'"
 
 
 def test_local_version_label_is_ignored_by_known_failures():
     r = error_record().model_copy(update={"engine_info": INFO.model_copy(update={"version": "0.32.0+cpu"})})
-    assert C.verdict(r, None, bounds=BOUNDS, known_failures=[kf(pattern="k_scale")]).verdict == "unsupported"
+    assert judging.verdict(r, None, bounds=BOUNDS, known_failures=[kf(pattern="k_scale")]).verdict == "unsupported"
 
 
 def test_cross_engine_disagreement_is_failed_even_without_baseline():
@@ -150,26 +151,26 @@ def test_cross_engine_disagreement_is_failed_even_without_baseline():
     obt = record(sequences=[seq(lps=(-1.0, -2.5, -0.5))])
     cross = C.cross_engine(obt, [ref, obt, error_record()], BOUNDS)
     assert [c.name for c in cross] == ["teacher-forced:reference", "greedy:reference"]
-    j = C.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross)
+    j = judging.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross)
     assert j.verdict == "failed" and "teacher-forced:reference" in j.reason
     # waived only when a known failure matches the failing check
-    j = C.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=[kf(pattern="teacher-forced:reference")])
+    j = judging.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=[kf(pattern="teacher-forced:reference")])
     assert j.verdict == "waived" and j.known_failure is not None
-    j = C.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=[kf(pattern="greedy")])
+    j = judging.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=[kf(pattern="greedy")])
     assert j.verdict == "failed"
     # agreement is not a failure
     ok = C.cross_engine(record(), [ref], BOUNDS)
-    assert all(c.ok for c in ok) and C.verdict(record(), None, bounds=BOUNDS, cross_engine_checks=ok).verdict == "missing-baseline"
+    assert all(c.ok for c in ok) and judging.verdict(record(), None, bounds=BOUNDS, cross_engine_checks=ok).verdict == "missing-baseline"
 
 
 def test_module_diff_is_failed():
     r = record(module_diff=R.ModuleDiff(first_differing_module="model.layers.1.self_attn.qkv_proj", detail="quantized, reference says unquantized"))
-    j = C.verdict(r, baseline(), bounds=BOUNDS)
+    j = judging.verdict(r, baseline(), bounds=BOUNDS)
     assert j.verdict == "failed" and "model.layers.1.self_attn.qkv_proj" in j.reason
 
 
 def test_missing_baseline():
-    assert C.verdict(record(), None, bounds=BOUNDS).verdict == "missing-baseline"
+    assert judging.verdict(record(), None, bounds=BOUNDS).verdict == "missing-baseline"
 
 
 @pytest.mark.parametrize(
@@ -182,47 +183,47 @@ def test_missing_baseline():
 )
 def test_stale_baseline(kwargs, provenance, fragment):
     bad = record(sequences=[seq(lps=(-1.0, -3.0, -0.5))])  # numbers moved too: still stale, checks still reported
-    j = C.verdict(bad, baseline(**provenance), bounds=BOUNDS, **kwargs)
+    j = judging.verdict(bad, baseline(**provenance), bounds=BOUNDS, **kwargs)
     assert j.verdict == "stale-baseline" and fragment in j.reason
     assert any(c.name == "teacher-forced:baseline" and not c.ok for c in j.checks)
 
 
 def test_stale_when_fixture_changed_on_any_platform_but_not_for_another_isa_alone():
     new_fixture = record(fixture=R.FixtureRef(name="llama-fp8-dynamic", identity="def"))
-    assert C.verdict(new_fixture, baseline(), bounds=BOUNDS).verdict == "stale-baseline"
+    assert judging.verdict(new_fixture, baseline(), bounds=BOUNDS).verdict == "stale-baseline"
     # Fixtures build bit-identically on every CPU, so another ISA does not excuse a new identity...
     other_isa = baseline(platform="cpu-x86_64-avx512")
-    assert C.verdict(new_fixture, other_isa, bounds=BOUNDS).verdict == "stale-baseline"
+    assert judging.verdict(new_fixture, other_isa, bounds=BOUNDS).verdict == "stale-baseline"
     # ...and another ISA alone is not stale: it is compared (docs/design.md, "Portability across CPUs").
-    assert C.verdict(record(), other_isa, bounds=BOUNDS).verdict == "pass"
-    assert C.verdict(record(), baseline(), bounds=BOUNDS, expected_engine_version="0.32.0").verdict == "pass"
+    assert judging.verdict(record(), other_isa, bounds=BOUNDS).verdict == "pass"
+    assert judging.verdict(record(), baseline(), bounds=BOUNDS, expected_engine_version="0.32.0").verdict == "pass"
 
 
 def test_regressed_on_hand_altered_baseline_logprob():
     b = baseline()
     row = b.sequences[0].scored[2]
     b.sequences[0].scored[2] = row.model_copy(update={"logprob": row.logprob + 0.01})
-    j = C.verdict(record(), b, bounds=BOUNDS)
+    j = judging.verdict(record(), b, bounds=BOUNDS)
     assert j.verdict == "regressed" and "teacher-forced:baseline" in j.reason and "position 2" in j.reason
 
 
 def test_regressed_on_scored_tokens_and_greedy():
-    j = C.verdict(record(sequences=[seq(tokens=(1, 2, 3, 5))]), baseline(), bounds=BOUNDS)
+    j = judging.verdict(record(sequences=[seq(tokens=(1, 2, 3, 5))]), baseline(), bounds=BOUNDS)
     assert j.verdict == "regressed" and j.reason.startswith("scored-tokens:baseline")
-    j = C.verdict(record(sequences=[seq(greedy=(5, 99), greedy_topk=[[(5, -0.1)], [(99, -0.1)]])]), baseline(), bounds=BOUNDS)
+    j = judging.verdict(record(sequences=[seq(greedy=(5, 99), greedy_topk=[[(5, -0.1)], [(99, -0.1)]])]), baseline(), bounds=BOUNDS)
     assert j.verdict == "regressed" and j.reason.startswith("greedy:baseline")
 
 
 def test_waived_regression():
-    j = C.verdict(record(sequences=[seq(lps=(-1.0, -3.0, -0.5))]), baseline(), bounds=BOUNDS, known_failures=[kf()])
+    j = judging.verdict(record(sequences=[seq(lps=(-1.0, -3.0, -0.5))]), baseline(), bounds=BOUNDS, known_failures=[kf()])
     assert j.verdict == "waived" and j.reason.startswith("known failure: vLLM 0.32 mis-scales k_proj")
 
 
 def test_unexpected_pass():
-    j = C.verdict(record(), baseline(), bounds=BOUNDS, known_failures=[kf(pattern="anything")])
+    j = judging.verdict(record(), baseline(), bounds=BOUNDS, known_failures=[kf(pattern="anything")])
     assert j.verdict == "unexpected-pass" and "remove or narrow it" in j.reason
     # a known failure for another version range does not apply
-    assert C.verdict(record(), baseline(), bounds=BOUNDS, known_failures=[kf(versions="<0.32")]).verdict == "pass"
+    assert judging.verdict(record(), baseline(), bounds=BOUNDS, known_failures=[kf(versions="<0.32")]).verdict == "pass"
 
 
 def _load(seconds):
@@ -231,7 +232,7 @@ def _load(seconds):
 
 def test_load_time_never_gated_on_cpu_tiny():
     slow = record(load=_load(10.0))
-    j = C.verdict(slow, baseline(), bounds=BOUNDS, gate_load_time=False)
+    j = judging.verdict(slow, baseline(), bounds=BOUNDS, gate_load_time=False)
     assert j.verdict == "pass"
     (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
     assert lt.ok and lt.data["ratio"] == pytest.approx(10.0) and "not gated" in lt.detail
@@ -239,9 +240,9 @@ def test_load_time_never_gated_on_cpu_tiny():
 
 def test_load_time_gated_regressed_and_improved():
     b = baseline()  # 1.0 s
-    assert C.verdict(record(load=_load(2.0)), b, bounds=BOUNDS, gate_load_time=True).verdict == "regressed"
-    assert C.verdict(record(load=_load(0.5)), b, bounds=BOUNDS, gate_load_time=True).verdict == "improved"
-    j = C.verdict(record(load=_load(1.2)), b, bounds=BOUNDS, gate_load_time=True)
+    assert judging.verdict(record(load=_load(2.0)), b, bounds=BOUNDS, gate_load_time=True).verdict == "regressed"
+    assert judging.verdict(record(load=_load(0.5)), b, bounds=BOUNDS, gate_load_time=True).verdict == "improved"
+    j = judging.verdict(record(load=_load(1.2)), b, bounds=BOUNDS, gate_load_time=True)
     assert j.verdict == "pass"
     (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
     assert lt.data["ratio"] == pytest.approx(1.2) and "calibrat" not in lt.detail
@@ -254,7 +255,7 @@ def _calibrated(seconds, calibration):
 def test_load_time_calibrated_ratio_cancels_a_slower_machine():
     b = baseline(record(load=_calibrated(1.0, 0.1)))
     # twice the load time on a machine that runs the calibration workload twice as slowly: no regression
-    j = C.verdict(record(load=_calibrated(2.0, 0.2)), b, bounds=BOUNDS, gate_load_time=True)
+    j = judging.verdict(record(load=_calibrated(2.0, 0.2)), b, bounds=BOUNDS, gate_load_time=True)
     assert j.verdict == "pass"
     (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
     assert lt.data["calibrated"] and lt.data["ratio"] == pytest.approx(1.0) and "calibrated ratio 1" in lt.detail
@@ -263,7 +264,7 @@ def test_load_time_calibrated_ratio_cancels_a_slower_machine():
 def test_load_time_calibration_does_not_absorb_a_slower_loader():
     b = baseline(record(load=_calibrated(1.0, 0.1)))
     tight = BOUNDS.model_copy(update={"load_time": 1.1})
-    j = C.verdict(record(load=_calibrated(1.2, 0.1)), b, bounds=tight, gate_load_time=True)
+    j = judging.verdict(record(load=_calibrated(1.2, 0.1)), b, bounds=tight, gate_load_time=True)
     assert j.verdict == "regressed"
     (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
     assert lt.data["ratio"] == pytest.approx(1.2) and lt.detail.startswith("slower than bound")
@@ -286,10 +287,10 @@ def test_judge_takes_settings_from_the_cell():
     cell = cells["llama.fp8-dynamic.transformers"]
     info = R.EngineInfo(name="transformers", version="5.19.0", platform="cpu-x86_64-avx2")
     r = record("transformers", engine_info=info, load=_load(100.0))
-    assert C.judge(cell, r, baseline(r.model_copy(update={"load": _load(1.0)}))).verdict == "pass"  # cpu-tiny: not gated
+    assert judging.judge(cell, r, baseline(r.model_copy(update={"load": _load(1.0)}))).verdict == "pass"  # cpu-tiny: not gated
     other = record("reference", engine_info=info.model_copy(update={"name": "reference", "version": "0.1.0"}),
                    sequences=[seq(lps=(-1.0, -2.5, -0.5))])
-    assert C.judge(cell, r, None, [other], unfused=other).verdict == "failed"
+    assert judging.judge(cell, r, None, [other], unfused=other).verdict == "failed"
 
 
 def test_cross_engine_rule_fusion_witnesses_and_known_failures():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from harness import compare as C
+from harness import judging
 from harness import cpu
 from harness import loaded_state
 from harness import records as R
@@ -111,7 +112,7 @@ def test_a_state_difference_is_regressed_on_the_same_and_on_other_kernels():
     changed = {**STATE, "lm_head": "0" * 16}
     for run_cpu in (CPU, OTHER_CPU):
         rec = record(loaded_state=changed, engine_info=INFO.model_copy(update={"cpu": run_cpu}))
-        j = C.verdict(rec, b, bounds=BOUNDS)
+        j = judging.verdict(rec, b, bounds=BOUNDS)
         assert j.verdict == "regressed" and "loaded-state:baseline" in j.reason and "lm_head" in j.reason
 
 
@@ -128,7 +129,7 @@ def _flip(explained=True) -> R.Localisation:
 def _judged(run_cpu, state=STATE, flip=None, lps=(-1.0, -2.5, -0.5)):
     b = baseline(record(loaded_state=STATE, engine_info=INFO.model_copy(update={"cpu": CPU})))
     rec = record(loaded_state=state, sequences=[seq(lps=lps)], engine_info=INFO.model_copy(update={"cpu": run_cpu}))
-    rec = C.verdict(rec, b, bounds=BOUNDS).apply(rec)
+    rec = judging.verdict(rec, b, bounds=BOUNDS).apply(rec)
     if flip is not None:
         rec = rec.model_copy(update={"localisation": [flip]})
     return rec, b

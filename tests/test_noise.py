@@ -4,7 +4,7 @@ against a baseline from other kernels (docs/design.md, "Portability across CPUs"
 import pytest
 import torch
 
-from harness import compare as C
+from harness import judging
 from harness import noise as N
 from harness import noise_child
 from harness import records as R
@@ -66,7 +66,7 @@ def _obtained(cpu: R.CpuInfo, shift_at: int, shift: float) -> R.Record:
 
 
 def test_other_kernels_past_the_onset_are_held_to_the_measured_noise_bound():
-    j = C.verdict(_obtained(CPU_B, 6, 0.3), _noisy_baseline(), bounds=BOUNDS)
+    j = judging.verdict(_obtained(CPU_B, 6, 0.3), _noisy_baseline(), bounds=BOUNDS)
     assert j.verdict == "pass", j.reason
     assert "from other kernels: family bound on 50% of positions" in j.reason
     (tf,) = [c for c in j.checks if c.name == "teacher-forced:baseline"]
@@ -75,34 +75,34 @@ def test_other_kernels_past_the_onset_are_held_to_the_measured_noise_bound():
     assert tf.data["onsets"]["p0"]["position"] == 4
     assert tf.data["noise_bound"]["p0"] == [None] * 4 + [0.5] * 4
     # Beyond the measured bound it is still regressed.
-    assert C.verdict(_obtained(CPU_B, 6, 0.6), _noisy_baseline(), bounds=BOUNDS).verdict == "regressed"
+    assert judging.verdict(_obtained(CPU_B, 6, 0.6), _noisy_baseline(), bounds=BOUNDS).verdict == "regressed"
 
 
 def test_a_shift_before_the_onset_is_regressed_on_other_kernels():
-    j = C.verdict(_obtained(CPU_B, 2, -0.05), _noisy_baseline(), bounds=BOUNDS)
+    j = judging.verdict(_obtained(CPU_B, 2, -0.05), _noisy_baseline(), bounds=BOUNDS)
     assert j.verdict == "regressed"
     assert "prompt p0 position 3" in j.reason
 
 
 def test_the_same_kernels_loosen_nothing():
     same = CPU_A.model_copy()
-    assert C.verdict(_obtained(same, 6, 0.3), _noisy_baseline(), bounds=BOUNDS).verdict == "regressed"
+    assert judging.verdict(_obtained(same, 6, 0.3), _noisy_baseline(), bounds=BOUNDS).verdict == "regressed"
     # A lowered torch capability on the same CPU is other kernels.
     lowered = CPU_A.model_copy(update={"capability": "default"})
-    assert C.verdict(_obtained(lowered, 6, 0.3), _noisy_baseline(), bounds=BOUNDS).verdict == "pass"
+    assert judging.verdict(_obtained(lowered, 6, 0.3), _noisy_baseline(), bounds=BOUNDS).verdict == "pass"
 
 
 def test_a_baseline_without_measured_noise_is_judged_by_the_family_bound():
     b = _noisy_baseline()
     b.noise = None
-    assert C.verdict(_obtained(CPU_B, 6, 0.3), b, bounds=BOUNDS).verdict == "regressed"
+    assert judging.verdict(_obtained(CPU_B, 6, 0.3), b, bounds=BOUNDS).verdict == "regressed"
 
 
 def test_a_changed_fixture_identity_is_stale_on_any_platform():
     b = _noisy_baseline()
     b = b.model_copy(update={"provenance": b.provenance.model_copy(update={"platform": "cpu-x86_64-avx2"})})
     rec = _obtained(CPU_B, 0, 0.0).model_copy(update={"fixture": R.FixtureRef(name="llama-fp8-dynamic", identity="other")})
-    assert C.verdict(rec, b, bounds=BOUNDS).verdict == "stale-baseline"
+    assert judging.verdict(rec, b, bounds=BOUNDS).verdict == "stale-baseline"
 
 
 def test_a_simulated_flip_moves_a_fragile_activation_to_the_other_neighbour():

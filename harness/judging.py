@@ -1,0 +1,220 @@
+"""The verdict of a record (docs/design.md, "Verdicts"): ``VERDICT_ORDER``, the one place the
+order is written, a sequence of steps that each judge a record or pass it on; ``verdict()`` applies
+it to one record and its baseline; ``judge()`` is verdict() with the cell's settings and the
+cross-engine checks, the entry point the runner uses. The checks themselves are harness.compare's.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from harness.accuracy import gates as accuracy_gates
+from harness.compare import (Judgement, KnownFailureLike, applicable, baseline_key_problems, check_load_time,
+                             check_loaded_state, check_module_diff, compare_sequences, cross_engine, disagreement,
+                             failed_or_waived, match_error, noise_for)
+from harness.records import Check, Record
+
+if TYPE_CHECKING:
+    from harness.baselines import Baseline
+    from harness.matrix import Bounds, Cell
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One record with everything verdict() was given to judge it. Each check is computed once, by
+    the first step that needs it: the steps before the baseline's need none of the baseline's."""
+
+    record: Record
+    baseline: Baseline | None
+    bounds: Bounds
+    known_failures: tuple[KnownFailureLike, ...]
+    cross_engine_checks: tuple[Check, ...]
+    expected_engine_version: str | None
+    platform: str | None
+    gate_load_time: bool
+    accuracy_baseline: object
+
+    @cached_property
+    def known(self) -> list[KnownFailureLike]:
+        """The known failures covering this engine version."""
+        return applicable(self.known_failures, self.record.engine, self.record.engine_info.version)
+
+    @cached_property
+    def other_checks(self) -> list[Check]:
+        """The checks not against the baseline: the module diff, then the cross-engine checks."""
+        md = check_module_diff(self.record)
+        return ([md] if md is not None else []) + list(self.cross_engine_checks)
+
+    @cached_property
+    def accuracy(self) -> accuracy_gates.AgainstBaseline:
+        return accuracy_gates.against_baseline(self.record, self.accuracy_baseline)
+
+    @cached_property
+    def baseline_checks(self) -> list[Check]:
+        """The loaded state, the sequences and accuracy against the baseline (not the load time)."""
+        record, baseline = self.record, self.baseline
+        state = check_loaded_state(record, baseline)
+        return ([state] if state is not None else []) + compare_sequences(
+            baseline.record_sequences(), record.sequences, self.bounds, against="baseline",
+            noise=noise_for(record, baseline)) + self.accuracy.checks
+
+    @cached_property
+    def load_check(self) -> Check | None:
+        return check_load_time(self.record, self.baseline, bound=self.bounds.load_time, gated=self.gate_load_time)
+
+    @property
+    def checks(self) -> list[Check]:
+        """Every check, as a judgement from step 4 on carries them."""
+        load = [self.load_check] if self.load_check is not None else []
+        return self.other_checks + self.baseline_checks + load
+
+    def key_problems(self, baseline) -> list[str]:
+        return baseline_key_problems(self.record, baseline, expected_engine_version=self.expected_engine_version,
+                                     platform=self.platform)
+
+
+def _probe_unsupported(case: _Case) -> Judgement | None:
+    """1. Status unsupported (a capability probe) -> unsupported."""
+    if case.record.status != "unsupported":
+        return None
+    return Judgement("unsupported", case.record.unsupported_reason or "unsupported")
+
+
+def _engine_error(case: _Case) -> Judgement | None:
+    """2. Status error: a known failure (engine, version range, pattern) matches -> unsupported with
+    its reason; otherwise -> error."""
+    if case.record.status != "error":
+        return None
+    k = match_error(case.known_failures, case.record)
+    if k is not None:
+        return Judgement("unsupported", f"known failure: {k.reason}", known_failure=k)
+    err = case.record.error
+    first_line = (err.message.strip().splitlines() or [""])[0]
+    return Judgement("error", f"{err.type}: {first_line}")
+
+
+def _disagreement(case: _Case) -> Judgement | None:
+    """3. Module diff or cross-engine disagreement beyond the bounds (accuracy's checks against
+    other engines among them) -> failed, or waived when known failures match every failing check."""
+    return disagreement(case.record, case.other_checks, case.known_failures)
+
+
+def _missing_baseline(case: _Case) -> Judgement | None:
+    """4. No baseline -> missing-baseline."""
+    if case.baseline is not None:
+        return None
+    return Judgement("missing-baseline", "no baseline stored for this cell; run with --update-baselines to create one",
+                     case.other_checks)
+
+
+def _missing_accuracy_baseline(case: _Case) -> Judgement | None:
+    """4, for accuracy: a task with no value in the accuracy baseline -> missing-baseline."""
+    if not case.accuracy.missing:
+        return None
+    return Judgement("missing-baseline", f"no accuracy baseline for {', '.join(case.accuracy.missing)}; run with "
+                     "--update-baselines to create one", case.checks)
+
+
+def _stale_baseline(case: _Case) -> Judgement | None:
+    """5. Baseline from another engine version / platform (or fixture, source), or an accuracy
+    baseline's, or a changed accuracy task -> stale-baseline (the baseline checks are still run and
+    reported)."""
+    stale = case.key_problems(case.baseline)
+    if case.accuracy.checks:
+        stale += [f"accuracy baseline: {p}" for p in case.key_problems(case.accuracy_baseline)] + case.accuracy.stale
+    return Judgement("stale-baseline", "; ".join(stale), case.checks) if stale else None
+
+
+def _regressed(case: _Case) -> Judgement | None:
+    """6. A baseline check fails (the loaded state and accuracy among them) -> regressed, or waived
+    when known failures match every failing check (a rounding flip on other kernels:
+    rounding_flip(), which the runner applies once the cell is localised)."""
+    failing = [c for c in case.baseline_checks if not c.ok]
+    return failed_or_waived("regressed", case.known, failing, case.checks) if failing else None
+
+
+def _load_time_regressed(case: _Case) -> Judgement | None:
+    """7. Gated tier and load-time ratio > bound -> regressed (same waiver rule)."""
+    load = case.load_check
+    if load is None or load.ok:
+        return None
+    return failed_or_waived("regressed", case.known, [load], case.checks)
+
+
+def _unexpected_pass(case: _Case) -> Judgement | None:
+    """8. A known failure covers this engine version, yet all passed -> unexpected-pass."""
+    if not case.known:
+        return None
+    k, record = case.known[0], case.record
+    return Judgement("unexpected-pass", f"passes, but a known failure covers {record.engine} "
+                     f"{record.engine_info.version}: {k.reason}; remove or narrow it in models.yaml", case.checks, k)
+
+
+def _improved(case: _Case) -> Judgement | None:
+    """9. Gated tier and load-time ratio < 1/bound -> improved."""
+    load = case.load_check
+    if load is None or not load.data or not load.data.get("improved"):
+        return None
+    return Judgement("improved", f"{load.name}: {load.detail}", case.checks)
+
+
+def _pass(case: _Case) -> Judgement:
+    """10. Otherwise pass."""
+    return Judgement("pass", "matches the baseline" + _kernels_note(case.baseline_checks), case.checks)
+
+
+# The verdict order of docs/design.md, "Verdicts": each step judges the record or passes it on.
+VERDICT_ORDER: tuple[Callable[[_Case], Judgement | None], ...] = (
+    _probe_unsupported,
+    _engine_error,
+    _disagreement,
+    _missing_baseline,
+    _missing_accuracy_baseline,
+    _stale_baseline,
+    _regressed,
+    _load_time_regressed,
+    _unexpected_pass,
+    _improved,
+    _pass,
+)
+
+
+def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
+            known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
+            expected_engine_version: str | None = None, platform: str | None = None,
+            gate_load_time: bool = False, accuracy_baseline=None) -> Judgement:
+    """The verdict of one record: the judgement of the first step of VERDICT_ORDER that judges it
+    (each step's docstring gives its rule and its number in docs/design.md, "Verdicts")."""
+    case = _Case(record, baseline, bounds, tuple(known_failures), tuple(cross_engine_checks),
+                 expected_engine_version, platform, gate_load_time, accuracy_baseline)
+    return next(j for j in (step(case) for step in VERDICT_ORDER) if j is not None)
+
+
+def _kernels_note(checks: list[Check]) -> str:
+    """How a baseline from other kernels was judged, for a pass's reason."""
+    tf = next((c for c in checks if c.name == "teacher-forced:baseline" and c.data), None)
+    if tf is None or not any(j == "noise" for labels in tf.data.get("judged", {}).values() for j in labels):
+        return ""
+    return f" (from other kernels: family bound on {tf.data['family_share']:.0%} of positions, measured noise bound after each fragile onset)"
+
+
+def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = (), *,
+          known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None,
+          accuracy_baseline=None) -> Judgement:
+    """verdict() with every setting taken from the cell (bounds, known failures, the pinned engine
+    version, load-time gating) and the cross-engine checks against ``others``, the other engines'
+    records of its (model, scheme) in this run, by cross_engine()'s rule (``known_failures``: the
+    group's; ``unfused``: the reference executed unfused), and the cell's accuracy baseline
+    (``accuracy_baseline``, harness.accuracy.store)."""
+    return verdict(
+        record,
+        baseline,
+        bounds=cell.bounds,
+        known_failures=cell.known_failures,
+        cross_engine_checks=cross_engine(record, others, cell.bounds, known_failures=known_failures, unfused=unfused),
+        expected_engine_version=cell.engine_version,
+        gate_load_time=cell.gate_load_time,
+        accuracy_baseline=accuracy_baseline,
+    )
