@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CELL = "llama.unquantized.vllm"
 # Each module's noise against vLLM: this much of its largest reference output (input), 10x the
 # float32 level of vLLM's kernels (<= 2e-6 on every module here; docs/README-vllm.md, "Module traces").
-REL_TOL = diff.KERNEL_RTOL["vllm"]
+REL_TOL = diff.kernel_rtol("vllm")
 # The reference's modules that vLLM has no counterpart for (harness.traces.vllm's docstring).
 NOT_IN_VLLM = {"", "model", "model.rotary_emb"} | {f"model.layers.{i}.mlp.act_fn" for i in range(12)}
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -123,7 +123,7 @@ def relative_delta(ours, theirs) -> float:
 
 def localise(traces, ref):
     """harness.traces' localisation of vLLM's traces against the reference's, as the runner does it:
-    no per-module noise of the reference's, vLLM's kernel floor (diff.KERNEL_RTOL)."""
+    no per-module noise of the reference's, vLLM's kernel floor (its registry entry's kernel_rtol)."""
     return diff.cross_engine(traces, ref, "reference", rtol=diff.kernel_rtol("vllm", "reference"))
 
 

@@ -13,7 +13,7 @@ child writes, each atomically:
 Job fields: ``mode`` ("cell"; "continuation": the reference engine's greedy continuation only,
 written to ``sequences_out``; "trace": the module traces of ``sequences`` only, written to
 ``trace``, harness.traces; "load": the engine's timed load only, its LoadInfo written to
-``load_out``, for a gated cell timed again in a fresh child, harness.bench.calibration; a record
+``load_out``, for a gated cell timed again in a fresh child, harness.loadtime; a record
 only on an error), ``options`` (the engine's, e.g. the reference's ``fuse``), ``cell``
 (a harness.matrix.Cell), ``path`` (a local checkpoint),
 ``sequences`` (prompt id -> tokens to score, or null), ``threads`` (torch threads; default 1, which
@@ -219,7 +219,7 @@ def _run_trace(job: Job, engine, info: R.EngineInfo) -> None:
 
 
 def _run_load(job: Job, engine, info: R.EngineInfo) -> None:
-    """The engine's timed load only (harness.bench.calibration); a record only on an error."""
+    """The engine's timed load only (harness.loadtime); a record only on an error."""
     hooked = _HookedEngine(engine)
     try:
         load = hooked.load(job.checkpoint())

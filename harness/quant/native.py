@@ -113,7 +113,7 @@ def decode_e4m3(codes: torch.Tensor, remap: torch.Tensor | None, scales: torch.T
                 out: torch.Tensor) -> bool:
     """out[i] = float32(e4m3 code i) * scales[i // group] for flat uint8 `codes` (through the uint8
     `remap` when given) into a flat float32 `out`; False, nothing written, where the C path does
-    not apply (harness.quant.fp8.dequantize then decodes in torch)."""
+    not apply (harness.quant.dequantize_fp8 then decodes in torch)."""
     if not _usable(codes, remap, scales, out):
         return False
     library().harness_decode_e4m3(codes.data_ptr(), codes.numel(), _ptr(remap), scales.data_ptr(), group,
