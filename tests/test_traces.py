@@ -90,6 +90,8 @@ FAULTS = [
                  {"model.decoder.layers.1.encoder_attn"}, "attention", id="cross-attention-kv-cache-scale-dropped"),
     pytest.param("llama", "bnb-nf4", "tensor-scaled:model.layers.3.mlp.down_proj.weight.absmax:2",
                  {"model.layers.3.mlp.down_proj"}, "weights", id="bnb-absmax-corrupted"),
+    pytest.param("llama", "bnb-nf4", "output-scaled:model.layers.3.mlp.down_proj:1.02",
+                 {"model.layers.3.mlp.down_proj"}, "kernel", id="matmul-output-off-by-2-percent"),
 ]
 
 

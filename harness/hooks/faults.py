@@ -14,12 +14,14 @@ loaded model right after it:
 | ``tensor-scaled:GLOB:FACTOR`` | the checkpoint tensors matching GLOB (on-disk names) read multiplied by FACTOR: a wrong FP8 ``weight_scale``, a corrupted bnb ``absmax`` |
 | ``tensors-swapped:A:B`` | the checkpoint tensors under prefix A read from prefix B and the other way round: a loader that swaps k and v |
 | ``mask-shifted:GLOB`` | after loading, the attention modules matching GLOB (in-memory names) attend with a causal mask off by one (each position also sees the next) |
+| ``output-scaled:GLOB:FACTOR`` | after loading, the output of the modules matching GLOB (in-memory names: vLLM's fused ones in vLLM) multiplied by FACTOR: a second bug inside a cell a known failure already covers |
 
 The last three are the module-trace localisation's faults (docs/design.md, "Localisation"); they
 change the reference's own reading (harness.quant.source.TensorSource) or its modules, never
 another engine's.
 
-``rows`` works on every engine: in-process on the model, in vLLM through ``LLM.apply_model``.
+``rows`` and ``output-scaled`` work on every engine: in-process on the model, in vLLM through
+``LLM.apply_model``.
 """
 from __future__ import annotations
 
@@ -167,6 +169,39 @@ def _mask_shifted(arg: str | None) -> Callable:
     return after_load
 
 
+def _output_scaled(arg: str | None) -> Callable:
+    glob, _, factor = (arg or "").rpartition(":")
+    try:
+        factor = float(factor)
+    except ValueError:
+        glob = ""
+    if not glob:
+        raise ValueError(f"fault output-scaled: expected GLOB:FACTOR, got {arg!r}")
+
+    def scaled(module, inputs, output):
+        # vLLM's parallel linears return (output, bias)
+        return (output[0] * factor, *output[1:]) if isinstance(output, tuple) else output * factor
+
+    def hook(model) -> int:
+        hits = [m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, glob)]
+        if not hits:
+            raise ValueError(f"fault output-scaled: no module matches {glob!r}")
+        for m in hits:
+            m.register_forward_hook(scaled)
+        return len(hits)
+
+    def after_load(engine) -> None:
+        if getattr(engine, "llm", None) is not None:  # vLLM: inside the engine
+            engine.llm.apply_model(hook)
+            return
+        # lazy: torch, numpy, +3.7 s (scripts/import-graph --costs)
+        from harness.traces.record import torch_module
+
+        hook(torch_module(engine.model))
+
+    return after_load
+
+
 FAULTS: dict[str, Callable[[str | None], Callable | None]] = {
     "bnb-dq-no-offset": _bnb_dq_no_offset,
     "fp8-scale-dropped": _fp8_scale_dropped,
@@ -175,6 +210,7 @@ FAULTS: dict[str, Callable[[str | None], Callable | None]] = {
     "tensor-scaled": _tensor_scaled,
     "tensors-swapped": _tensors_swapped,
     "mask-shifted": _mask_shifted,
+    "output-scaled": _output_scaled,
 }
 
 
