@@ -8,7 +8,7 @@ environment, torch, platform, date, commit.
 
 - ``read(root, tier, cell_id)`` returns the baseline or None.
 - ``update(root, record)`` writes it; the CLI calls it only under ``--update-baselines``. It refuses
-  a record whose verdict is failed, error, unsupported or waived (a bug in today's engine never
+  a record whose verdict is failed, error or unsupported (a bug in today's engine never
   becomes tomorrow's baseline), writes atomically and returns what changed.
 - ``handle(root, record)`` is the step after a verdict, through harness.store (the files of every
   baseline kind): a mismatch writes ``<cell id>.obtained.json`` beside the baseline in the same
@@ -378,7 +378,7 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
     """Store ``record`` as its cell's baseline and return what changed.
 
     ``verdict`` defaults to ``record.verdict``; a record that was never judged, or whose verdict
-    is failed, error, unsupported or waived, raises BaselineRefused. When nothing material
+    is failed, error or unsupported, raises BaselineRefused. When nothing material
     changed (only the date, commit or load time) and the verdict is not about load time, the
     file is left untouched and the change is ``unchanged``. Any obtained file is removed."""
     verdict = verdict if verdict is not None else record.verdict

@@ -250,7 +250,7 @@ def parser() -> argparse.ArgumentParser:
     selection(run)
     run.add_argument("--results", metavar="DIR", help="results directory (default: results/<UTC timestamp>)")
     run.add_argument("--update-baselines", action="store_true",
-                     help="write the baselines of cells that may become one (never failed/error/unsupported/waived)")
+                     help="write the baselines of cells that may become one (never failed/error/unsupported)")
     run.add_argument("--trace", action="store_true",
                      help="record module traces of every cell and localise it against the other engines and its "
                           "baseline's fingerprint (failed and regressed cells are always localised)")

@@ -68,7 +68,9 @@ class Judgement:
 
 
 def _delta(a: float, b: float) -> float:
-    if a == b:  # equal infinities included
+    # equal infinities, and NaN against NaN: the same non-result reproduced (a waived cell's
+    # recorded behaviour can be NaN throughout), while NaN against a number is infinitely far
+    if a == b or (math.isnan(a) and math.isnan(b)):
         return 0.0
     d = abs(a - b)
     return math.inf if math.isnan(d) else d

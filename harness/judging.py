@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from harness.accuracy import gates as accuracy_gates
 from harness.compare import (Judgement, KnownFailureLike, applicable, baseline_key_problems, check_load_time,
                              check_loaded_state, check_module_diff, compare_sequences, cross_engine, disagreement,
-                             failed_or_waived, match_error, noise_for)
+                             failed_or_waived, match_error, noise_for, other_kernels)
 from harness.records import Check, Record
 
 if TYPE_CHECKING:
@@ -46,6 +46,16 @@ class _Case:
         """The checks not against the baseline: the module diff, then the cross-engine checks."""
         md = check_module_diff(self.record)
         return ([md] if md is not None else []) + list(self.cross_engine_checks)
+
+    @cached_property
+    def disagreement(self) -> Judgement | None:
+        return disagreement(self.record, self.other_checks, self.known_failures)
+
+    @property
+    def waiver(self) -> Judgement | None:
+        """Step 3's waiver, which holds only as far as the engine's recorded behaviour (step 6)."""
+        j = self.disagreement
+        return j if j is not None and j.verdict == "waived" else None
 
     @cached_property
     def accuracy(self) -> accuracy_gates.AgainstBaseline:
@@ -97,14 +107,20 @@ def _engine_error(case: _Case) -> Judgement | None:
 
 def _disagreement(case: _Case) -> Judgement | None:
     """3. Module diff or cross-engine disagreement beyond the bounds (accuracy's checks against
-    other engines among them) -> failed, or waived when known failures match every failing check."""
-    return disagreement(case.record, case.other_checks, case.known_failures)
+    other engines among them) -> failed. When known failures match every failing check, the cell
+    is waived only if it also agrees with its own baseline, the engine's recorded known behaviour
+    (steps 4, 6 and 8): a known failure never excuses a second bug in the same cell."""
+    j = case.disagreement
+    return j if j is not None and j.verdict == "failed" else None
 
 
 def _missing_baseline(case: _Case) -> Judgement | None:
     """4. No baseline -> missing-baseline."""
     if case.baseline is not None:
         return None
+    if case.waiver is not None:
+        return Judgement("missing-baseline", f"no baseline stored for this cell: {_excused(case)} only as far "
+                         "as this engine's recorded behaviour; run with --update-baselines to record it", case.other_checks)
     return Judgement("missing-baseline", "no baseline stored for this cell; run with --update-baselines to create one",
                      case.other_checks)
 
@@ -130,8 +146,16 @@ def _stale_baseline(case: _Case) -> Judgement | None:
 def _regressed(case: _Case) -> Judgement | None:
     """6. A baseline check fails (the loaded state and accuracy among them) -> regressed, or waived
     when known failures match every failing check (a rounding flip on other kernels:
-    rounding_flip(), which the runner applies once the cell is localised)."""
+    rounding_flip(), which the runner applies once the cell is localised). A cell that step 3
+    waived is failed instead: it left its known failure's recorded behaviour. Against a baseline
+    from other kernels, that behaviour is its loaded state alone."""
     failing = [c for c in case.baseline_checks if not c.ok]
+    if case.waiver is not None:
+        if other_kernels(case.record, case.baseline):
+            failing = [c for c in failing if c.name.startswith("loaded-state:")]
+        return Judgement("failed", f"{_excused(case)}, but this run left its recorded behaviour: "
+                         + "; ".join(f"{c.name}: {c.detail}" for c in failing), case.checks,
+                         case.waiver.known_failure) if failing else None
     return failed_or_waived("regressed", case.known, failing, case.checks) if failing else None
 
 
@@ -143,17 +167,36 @@ def _load_time_regressed(case: _Case) -> Judgement | None:
     return failed_or_waived("regressed", case.known, [load], case.checks)
 
 
+def _waived(case: _Case) -> Judgement | None:
+    """8. Step 3's waiver, once the baseline checks held -> waived."""
+    j = case.waiver
+    if j is None:
+        return None
+    within = ("its loaded state equal to its baseline's (from other kernels)" if other_kernels(case.record, case.baseline)
+              else "within its baseline")
+    return Judgement("waived", f"{j.reason}; {within}", case.checks, j.known_failure)
+
+
+def _excused(case: _Case) -> str:
+    """Which known failure excuses which checks, for a reason."""
+    k = case.waiver.known_failure
+    excused = ", ".join(c.name for c in case.other_checks if not c.ok)
+    return f"known failure {k.pattern!r} ({k.engine} {k.versions}) excuses {excused}"
+
+
 def _unexpected_pass(case: _Case) -> Judgement | None:
-    """8. A known failure covers this engine version, yet all passed -> unexpected-pass."""
+    """9. A known failure covers this engine version, yet all passed -> unexpected-pass."""
     if not case.known:
         return None
     k, record = case.known[0], case.record
+    alone = ("" if case.cross_engine_checks else
+             " (no other engine of its group ran here: if the known failure is about another engine, run that engine too)")
     return Judgement("unexpected-pass", f"passes, but a known failure covers {record.engine} "
-                     f"{record.engine_info.version}: {k.reason}; remove or narrow it in models.yaml", case.checks, k)
+                     f"{record.engine_info.version}: {k.reason}; remove or narrow it in models.yaml{alone}", case.checks, k)
 
 
 def _improved(case: _Case) -> Judgement | None:
-    """9. Gated tier and load-time ratio < 1/bound -> improved."""
+    """10. Gated tier and load-time ratio < 1/bound -> improved."""
     load = case.load_check
     if load is None or not load.data or not load.data.get("improved"):
         return None
@@ -161,7 +204,7 @@ def _improved(case: _Case) -> Judgement | None:
 
 
 def _pass(case: _Case) -> Judgement:
-    """10. Otherwise pass."""
+    """11. Otherwise pass."""
     return Judgement("pass", "matches the baseline" + _kernels_note(case.baseline_checks), case.checks)
 
 
@@ -175,6 +218,7 @@ VERDICT_ORDER: tuple[Callable[[_Case], Judgement | None], ...] = (
     _stale_baseline,
     _regressed,
     _load_time_regressed,
+    _waived,
     _unexpected_pass,
     _improved,
     _pass,

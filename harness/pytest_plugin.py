@@ -62,7 +62,7 @@ def pytest_addoption(parser):
                 help="matrix tier to run (default: cpu-tiny)")
     g.addoption("--engine", default=None, metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
     g.addoption("--update-baselines", action="store_true", default=False,
-                help="write the baselines of cells that may become one (never failed/error/unsupported/waived)")
+                help="write the baselines of cells that may become one (never failed/error/unsupported)")
     g.addoption("--harness-trace", action="store_true", default=False,
                 help="record module traces of every cell and localise it (harness run --trace; failed and "
                      "regressed cells are always localised)")

@@ -22,8 +22,8 @@ fresh ``load`` children before its verdict, and ``update_baselines`` stores the 
 
 **Baselines.** After the verdict, harness.baselines.handle(): with ``update_baselines``, a record
 that may become a baseline is written (printing what changed) and then judged again against what
-was written, so the run's verdict says "pass" with the old verdict in its reason; failed, error,
-unsupported and waived cells are refused (harness.verdicts).
+was written, so the run's verdict says "pass" (or "waived") with the old verdict in its reason;
+failed, error and unsupported cells are refused (harness.verdicts).
 
 **Traces.** A cell judged failed or regressed (every cell with ``trace``) is localised module by
 module against the engines it disagrees with and against its baseline's fingerprint;

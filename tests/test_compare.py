@@ -154,13 +154,54 @@ def test_cross_engine_disagreement_is_failed_even_without_baseline():
     j = judging.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross)
     assert j.verdict == "failed" and "teacher-forced:reference" in j.reason
     # waived only when a known failure matches the failing check
-    j = judging.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=[kf(pattern="teacher-forced:reference")])
+    j = judging.verdict(obt, baseline(obt), bounds=BOUNDS, cross_engine_checks=cross, known_failures=[kf(pattern="teacher-forced:reference")])
     assert j.verdict == "waived" and j.known_failure is not None
     j = judging.verdict(obt, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=[kf(pattern="greedy")])
     assert j.verdict == "failed"
     # agreement is not a failure
     ok = C.cross_engine(record(), [ref], BOUNDS)
     assert all(c.ok for c in ok) and judging.verdict(record(), None, bounds=BOUNDS, cross_engine_checks=ok).verdict == "missing-baseline"
+
+
+XEON = R.CpuInfo(vendor="GenuineIntel", model="Xeon", flags=["avx2", "avx512f"], capability="avx512")
+
+
+def _waived_case(**obtained):
+    """A vLLM record that deviates from the reference as a known failure says, and what it checks."""
+    obtained.setdefault("engine_info", INFO.model_copy(update={"cpu": XEON}))
+    ref = record("reference", engine_info=R.EngineInfo(name="reference", version="0.1.0", platform="cpu-x86_64-avx2"))
+    known = record(sequences=[seq(lps=(-1.0, -2.5, -0.5))], **obtained)
+    return ref, known, [kf(pattern="teacher-forced:reference")]
+
+
+def test_a_known_failure_excuses_a_deviation_only_as_far_as_the_cells_recorded_behaviour():
+    ref, known, kfs = _waived_case()
+    cross = C.cross_engine(known, [ref], BOUNDS)
+    j = judging.verdict(known, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
+    assert j.verdict == "missing-baseline" and "only as far as this engine's recorded behaviour" in j.reason
+    j = judging.verdict(known, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
+    assert j.verdict == "waived" and j.reason.endswith("; within its baseline")
+    # a second bug in the same cell: the deviation grows, and the cell leaves its recorded behaviour
+    second = known.model_copy(update={"sequences": [seq(lps=(-1.0, -2.56, -0.5))]})
+    j = judging.verdict(second, baseline(known), bounds=BOUNDS, cross_engine_checks=C.cross_engine(second, [ref], BOUNDS),
+                        known_failures=kfs)
+    assert j.verdict == "failed" and j.known_failure is not None
+    assert j.reason.startswith("known failure 'teacher-forced:reference' (vllm >=0.32,<0.33) excuses teacher-forced:reference, "
+                               "but this run left its recorded behaviour: teacher-forced:baseline: exceeds bound")
+
+
+def test_against_recorded_behaviour_from_other_kernels_a_waived_cell_is_held_to_its_loaded_state():
+    epyc = XEON.model_copy(update={"vendor": "AuthenticAMD", "model": "EPYC", "flags": ["avx2"], "capability": "avx2"})
+    state = {"model.layers.0.mlp.down_proj": "b" * 16}
+    ref, known, kfs = _waived_case(loaded_state=state)
+    elsewhere = known.model_copy(update={"sequences": [seq(lps=(-1.0, -2.56, -0.5))],
+                                         "engine_info": INFO.model_copy(update={"cpu": epyc})})
+    cross = C.cross_engine(elsewhere, [ref], BOUNDS)
+    j = judging.verdict(elsewhere, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
+    assert j.verdict == "waived" and j.reason.endswith("; its loaded state equal to its baseline's (from other kernels)")
+    loaded_other = elsewhere.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})
+    j = judging.verdict(loaded_other, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
+    assert j.verdict == "failed" and "loaded-state:baseline" in j.reason and "teacher-forced:baseline" not in j.reason
 
 
 def test_module_diff_is_failed():
@@ -319,3 +360,12 @@ def test_disagreement_judges_only_the_checks_not_against_the_baseline():
     assert (j.verdict, j.reason, len(j.checks)) == ("failed", "teacher-forced:vllm: exceeds bound: 0.5", 2)
     j = C.disagreement(record(), [bad], [kf(pattern="teacher-forced:vllm")])
     assert j.verdict == "waived" and j.known_failure is not None
+
+
+def test_nan_against_nan_is_the_same_result_but_nan_against_a_number_is_not():
+    nan = float("nan")
+    (c,) = C.check_teacher_forced([seq(lps=(-1.0, nan, -0.5))], [seq(lps=(-1.0, nan, -0.5))], logprob_bound=1e-3,
+                                  topk_bound=1e-3, against="baseline")
+    assert c.ok
+    (c,) = C.check_teacher_forced([seq(lps=(-1.0, nan, -0.5))], [seq()], logprob_bound=1e-3, topk_bound=1e-3, against="baseline")
+    assert not c.ok

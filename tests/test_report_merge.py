@@ -6,6 +6,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
 import report_scenario as rs
 import yaml
 
@@ -107,3 +108,19 @@ def test_agreeing_engines_keep_their_verdicts_and_gain_the_checks(tmp_path):
     before = [len(m.current[c].record.checks) for c in m.current]
     cross_check(m, _vllm_cpu_matrix())  # a second merge adds nothing twice
     assert [len(m.current[c].record.checks) for c in m.current] == before
+
+
+@pytest.mark.parametrize("kind, expected", [("pass", "waived"), ("missing-baseline", "missing-baseline")])
+def test_a_disagreement_met_at_merge_is_waived_only_where_the_cell_held_its_baseline(tmp_path, kind, expected):
+    """vLLM's bnb known failure excuses its deviation from the reference only as far as its own
+    recorded behaviour: a record that held its baseline in its step is waived at merge, one that
+    had none keeps its verdict."""
+    d = tmp_path / "results"
+    rs.write(d, {rs.REGRESSED: "regressed"}, started=T1)  # moved from the shared results: they disagree
+    save(d / "llama.bnb-nf4-skip-ambiguous.vllm.json",
+         _as_vllm(rs.build(rs.REGRESSED.replace("reference", "transformers"), kind, started=T1)))
+    m = load_results([d])
+    cross_check(m, mx.load())
+    vllm = m.current["llama.bnb-nf4-skip-ambiguous.vllm"].record
+    assert any(c.name == "teacher-forced:reference" and not c.ok for c in vllm.checks)
+    assert vllm.verdict == expected
