@@ -1,5 +1,6 @@
 """The `harness` command."""
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -148,9 +149,10 @@ def _run(args) -> int:
     progress.echo(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
                   f"jobs {args.jobs}{mode}; results in {results}")
     t0 = time.perf_counter()
-    import signal
+    received = [signal.SIGINT]  # Python's own SIGINT handler raises KeyboardInterrupt
 
     def terminate(signum, frame):  # a cancelled CI job: end the engine children, then stop
+        received[0] = signum
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, terminate)
@@ -163,7 +165,7 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         r.supervisor.kill_all()
         print(f"error: {results}: interrupted while {step}; the records written so far are there", file=sys.stderr)
-        return 130
+        return 128 + received[0]  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
         progress.close()

@@ -299,7 +299,9 @@ LIGHT = "harness.engines.worker"  # a preload for fork servers whose children ne
 
 def _fork(tmp_path, job: Path, name: str, mark: str = ""):
     env = supervise.child_env({"MARK": mark}, 1)
-    return supervise.start_child(job, tmp_path / f"{name}.log", env, LIGHT)
+    child = supervise.start_child(job, tmp_path / f"{name}.log", env, LIGHT)
+    child.started()
+    return child
 
 
 def test_a_forked_child_reports_its_exit_status_and_is_killed_on_timeout(tmp_path):
@@ -370,7 +372,7 @@ def test_a_fork_server_and_its_children_end_with_the_process_that_started_them(t
     os.mkfifo(fifo)
     script = (f"import time\nfrom pathlib import Path\nfrom harness import supervise\n"
               f"s = supervise.fork_server('harness.engines.worker', supervise.child_env({{}}, 1))\n"
-              f"c = s.fork(Path({str(fifo)!r}), Path({str(tmp_path / 'c.log')!r}))\n"
+              f"c = s.fork(Path({str(fifo)!r}), Path({str(tmp_path / 'c.log')!r}))\nc.started()\n"
               f"print(s.proc.pid, c.pid, flush=True)\ntime.sleep(600)\n")
     starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                env=supervise.child_env({}, 1))
