@@ -63,6 +63,7 @@ class Outcome:
     err: str
     marker: str | None = None
     wall: float = 0.0
+    ended_at: float = 0.0  # time.time() when the command had exited
 
 
 def in_process(argv: list) -> Outcome:
@@ -90,7 +91,20 @@ def subprocess_run(argv: list, *, cwd: Path, env: dict[str, str] | None = None, 
     # the child starts with the default disposition, as from an interactive shell or CI.
     proc = subprocess.run([*HARNESS, *map(str, argv)], cwd=cwd, env=full, capture_output=True, text=True,
                           timeout=timeout, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    return Outcome(proc.returncode, proc.stdout, proc.stderr, marker, time.perf_counter() - t0)
+    return Outcome(proc.returncode, proc.stdout, proc.stderr, marker, time.perf_counter() - t0, time.time())
+
+
+@contextlib.contextmanager
+def cpu_hog():
+    """A process busy-looping on every core while the body runs: a loaded CI agent, on which a
+    process that waits for something else's CPU time answers late."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def assert_one_error(o: Outcome, code: int, line: str) -> None:
