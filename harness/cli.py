@@ -122,28 +122,29 @@ def _run(args) -> int:
         raise UsageError("--jobs must be >= 1")
     for w in matrix.warnings(cells):
         print(w, file=sys.stderr)
-    if not args.dry_run:
-        # lazy: numpy, regex, +110 ms (scripts/import-graph --costs)
-        from harness.fixtures import benchmark
-
-        benchmark.ensure_for_cells(m, cells)  # cpu-load's checkpoints are built on demand
-    matrix.check_paths(m, cells)
     if args.dry_run:
+        matrix.check_paths(m, cells)
         # lazy: pydantic, +200 ms (scripts/import-graph --costs)
         from harness import dryrun
 
         return dryrun.report(m, cells, matrix_path=args.matrix, baselines_root=args.baselines, tier=args.tier)
     results = Path(args.results or runner.default_results_dir())
-    # where the run writes, checked before any cell runs (docs/design.md, "Bad input and faults")
-    for option, path, written in (("--results", results, True), ("--baselines", args.baselines,
-                                                                      args.update_baselines or args.update_fingerprints)):
-        problem = files.writable_dir_problem(path) if written else None
-        if problem:
-            raise UsageError(f"{path}: {problem} ({option})")
-    progress = Progress(len(cells))
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
-                      matrix_path=args.matrix, echo=progress.echo, trace=args.trace,
-                      update_fingerprints=args.update_fingerprints)
+                      matrix_path=args.matrix, trace=args.trace, update_fingerprints=args.update_fingerprints)
+    # every path the run writes, checked before anything is built or run (docs/design.md, "Bad input and faults")
+    # lazy: pydantic, +150 ms (scripts/import-graph --costs)
+    from harness.report import report_files
+
+    problem = files.write_problem([*r.writes(), *(files.Written(p, "--results", True) for p in report_files(r.layout.report()))])
+    if problem:
+        raise UsageError(problem)
+    # lazy: numpy, regex (loaded with harness.runner above: no cost here)
+    from harness.fixtures import benchmark
+
+    benchmark.ensure_for_cells(m, cells)  # cpu-load's checkpoints are built on demand
+    matrix.check_paths(m, cells)
+    progress = Progress(len(cells))
+    r.echo = progress.echo
     r.prepare(fresh=True)
     mode = " (updating baselines)" if args.update_baselines else ""
     progress.echo(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "

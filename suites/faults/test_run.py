@@ -4,6 +4,10 @@ server, engine children, what the terminal gets).
 - One run keeps its work: every fault of a baseline is an ``error`` for its cell alone, a child
   killed by SIGKILL is an ``error`` record, every other cell gets its record, the summary and the
   report are written, a new baseline has the normal file mode.
+- A path the run would write that cannot be written is refused before anything runs or is built:
+  one line, exit 2, in under 2 s, nothing written. "Unwritable" is a file where a directory must
+  be, a directory where a file must be, or (where ``chattr`` works: root on ext4 and most local
+  filesystems) an immutable directory or file, which stops root too.
 - SIGINT and SIGTERM at each stage (a cell waiting for a fork server that is still importing, a
   cell running, the report being written), reached through the test-only ``HARNESS_TEST_SIGNAL``
   hook (never a sleep), with every core busy: answered within a second, exit 130 (SIGINT) or 143
@@ -12,8 +16,10 @@ server, engine children, what the terminal gets).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,6 +30,7 @@ from faultlib import (
     assert_one_error,
     assert_written_only_under,
     cpu_hog,
+    in_process,
     matrix,
     subprocess_run,
 )
@@ -111,3 +118,75 @@ def test_a_signal_at_each_stage_is_answered_within_a_second_with_no_late_writes(
     log = tmp_path / "r" / "logs" / "llama.unquantized.reference.log"
     assert log.exists() == (stage == "cell-running")  # no child is started after the signal
     assert_written_only_under(tree, "r", "b", "cache", stamp.name)  # b: the obtained file beside a missing baseline
+
+
+REFUSED_WITHIN_S = 2.0
+CELL = "llama.unquantized.reference"
+
+
+@contextlib.contextmanager
+def immutable(path: Path):
+    """``chattr +i path`` while the body runs (skipped where chattr cannot: not root, no such fs)."""
+    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"chattr +i does not work here: {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def _tier_dir_file(t: Path):
+    (t / "b").mkdir()
+    (t / "b" / "cpu-tiny").write_text("not a directory")
+
+
+def _committed_baseline(t: Path) -> Path:
+    (t / "b" / "cpu-tiny").mkdir(parents=True)
+    path = t / "b" / "cpu-tiny" / f"{CELL}.json"
+    path.write_text((ROOT / "baselines" / "cpu-tiny" / f"{CELL}.json").read_text())
+    return path
+
+
+WRITE_CASES = {
+    "tier folder is a file, --update-baselines": (
+        _tier_dir_file, ["--update-baselines"], None, "error: b/cpu-tiny: is not a directory (--baselines)"),
+    "tier folder is a file, obtained files only": (
+        _tier_dir_file, [], None, "error: b/cpu-tiny: is not a directory (--baselines)"),
+    "tier folder immutable": (
+        lambda t: (t / "b" / "cpu-tiny").mkdir(parents=True), ["--update-baselines"], "b/cpu-tiny",
+        "error: b/cpu-tiny: is not writable: Operation not permitted (--baselines)"),
+    "baseline file immutable": (
+        _committed_baseline, ["--update-baselines"], f"b/cpu-tiny/{CELL}.json",
+        f"error: b/cpu-tiny/{CELL}.json: cannot be replaced: it is immutable or append-only (--baselines)"),
+    "obtained file is a directory": (
+        lambda t: (t / "b" / "cpu-tiny" / f"{CELL}.obtained.json").mkdir(parents=True), [], None,
+        f"error: b/cpu-tiny/{CELL}.obtained.json: is a directory, which a file cannot replace (--baselines)"),
+    "report folder is a file": (
+        lambda t: (t / "r").mkdir() or (t / "r" / "report").write_text("x"), [], None,
+        "error: r/report: is not a directory (--results)"),
+    "record is a directory": (
+        lambda t: (t / "r" / f"{CELL}.json").mkdir(parents=True), [], None,
+        f"error: r/{CELL}.json: is a directory, which a file cannot replace (--results)"),
+    "fixture cache under a file": (
+        lambda t: (t / "file").write_text("x"), [], None,
+        "error: file/fixtures: cannot be created: {t}/file is not a directory ($HARNESS_FIXTURE_CACHE or .cache/fixtures)"),
+}
+
+
+@pytest.mark.parametrize("name", WRITE_CASES)
+def test_a_path_the_run_cannot_write_is_refused_before_anything_runs(tmp_path, monkeypatch, name):
+    """In this process (the refusal starts no process): the time is the harness's own, without an
+    interpreter's start-up."""
+    prepare, args, frozen, line = WRITE_CASES[name]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.yaml").write_text(matrix())
+    prepare(tmp_path)
+    if name.startswith("fixture cache"):
+        monkeypatch.setenv("HARNESS_FIXTURE_CACHE", "file/fixtures")
+    tree = Tree(tmp_path)
+    with immutable(tmp_path / frozen) if frozen else contextlib.nullcontext():
+        o = in_process(["run", "--matrix", "m.yaml", "--results", "r", "--baselines", "b", *args])
+    assert_one_error(o, 2, line.replace("{t}", str(tmp_path)))
+    assert o.wall < REFUSED_WITHIN_S, f"refused after {o.wall:.1f} s"
+    assert tree.written() == [], "written before the refusal"
