@@ -1,5 +1,7 @@
 """The `harness` command."""
 import argparse
+import logging
+import os
 import signal
 import sys
 import time
@@ -166,10 +168,28 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         r.supervisor.kill_all()
         print(f"error: {results}: interrupted while {step}; the records written so far are there", file=sys.stderr)
-        return 128 + received[0]  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        raise Interrupted(128 + received[0]) from None  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
         progress.close()
+
+
+class Interrupted(Exception):
+    """``harness run`` was interrupted; its children are ended and its line printed. ``code``: the
+    exit status."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def _exit_now(code: int) -> None:
+    """End the process without the interpreter's finalization, which frees every module and object
+    (0.2 s idle, 0.7 s with every core busy): most of an interrupt's answer time otherwise."""
+    logging.shutdown()  # the library log (harness.liblog)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _prefetch(args) -> int:
@@ -327,6 +347,10 @@ def main(argv=None) -> int:
     except (CheckpointError, MatrixError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        if argv is None:  # the command itself, not a caller in its own process (tests)
+            _exit_now(e.code)
+        return e.code
 
 
 if __name__ == "__main__":
