@@ -154,14 +154,17 @@ class Runner:
         out = [Written(d, "--results") for d in self.layout.directories()]
         out += [Written(self.layout.summary(), "--results", file=True)]
         out += [Written(self.layout.sequences(key), "--results", file=True) for key in self.groups]
-        beside_baselines = []
         for cell in self.cells:
             out += [Written(p, "--results", file=True) for p in self.layout.cell_files(cell.id)]
-            if self.decided(cell) is None:
-                beside_baselines += self._baseline_writes(cell)
+        unbuilt = benchmark.unbuilt(self.matrix, self.cells)
+        # a cell whose checkpoint is built after this check is not decided before it (it would
+        # be decided a configuration error: no checkpoint yet)
+        later = {cell.id for cell, *_ in unbuilt}
+        running = [c for c in self.cells if c.id in later or self.decided(c) is None]
+        beside_baselines = [w for c in running for w in self._baseline_writes(c)]
         if beside_baselines:
             beside_baselines.insert(0, Written(self.baselines_root, "--baselines"))
-        return out + beside_baselines + self._cache_writes()
+        return out + beside_baselines + self._cache_writes(running, bool(unbuilt))
 
     def _baseline_writes(self, cell: Cell) -> list[Written]:
         kinds = [(B.Baseline, self.update_baselines or self.update_fingerprints)]
@@ -176,14 +179,13 @@ class Runner:
                 out.append(Written(baseline, "--baselines", True))
         return out
 
-    def _cache_writes(self) -> list[Written]:
-        running = [c for c in self.cells if self.decided(c) is None]
+    def _cache_writes(self, running: list[Cell], checkpoints_to_build: bool) -> list[Written]:
         fixtures = {c.fixture_name for c in running if c.fixture_name}
         out = []
         if any(not cache.fixture_dir(name).is_dir() for name in fixtures):
             out.append(Written(cache.cache_root(), "$HARNESS_FIXTURE_CACHE or .cache/fixtures"))
         gated = any(c.gate_load_time for c in running)
-        if benchmark.unbuilt(self.matrix, running) or (gated and not loadtime.calibration_path().is_file()):
+        if checkpoints_to_build or (gated and not loadtime.calibration_path().is_file()):
             out.append(Written(cache.bench_cache_root(), "$HARNESS_BENCH_CACHE or .cache/bench"))
         return out
 

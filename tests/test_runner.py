@@ -480,3 +480,49 @@ def test_a_cell_child_ends_once_its_record_is_written_without_closing_its_engine
     assert done.returncode == 0, done.stderr[-2000:]
     assert R.load(tmp_path / "record.json").status == "ok"
     assert not marks.exists()  # os._exit: no engine shutdown, no exit handlers, nothing after main
+
+
+# ---------------------------------------------------------------------- what a run writes
+
+PATH_MATRIX = """\
+version: 1
+environments:
+  core:
+    engines: {reference: "0.1.0"}
+defaults:
+  max_tokens: 4
+  top_k: 3
+  timeout_s: 300
+  bounds:
+    unquantized: {logprob: 1.0e-4, topk: 1.0e-4, load_time: 1.5}
+prompt_sets:
+  p: [{id: a, text: hello}]
+models:
+  llama:
+    arch: LlamaForCausalLM
+    path: bench/llama-M-unquantized
+    prompts: p
+    tier: cpu-tiny
+    engines: {reference: core}
+    schemes:
+      unquantized:
+"""
+
+
+def test_the_write_check_decides_no_cell_whose_checkpoint_is_built_after_it(tmp_path, monkeypatch):
+    """harness run checks what it writes before it builds the benchmark checkpoints: a cell whose
+    checkpoint is not built yet writes beside its baseline all the same, and is not decided a
+    configuration error (no checkpoint) for the rest of the run."""
+    from harness import matrix, store
+    from harness.baselines import Baseline
+
+    monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path / "bench"))
+    (tmp_path / "m.yaml").write_text(PATH_MATRIX)
+    m = matrix.load(tmp_path / "m.yaml")
+    [cell] = m.cells(tier="cpu-tiny")
+    r = runner.Runner(m, [cell], results=tmp_path / "r", baselines_root=tmp_path / "b", matrix_path=tmp_path / "m.yaml")
+    written = {w.path for w in r.writes()}
+    assert store.obtained_path_for(Baseline, tmp_path / "b", cell.tier, cell.id) in written
+    assert tmp_path / "bench" in written  # the checkpoint is built there
+    (tmp_path / "bench" / "llama-M-unquantized").mkdir(parents=True)  # as benchmark.ensure_for_cells would
+    assert r.decided(cell) is None
