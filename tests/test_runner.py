@@ -340,6 +340,24 @@ def test_a_forked_child_starts_with_what_the_preload_imported_frozen(tmp_path):
     assert report["frozen"] > 10_000  # the worker's imports alone leave tens of thousands
 
 
+def test_a_child_whose_fork_server_is_still_importing_is_abandoned_at_once(tmp_path):
+    """Starting a forked child waits for nothing: the request is sent and the child registered; an
+    interrupt meanwhile abandons it at once, and the server's stop ends it before it forks."""
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(60)\n")
+    env = supervise.child_env({"MARK": "", "PYTHONPATH": str(tmp_path)}, 1)
+    try:
+        t0 = time.monotonic()
+        child = supervise.start_child(tmp_path / "job.json", tmp_path / "c.log", env, "slow_preload")
+        assert child.wait(0.5) is None and child.pid is None  # the server is still importing
+        child.kill()
+        assert time.monotonic() - t0 < 5
+        assert child.wait(0) == -signal.SIGKILL
+    finally:
+        supervise.stop_fork_servers()
+    assert child.server.proc.poll() is not None
+    assert not (tmp_path / "c.log").exists()  # never forked
+
+
 def test_a_fork_server_killed_from_outside_is_replaced(tmp_path):
     try:
         first = supervise.fork_server(LIGHT, supervise.child_env({"MARK": ""}, 1))
