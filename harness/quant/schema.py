@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -28,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from harness import registry
 from harness.errors import CheckpointError
+from harness.validation import problem, short
 
 # Every format's quant_methods (harness.registry.FORMATS), and the other spellings that mean them.
 KNOWN_METHODS = tuple(sorted(registry.methods()))
@@ -42,7 +42,7 @@ def ConfigProblem(file: str, key: str, detail: str) -> CheckpointError:  # noqa:
     return e
 
 
-class _Open(BaseModel):
+class Open(BaseModel):
     """Keys not named are the library's own business; named keys must have the right type."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -54,7 +54,7 @@ Names = Annotated[list[StrictStr], Field()]
 # ----------------------------------------------------------------------------------- config.json
 
 
-class ConfigJson(_Open):
+class ConfigJson(Open):
     architectures: list[StrictStr] = Field(min_length=1)
     model_type: StrictStr
     quantization_config: dict | None = None
@@ -64,7 +64,7 @@ class ConfigJson(_Open):
 # ------------------------------------------------------------------------ quantization configs
 
 
-class BitsandbytesConfig(_Open):
+class BitsandbytesConfig(Open):
     """transformers' ``BitsAndBytesConfig`` as the bnb dialects read it."""
 
     quant_method: StrictStr | None = None
@@ -76,7 +76,7 @@ class BitsandbytesConfig(_Open):
     bnb_4bit_use_double_quant: StrictBool | None = None
 
 
-class QuantArgs(_Open):
+class QuantArgs(Open):
     """compressed-tensors ``QuantizationArgs``: the fields the loader reads."""
 
     num_bits: StrictInt | None = Field(default=None, ge=1, le=64)
@@ -86,7 +86,7 @@ class QuantArgs(_Open):
     symmetric: StrictBool | None = None
 
 
-class CtScheme(_Open):
+class CtScheme(Open):
     """compressed-tensors ``QuantizationScheme``."""
 
     targets: Names = Field(min_length=1)
@@ -95,7 +95,7 @@ class CtScheme(_Open):
     output_activations: QuantArgs | None = None
 
 
-class CompressedTensorsConfig(_Open):
+class CompressedTensorsConfig(Open):
     quant_method: StrictStr
     config_groups: dict[StrictStr, CtScheme] | None = None
     ignore: Names | None = None
@@ -103,7 +103,7 @@ class CompressedTensorsConfig(_Open):
     format: StrictStr | None = None
 
 
-class Fp8Config(_Open):
+class Fp8Config(Open):
     """``quant_method: fp8`` (vLLM's ``Fp8Config``, transformers' ``FineGrainedFP8Config``)."""
 
     quant_method: StrictStr
@@ -150,7 +150,7 @@ def _serialized_types(value: Any, path: str):
             yield from _serialized_types(v, f"{path}[{i}]")
 
 
-class TorchaoSerialized(_Open):
+class TorchaoSerialized(Open):
     """A torchao config as ``TorchAoConfig.to_dict`` serializes it (``{"_type", "_version", "_data"}``)."""
 
     type_: StrictStr = Field(alias="_type")
@@ -169,7 +169,7 @@ class TorchaoSerialized(_Open):
         return v
 
 
-class TorchaoConfig(_Open):
+class TorchaoConfig(Open):
     quant_method: StrictStr
     quant_type: dict[StrictStr, TorchaoSerialized] | None = None
     modules_to_not_convert: Names | None = None
@@ -178,43 +178,12 @@ class TorchaoConfig(_Open):
 # ------------------------------------------------------------------------------------ messages
 
 
-def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
-    return text if len(text) <= 60 else text[:59] + "…"
-
-
-_ARTICLE = {"list": "a list", "string": "a string", "integer": "an integer", "boolean": "a boolean", "number": "a number"}
-
-
-def problem(e: ValidationError, prefix: str = "") -> tuple[str, str]:
-    """The first problem of a validation error: (key path, what is wrong, with the value found)."""
-    err = e.errors(include_url=False)[0]
-    where = _loc(tuple(err["loc"]))
-    where = f"{prefix}.{where}" if prefix and where else (prefix or where)
-    if err["type"] == "missing":
-        return where, "required key is missing"
-    if err["type"] == "value_error":
-        return where, err["msg"].removeprefix("Value error, ")
-    msg = re.sub(r"a valid dictionary( or instance of \w+)?", "an object", err["msg"])
-    msg = re.sub(r"a valid (list|string|integer|boolean|number)", lambda m: _ARTICLE[m.group(1)], msg)
-    return where, f"{msg.replace('Input should be', 'must be')} (got {_short(err.get('input'))})"
-
-
 def _key(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def _validate(model: type[BaseModel], data: Any, file: str, prefix: str) -> BaseModel:
+def validate(model: type[BaseModel], data: Any, file: str, prefix: str = "") -> BaseModel:
+    """``data`` validated by ``model``; a problem is the ConfigProblem of ``file`` at ``prefix``."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -233,7 +202,7 @@ def method_of(qc: Mapping, file: str, prefix: str = "quantization_config") -> st
             return "bitsandbytes"  # configs written before transformers recorded quant_method
         raise ConfigProblem(file, _key(prefix, "quant_method"), "required key is missing")
     if not isinstance(method, str):
-        raise ConfigProblem(file, _key(prefix, "quant_method"), f"must be a string (got {_short(method)})")
+        raise ConfigProblem(file, _key(prefix, "quant_method"), f"must be a string (got {short(method)})")
     normal = ALIASES.get(method.lower(), method.lower())
     if normal not in KNOWN_METHODS:
         raise ConfigProblem(file, _key(prefix, "quant_method"), f"unknown quant_method {method!r} "
@@ -244,11 +213,11 @@ def method_of(qc: Mapping, file: str, prefix: str = "quantization_config") -> st
 def quantization_config(qc: Any, file: str, prefix: str = "quantization_config") -> str:
     """Validate one quantization config; its normalised quant_method."""
     if not isinstance(qc, Mapping):
-        raise ConfigProblem(file, prefix, f"must be an object (got {_short(qc)})")
+        raise ConfigProblem(file, prefix, f"must be an object (got {short(qc)})")
     method = method_of(qc, file, prefix)
     check = registry.resolve(registry.methods()[method].schema)  # a model, or a function validating it
     if isinstance(check, type) and issubclass(check, BaseModel):
-        _validate(check, qc, file, prefix)
+        validate(check, qc, file, prefix)
     else:
         check(qc, file, prefix)
     return method
@@ -256,28 +225,28 @@ def quantization_config(qc: Any, file: str, prefix: str = "quantization_config")
 
 def validate_torchao(qc: Mapping, file: str, prefix: str) -> None:
     """A torchao config: TorchaoConfig, and every serialized object inside it a class torchao deserializes."""
-    cfg = _validate(TorchaoConfig, qc, file, prefix)
+    cfg = validate(TorchaoConfig, qc, file, prefix)
     for name, ser in (cfg.quant_type or {}).items():
         where = _key(prefix, f"quant_type.{name}._data")
         fqn = {k: ser.data[k] for k in ("fqn_to_config", "module_fqn_to_config") if k in ser.data}
         for key, table in fqn.items():
             if not isinstance(table, Mapping):
-                raise ConfigProblem(file, f"{where}.{key}", f"must be an object (got {_short(table)})")
+                raise ConfigProblem(file, f"{where}.{key}", f"must be an object (got {short(table)})")
             for fq, value in table.items():
                 if value is not None:
-                    _validate(TorchaoSerialized, value, file, f"{where}.{key}.{fq}")
+                    validate(TorchaoSerialized, value, file, f"{where}.{key}.{fq}")
         for path, type_name in _serialized_types(ser.data, where):
             if type_name == "torch.dtype":
                 continue
             if not isinstance(type_name, str) or torchao_class(type_name) is None:
-                raise ConfigProblem(file, f"{path}._type", f"{_short(type_name)} is not a class torchao deserializes")
+                raise ConfigProblem(file, f"{path}._type", f"{short(type_name)} is not a class torchao deserializes")
 
 
 def config_json(data: Any, file: str) -> dict:
     """Validate a parsed config.json (and its quantization config); the dict itself."""
     if not isinstance(data, dict):
-        raise ConfigProblem(file, "", f"must be a JSON object (got {_short(data)})")
-    cfg = _validate(ConfigJson, data, file, "")
+        raise ConfigProblem(file, "", f"must be a JSON object (got {short(data)})")
+    cfg = validate(ConfigJson, data, file, "")
     for key in ("quantization_config", "compression_config"):
         qc = getattr(cfg, key)
         if qc is not None:
@@ -286,7 +255,7 @@ def config_json(data: Any, file: str) -> dict:
     return data
 
 
-class Index(_Open):
+class Index(Open):
     weight_map: dict[StrictStr, Annotated[StrictStr, Field(pattern=r"^[^/\\]+\.safetensors$")]]
     metadata: dict | None = None
 
@@ -294,24 +263,24 @@ class Index(_Open):
 def index(data: Any, file: str) -> dict[str, str]:
     """Validate a safetensors index; its weight_map (tensor name -> file name in the directory)."""
     if not isinstance(data, dict):
-        raise ConfigProblem(file, "", f"must be a JSON object (got {_short(data)})")
+        raise ConfigProblem(file, "", f"must be a JSON object (got {short(data)})")
     for shard in (data.get("weight_map") or {}).values() if isinstance(data.get("weight_map"), dict) else ():
         if shard in (".", "..") or (isinstance(shard, str) and ("/" in shard or "\\" in shard)):
             raise ConfigProblem(file, "weight_map", f"shard {shard!r} is not a file name in the checkpoint directory")
-    return dict(_validate(Index, data, file, "").weight_map)
+    return dict(validate(Index, data, file, "").weight_map)
 
 
-class TorchaoDtype(_Open):
+class TorchaoDtype(Open):
     type_: Literal["torch.dtype"] = Field(alias="_type")
     data: StrictStr = Field(alias="_data")
 
 
-class TorchaoTensorData(_Open):
+class TorchaoTensorData(Open):
     block_size: list[Annotated[StrictInt, Field(gt=0)]] | None = None
     dtype: TorchaoDtype | StrictStr | None = None
 
 
-class TorchaoTensor(_Open):
+class TorchaoTensor(Open):
     type_: StrictStr = Field(alias="_type")
     data: TorchaoTensorData = Field(default_factory=TorchaoTensorData, alias="_data")
     tensor_data_names: list[StrictStr] | None = Field(default=None, alias="_tensor_data_names")
@@ -320,8 +289,8 @@ class TorchaoTensor(_Open):
 def torchao_tensor(meta: Any, weight: str) -> dict:
     """Validate the torchao metadata of one weight; the dict itself."""
     if not isinstance(meta, dict):
-        raise ConfigProblem(weight, "torchao metadata", f"must be a JSON object (got {_short(meta)})")
-    _validate(TorchaoTensor, meta, weight, "torchao metadata")
+        raise ConfigProblem(weight, "torchao metadata", f"must be a JSON object (got {short(meta)})")
+    validate(TorchaoTensor, meta, weight, "torchao metadata")
     return meta
 
 
