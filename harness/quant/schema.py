@@ -2,7 +2,7 @@
 
 A checkpoint is untrusted input (docs/design.md, "Bad input and faults"). Everything the harness
 reads from one is validated here first, at the boundary, and a problem is one
-``CheckpointError(<file>, "<key path>: <what>")``:
+``CheckpointError(<file>, "<key path>: <what>")`` (worded by harness.validation):
 
 - ``config_json(data, file)``: ``config.json``: an object, ``architectures`` a non-empty list of
   names, ``model_type`` a name, and its quantization config by ``quant_method``;
@@ -13,6 +13,11 @@ reads from one is validated here first, at the boundary, and a problem is one
 - ``index(data, file)``: ``model.safetensors.index.json``: ``weight_map`` maps tensor names to
   plain ``.safetensors`` file names of the directory;
 - ``torchao_tensor(meta, weight)``: the per-tensor JSON torchao writes into ``__metadata__``;
+- ``safetensors_header(header, file)``: a safetensors header by type: each tensor's ``dtype``
+  a string, ``shape`` and ``data_offsets`` lists of integers, ``__metadata__`` strings to strings
+  (the values are then safetensors' to check);
+- ``harness.quant.bnb.QuantState``: the JSON quant state bitsandbytes stores beside each 4-bit
+  weight (beside the constants of the format it names);
 - ``unique_object(text)``: JSON parsing that refuses a key given twice in one object (safetensors
   headers, where the last one would silently win).
 """
@@ -292,6 +297,31 @@ def torchao_tensor(meta: Any, weight: str) -> dict:
         raise ConfigProblem(weight, "torchao metadata", f"must be a JSON object (got {short(meta)})")
     validate(TorchaoTensor, meta, weight, "torchao metadata")
     return meta
+
+
+class HeaderEntry(Open):
+    """One tensor of a safetensors header (its values are then checked by safetensors itself)."""
+
+    dtype: StrictStr
+    shape: list[StrictInt]
+    data_offsets: Annotated[list[StrictInt], Field(min_length=2, max_length=2)]
+
+
+class SafetensorsHeader(BaseModel):
+    """A safetensors header: ``__metadata__`` maps strings to strings, every other key is a tensor.
+    (Not Open: a tensor may be named ``metadata``.)"""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, HeaderEntry] = Field(init=False)
+    metadata: dict[StrictStr, StrictStr] | None = Field(default=None, alias="__metadata__")
+
+
+def safetensors_header(header: Any, file: str) -> dict:
+    """Validate a parsed safetensors header by type; the dict itself."""
+    if not isinstance(header, dict):
+        raise ConfigProblem(file, "", "not a readable safetensors file: header is not a JSON object")
+    validate(SafetensorsHeader, header, file)
+    return header
 
 
 class DuplicateKey(ValueError):

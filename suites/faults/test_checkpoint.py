@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from harness import fixtures
 
 Q = "model.layers.0.self_attn.q_proj"
+UP = "model.layers.0.mlp.up_proj.weight"
 SLOW = "(.|.)*(?<!j)$"  # backtracks for ever in Python's re on every module name not ending in j
 TRANSFORMERS = __import__("transformers").__version__
 DEADLINE_S = 60  # a case that could hang must end well before this
@@ -158,6 +159,16 @@ def torchao_meta_raw(weight: str, text: str | None):
             meta[weight] = text
         save_file(ts, file, meta)
     return apply
+
+
+def quant_state(weight: str, edit: Callable[[dict], object]):
+    """Edit the JSON quant state bitsandbytes stores beside a 4-bit weight."""
+    def edit_tensors(ts):
+        key = f"{weight}.quant_state.bitsandbytes__nf4"
+        state = json.loads(bytes(ts[key].numpy()).decode())
+        out = edit(state)
+        ts[key] = torch.tensor(list(json.dumps(state if out is None else out).encode()), dtype=torch.uint8)
+    return tensors(edit_tensors)
 
 
 def sharded(edit: Callable[[dict], object] | None = None, index_text: bytes | None = None):
@@ -292,6 +303,22 @@ CASES: dict[str, Case] = {
                                     f"error: {Q}.weight: torchao metadata: must be a JSON object (got list)"),
     "index weight_map a list": Case("traceback", U, sharded(lambda i: i.update(weight_map=[1])),
                                     "error: {d}/model.safetensors.index.json: weight_map: must be an object (got list)"),
+    "bnb quant state dtype a list": Case("traceback", B, quant_state(UP, lambda s: s.update(dtype=["float32"])),
+                                         f"{ST}: quant state of {UP}: dtype: must be 'float32', 'float16' or 'bfloat16' (got list)"),
+    "bnb quant state blocksize a string": Case("traceback", B, quant_state(UP, lambda s: s.update(blocksize="64")),
+                                               f"{ST}: quant state of {UP}: blocksize: must be 32, 64, 128, 256, 512, 1024, "
+                                               '2048 or 4096 (got "64")'),
+    "bnb quant state shape an object": Case("traceback", B, quant_state(UP, lambda s: s.update(shape={"out": 256})),
+                                            f"{ST}: quant state of {UP}: shape: must be a list (got dict)"),
+    "bnb quant state a list": Case("traceback", B, quant_state(UP, lambda s: [s]),
+                                   f"{ST}: quant state of {UP}: must be a JSON object (got list)"),
+    "safetensors metadata value a list": Case("small", U, header_json(lambda h: h["__metadata__"].update(format=["pt"])),
+                                              f"{ST}: __metadata__.format: must be a string (got list)"),
+    "safetensors shape a string": Case("small", U, header_json(lambda h: h["model.norm.weight"].update(shape="128")),
+                                       f'{ST}: model.norm.weight.shape: must be a list (got "128")'),
+    "index weight_map entry a list": Case("traceback", U, sharded(lambda i: i["weight_map"].update({"model.norm.weight": ["x"]})),
+                                          "error: {d}/model.safetensors.index.json: weight_map.model.norm.weight: must be "
+                                          "a string (got list)"),
     "index a list": Case("traceback", U, sharded(index_text=b"[]"),
                          "error: {d}/model.safetensors.index.json: must be a JSON object (got list)"),
     "head_dim 2**30": Case("traceback", U, cfg(lambda c: c.update(head_dim=1 << 30)),
