@@ -23,6 +23,7 @@ reads from one is validated here first, at the boundary, and a problem is one
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from collections.abc import Mapping
@@ -118,9 +119,11 @@ class Fp8Config(Open):
     weight_block_size: list[StrictInt] | None = None
 
 
-def torchao_modules() -> list:
+@functools.cache
+def torchao_modules() -> tuple:
     """The modules torchao 0.18's ``config_from_dict`` looks a ``_type`` up in (its
-    ``ALLOWED_AO_MODULES`` that import here), in the order it searches them."""
+    ``ALLOWED_AO_MODULES`` that import here), in the order it searches them. Imported once: a
+    config names many ``_type``s."""
     from torchao.core.config import ALLOWED_AO_MODULES
 
     modules = []
@@ -129,7 +132,7 @@ def torchao_modules() -> list:
             modules.append(importlib.import_module(module_path))
         except ImportError:
             continue
-    return modules
+    return tuple(modules)
 
 
 def torchao_class(name: str) -> type | None:

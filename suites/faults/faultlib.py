@@ -9,10 +9,14 @@ caches, and no process of the command is left behind (docs/design.md, "Bad input
 - ``subprocess_run(argv, ...)``: the installed command in a fresh interpreter, for what only a
   process shows: the terminal, signals, the fork server and engine children. Its environment
   carries a unique marker, so every process it started can be found afterwards in ``/proc``.
+
+And for the fuzzing of JSON files (test_fuzz.py): ``EVERY_JSON_TYPE``, one value of each JSON type,
+and ``every_field_every_type(doc)``, a document with each of its fields set to each of them.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import signal
@@ -164,3 +168,74 @@ def assert_written_only_under(tree: Tree, *allowed: str) -> None:
     """Everything written below ``tree.root`` lies under one of the ``allowed`` relative paths."""
     stray = [p for p in tree.written() if not any(p == a or p.startswith(a.rstrip("/") + "/") for a in allowed)]
     assert not stray, f"written outside {allowed}: {stray[:20]}"
+
+
+# ------------------------------------------------------------------------- JSON documents
+
+# One value of every JSON type Python's json reads, with the awkward ones: huge and negative
+# integers, NaN and the infinities (which json writes and reads), empty and nested containers.
+EVERY_JSON_TYPE = [None, True, 0, -1, 2 ** 70, 1.5, float("nan"), float("-inf"), "", "x", [], [[1, "a"]], {},
+                   {"k": {"k": []}}]
+
+
+NAME_MAP = 8
+
+
+def _ends(n: int) -> list[int]:
+    return sorted({0, n - 1}) if n else []
+
+
+def field_paths(doc, prefix: tuple = ()) -> list[tuple]:
+    """Every field of a JSON document: each key of an object, and of a list its first and its
+    last element: the others have the same schema, and the first often differs (scored row 0
+    has no logprob). An object of more than NAME_MAP keys whose values are all of one type maps
+    names to one schema (an index's weight_map, a record's loaded_state): a list by another name,
+    explored the same way."""
+    out = []
+    if isinstance(doc, dict):
+        items = list(doc.items())
+        if len(items) > NAME_MAP and len({type(v) for v in doc.values()}) == 1:
+            items = [items[i] for i in _ends(len(items))]
+    elif isinstance(doc, list):
+        items = [(i, doc[i]) for i in _ends(len(doc))]
+    else:
+        items = []
+    for key, value in items:
+        out.append(prefix + (key,))
+        out += field_paths(value, prefix + (key,))
+    return out
+
+
+def _copy_along(doc, path: tuple):
+    """A copy of ``doc`` in which the containers on ``path`` are new (the rest is shared); the copy
+    and the parent of the last key."""
+    new = parent = copy.copy(doc)
+    for p in path[:-1]:
+        parent[p] = copy.copy(parent[p])
+        parent = parent[p]
+    return new, parent
+
+
+def replaced(doc, path: tuple, value):
+    """A copy of ``doc`` with the field at ``path`` set to ``value``."""
+    new, parent = _copy_along(doc, path)
+    parent[path[-1]] = value
+    return new
+
+
+def deleted(doc, path: tuple):
+    """A copy of ``doc`` without the key at ``path`` (an object's key; a list element is left)."""
+    new, parent = _copy_along(doc, path)
+    if isinstance(parent, dict):
+        del parent[path[-1]]
+    return new
+
+
+def every_field_every_type(doc):
+    """``doc`` with one field changed: each field (field_paths) set to each of EVERY_JSON_TYPE,
+    and each key deleted. Yields (path, what was done, the changed document)."""
+    for path in field_paths(doc):
+        for value in EVERY_JSON_TYPE:
+            yield path, value, replaced(doc, path, value)
+        if isinstance(path[-1], str):
+            yield path, "deleted", deleted(doc, path)

@@ -21,7 +21,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from faultlib import in_process
+from faultlib import EVERY_JSON_TYPE, every_field_every_type, in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -79,6 +79,7 @@ scalars = (st.none() | st.booleans() | st.sampled_from(TRICKY_INTS) | st.integer
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.sampled_from(TRICKY_STRINGS) | st.text(max_size=8), inner, max_size=4),
                            max_leaves=8)
+any_json = st.sampled_from(EVERY_JSON_TYPE) | json_values  # every JSON type, on top of the drawn values
 
 
 def key_paths(value, prefix=()) -> list[tuple]:
@@ -104,9 +105,9 @@ def mutate(data, draw):
     if action == "delete" and isinstance(parent, dict):
         parent.pop(path[-1])
     elif action == "add" and isinstance(parent, dict):
-        parent[draw(st.sampled_from(TRICKY_STRINGS) | st.text(max_size=8))] = draw(json_values)
+        parent[draw(st.sampled_from(TRICKY_STRINGS) | st.text(max_size=8))] = draw(any_json)
     else:
-        parent[path[-1]] = draw(json_values)
+        parent[path[-1]] = draw(any_json)
     return data
 
 
@@ -160,7 +161,7 @@ def safetensors_parts(templates):
 
 
 def header_mutation(draw, header: dict) -> bytes:
-    kind = draw(st.sampled_from(["entry", "entry", "metadata", "bytes", "length", "duplicate"]))
+    kind = draw(st.sampled_from(["entry", "entry", "metadata", "metadata value", "bytes", "length", "duplicate"]))
     if kind == "bytes":
         return draw(st.binary(max_size=64))
     h = json.loads(json.dumps(header))
@@ -170,17 +171,19 @@ def header_mutation(draw, header: dict) -> bytes:
         field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "extra", "whole"]))
         if field == "dtype":
             h[name]["dtype"] = draw(st.sampled_from(["F32", "F16", "BF16", "I8", "U8", "F8_E4M3", "F64", "BOOL", "F7", ""])
-                                    | json_values)
+                                    | any_json)
         elif field == "shape":
-            h[name]["shape"] = draw(st.lists(st.sampled_from(TRICKY_INTS), max_size=4) | json_values)
+            h[name]["shape"] = draw(st.lists(st.sampled_from(TRICKY_INTS), max_size=4) | any_json)
         elif field == "data_offsets":
             h[name]["data_offsets"] = draw(st.lists(st.sampled_from(TRICKY_INTS) | st.integers(0, 8 << 20), max_size=3))
         elif field == "extra":
-            h[name][draw(st.text(max_size=6))] = draw(json_values)
+            h[name][draw(st.text(max_size=6))] = draw(any_json)
         else:
-            h[name] = draw(json_values)
+            h[name] = draw(any_json)
     elif kind == "metadata":
-        h["__metadata__"] = draw(st.dictionaries(st.text(max_size=8), json_values, max_size=3) | json_values)
+        h["__metadata__"] = draw(st.dictionaries(st.text(max_size=8), any_json, max_size=3) | any_json)
+    elif kind == "metadata value":
+        h.setdefault("__metadata__", {})[draw(st.sampled_from(["format", "x"]))] = draw(any_json)
     elif kind == "duplicate":
         name = draw(st.sampled_from(names))
         text = json.dumps(h)
@@ -251,3 +254,284 @@ def yaml_example(data, m: Path) -> None:
     check_one_line(["cells", "--matrix", m, "--tier", "all"], "models.yaml")
 
 
+
+
+# ------------------------------------------------------------ every field of every JSON file
+#
+# Each file the harness reads JSON from, at the boundary that reads it: every field set to every
+# JSON type (faultlib.every_field_every_type, exhaustive and deterministic), then random
+# mutations. The boundary returns, or raises its one-line error; anything else is a traceback.
+# For the files of a checkpoint the boundary goes on to decode what it read, and a property runs
+# the whole command on top.
+
+Q_WEIGHT = "model.layers.0.self_attn.q_proj.weight"
+BNB_WEIGHT = "model.layers.0.mlp.up_proj.weight"
+
+
+def check_boundary(call, errors: tuple, name: str) -> int:
+    """``call()`` returns (0) or raises one of ``errors`` with a one-line text (2); the code."""
+    try:
+        call()
+        code = 0
+    except errors as e:
+        text = str(e)
+        assert text and "\n" not in text, text
+        code = 2
+    RUNS.setdefault(name, {0: 0, 2: 0})[code] += 1
+    return code
+
+
+def every_field(doc, call, errors: tuple, name: str) -> None:
+    """``call(changed)`` for doc with each field set to each JSON type, under check_boundary."""
+    for path, value, changed in every_field_every_type(doc):
+        try:
+            check_boundary(lambda: call(changed), errors, name)
+        except BaseException as e:
+            raise AssertionError(f"{name}: {path} = {value!r}: {type(e).__name__}: {e}") from e
+    report(name)
+
+
+def tensors_of(directory: Path, prefix: str) -> tuple[dict, dict]:
+    """The tensors of a checkpoint whose names start with ``prefix``, and its metadata."""
+    from safetensors import safe_open
+
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}, dict(f.metadata() or {})
+
+
+def save_tensors(directory: Path, edit) -> None:
+    """Rewrite model.safetensors with ``edit(tensors, metadata)`` applied."""
+    from safetensors.torch import save_file
+
+    ts, meta = tensors_of(directory, "")
+    edit(ts, meta)
+    save_file(ts, directory / "model.safetensors", meta)
+
+
+def json_tensor(doc):
+    """A JSON document as the uint8 tensor bitsandbytes stores a quant state in."""
+    import torch
+
+    return torch.tensor(list(json.dumps(doc).encode()), dtype=torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def bnb_template(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-bnb") / "c"
+    shutil.copytree(fixtures.build("llama-bnb-nf4-dq"), d)
+    return d
+
+
+def test_every_field_of_a_bnb_quant_state(bnb_template):
+    from harness.errors import CheckpointError
+    from harness.quant import formats
+    from harness.quant.source import TensorSource
+
+    ts, _ = tensors_of(bnb_template, BNB_WEIGHT)
+    key = f"{BNB_WEIGHT}.quant_state.bitsandbytes__nf4"
+    state = json.loads(bytes(ts[key].numpy()).decode())
+    every_field(state, lambda s: formats.decode_weight(TensorSource.from_tensors({**ts, key: json_tensor(s)}), BNB_WEIGHT),
+                (CheckpointError,), "bnb quant state, every field")
+
+
+def test_any_bnb_quant_state_loads_or_is_one_line(bnb_template, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bnb") / "c"
+    shutil.copytree(bnb_template, d)
+    ts, _ = tensors_of(bnb_template, BNB_WEIGHT)
+    key = f"{BNB_WEIGHT}.quant_state.bitsandbytes__nf4"
+    state = json.loads(bytes(ts[key].numpy()).decode())
+
+    @fuzz_settings(ci_examples=25)
+    @given(st.data())
+    def prop(data):
+        doc = data.draw(any_json) if data.draw(st.integers(0, 9)) == 0 else mutate(json.loads(json.dumps(state)), data.draw)
+        save_tensors(d, lambda t, m: t.update({key: json_tensor(doc)}))
+        check_one_line(["load", d], "bnb quant state")
+
+    prop()
+    report("bnb quant state")
+
+
+@pytest.fixture(scope="module")
+def torchao_template(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-torchao") / "c"
+    shutil.copytree(fixtures.build("llama-torchao-int8wo"), d)
+    return d
+
+
+def test_every_field_of_torchao_tensor_metadata(torchao_template):
+    from harness.errors import CheckpointError
+    from harness.quant import formats
+    from harness.quant.source import TensorSource
+
+    module = Q_WEIGHT.removesuffix(".weight")
+    ts, meta = tensors_of(torchao_template, module + ".")
+    doc = json.loads(meta[Q_WEIGHT])
+    every_field(doc, lambda m: formats.decode_weight(TensorSource.from_tensors(ts, {Q_WEIGHT: json.dumps(m)}), Q_WEIGHT),
+                (CheckpointError,), "torchao tensor metadata, every field")
+
+
+def test_any_torchao_tensor_metadata_loads_or_is_one_line(torchao_template, tmp_path_factory):
+    d = tmp_path_factory.mktemp("torchao") / "c"
+    shutil.copytree(torchao_template, d)
+    _, meta = tensors_of(torchao_template, Q_WEIGHT)
+    original = json.loads(meta[Q_WEIGHT])
+
+    @fuzz_settings(ci_examples=25)
+    @given(st.data())
+    def prop(data):
+        doc = data.draw(any_json) if data.draw(st.integers(0, 9)) == 0 else mutate(json.loads(json.dumps(original)), data.draw)
+        save_tensors(d, lambda t, m: m.update({Q_WEIGHT: json.dumps(doc)}))
+        check_one_line(["load", d], "torchao tensor metadata")
+
+    prop()
+    report("torchao tensor metadata")
+
+
+@pytest.mark.parametrize("fixture", CONFIG_FIXTURES)
+def test_every_field_of_config_json(fixture, templates):
+    from harness.errors import CheckpointError
+    from harness.quant import schema
+
+    config = json.loads((templates[fixture] / "config.json").read_text())
+    every_field(config, lambda c: schema.config_json(c, "config.json"), (CheckpointError,), f"config.json of {fixture}, every field")
+
+
+@pytest.fixture(scope="module")
+def small_safetensors(tmp_path_factory):
+    """A checkpoint directory of two tiny tensors and some metadata: a header with every kind of field."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("fuzz-header")
+    save_file({"a.weight": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.uint8)}, d / "model.safetensors",
+              {"format": "pt", "note": "x"})
+    blob = (d / "model.safetensors").read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    return d, json.loads(blob[8:8 + n]), blob[8 + n:]
+
+
+def test_every_field_of_a_safetensors_header(small_safetensors):
+    from harness.errors import CheckpointError
+    from harness.quant.source import TensorSource
+
+    d, header, body = small_safetensors
+
+    def open_with(h):
+        text = json.dumps(h).encode()
+        (d / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + body)
+        TensorSource.open(d).close()
+
+    every_field(header, open_with, (CheckpointError,), "safetensors header, every field")
+
+
+@pytest.fixture(scope="module")
+def sharded_template(templates, tmp_path_factory):
+    """The unquantized fixture in two shards, with its index."""
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("fuzz-index") / "c"
+    shutil.copytree(templates["llama-unquantized"], d)
+    ts, meta = tensors_of(d, "")
+    names = sorted(ts)
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: ts[k] for k in part}, d / shard, meta)
+        weight_map.update(dict.fromkeys(part, shard))
+    (d / "model.safetensors").unlink()
+    return d, {"metadata": {"total_size": 0}, "weight_map": weight_map}
+
+
+def test_every_field_of_a_safetensors_index(sharded_template):
+    from harness.errors import CheckpointError
+    from harness.quant.source import TensorSource
+
+    d, index = sharded_template
+
+    def open_with(doc):
+        (d / "model.safetensors.index.json").write_text(json.dumps(doc))
+        TensorSource.open(d).close()
+
+    every_field(index, open_with, (CheckpointError,), "safetensors index, every field")
+
+
+def test_any_safetensors_index_loads_or_is_one_line(sharded_template):
+    d, index = sharded_template
+
+    @fuzz_settings(ci_examples=25)
+    @given(st.data())
+    def prop(data):
+        doc = data.draw(any_json) if data.draw(st.integers(0, 9)) == 0 else mutate(json.loads(json.dumps(index)), data.draw)
+        (d / "model.safetensors.index.json").write_text(json.dumps(doc))
+        check_one_line(["load", d], "safetensors index")
+
+    prop()
+    report("safetensors index")
+
+
+# --------------------------------------------------------------------- records and baselines
+
+RECORD = Path(__file__).with_name("fuzz-record.json")  # one cell's record (one sequence kept)
+BASELINE = Path(__file__).parents[2] / "baselines" / "cpu-tiny" / "llama.bnb-nf4-dq.reference.json"
+ACCURACY = Path(__file__).parents[2] / "baselines" / "cpu-tiny" / "accuracy" / "llama.unquantized.reference.json"
+
+
+def small_baseline() -> dict:
+    """The committed baseline cut to a few of each repeated part (a baseline still, and 10x
+    faster to read: one sequence, four scored and three greedy rows, three modules)."""
+    doc = json.loads(BASELINE.read_text())
+    doc["sequences"] = doc["sequences"][:1]
+    doc["sequences"][0]["scored"] = doc["sequences"][0]["scored"][:4]
+    doc["sequences"][0]["greedy"] = doc["sequences"][0]["greedy"][:3]
+    doc["loaded_state"] = dict(list(doc["loaded_state"].items())[:3])
+    doc["fingerprint"]["modules"] = doc["fingerprint"]["modules"][:3]
+    return doc
+
+
+def record_boundary():
+    from harness.records import Record, RecordError
+
+    return lambda doc: Record.from_json(json.dumps(doc), "r.json"), (RecordError,)
+
+
+def baseline_boundary():
+    from harness import baselines
+
+    return lambda doc: baselines.parse(json.dumps(doc), "b.json"), (baselines.BaselineError,)
+
+
+def accuracy_boundary():
+    from harness import baselines
+    from harness.accuracy.store import VERSION, AccuracyBaseline
+
+    return (lambda doc: baselines.parse_document(AccuracyBaseline, json.dumps(doc), "a.json", VERSION, "accuracy baseline"),
+            (baselines.BaselineError,))
+
+
+FILES = {"record": (lambda: json.loads(RECORD.read_text()), record_boundary),
+         "baseline": (small_baseline, baseline_boundary),
+         "accuracy baseline": (lambda: json.loads(ACCURACY.read_text()), accuracy_boundary)}
+
+
+@pytest.mark.parametrize("kind", FILES)
+def test_every_field_of_a_record_or_baseline(kind):
+    doc, boundary = FILES[kind][0](), FILES[kind][1]()
+    assert check_boundary(lambda: boundary[0](doc), boundary[1], kind) == 0  # the file as written reads
+    every_field(doc, *boundary, f"{kind}, every field")
+
+
+@pytest.mark.parametrize("kind", FILES)
+def test_any_record_or_baseline_reads_or_is_one_line(kind):
+    original, (call, errors) = FILES[kind][0](), FILES[kind][1]()
+
+    @fuzz_settings(ci_examples=100)
+    @given(st.data())
+    def prop(data):
+        doc = json.loads(json.dumps(original))
+        for _ in range(data.draw(st.integers(1, 3))):
+            doc = mutate(doc, data.draw) if isinstance(doc, (dict, list)) and key_paths(doc) else data.draw(any_json)
+        check_boundary(lambda: call(doc), errors, kind)
+
+    prop()
+    report(kind)
