@@ -219,7 +219,7 @@ def _copy_along(doc, path: tuple):
 def replaced(doc, path: tuple, value):
     """A copy of ``doc`` with the field at ``path`` set to ``value``."""
     new, parent = _copy_along(doc, path)
-    parent[path[-1]] = value
+    parent[path[-1]] = copy.deepcopy(value)
     return new
 
 

@@ -305,20 +305,6 @@ CASES: dict[str, Case] = {
                                     "error: {d}/model.safetensors.index.json: weight_map: must be an object (got list)"),
     "bnb quant state dtype a list": Case("traceback", B, quant_state(UP, lambda s: s.update(dtype=["float32"])),
                                          f"{ST}: quant state of {UP}: dtype: must be 'float32', 'float16' or 'bfloat16' (got list)"),
-    "bnb quant state blocksize a string": Case("traceback", B, quant_state(UP, lambda s: s.update(blocksize="64")),
-                                               f"{ST}: quant state of {UP}: blocksize: must be 32, 64, 128, 256, 512, 1024, "
-                                               '2048 or 4096 (got "64")'),
-    "bnb quant state shape an object": Case("traceback", B, quant_state(UP, lambda s: s.update(shape={"out": 256})),
-                                            f"{ST}: quant state of {UP}: shape: must be a list (got dict)"),
-    "bnb quant state a list": Case("traceback", B, quant_state(UP, lambda s: [s]),
-                                   f"{ST}: quant state of {UP}: must be a JSON object (got list)"),
-    "safetensors metadata value a list": Case("small", U, header_json(lambda h: h["__metadata__"].update(format=["pt"])),
-                                              f"{ST}: __metadata__.format: must be a string (got list)"),
-    "safetensors shape a string": Case("small", U, header_json(lambda h: h["model.norm.weight"].update(shape="128")),
-                                       f'{ST}: model.norm.weight.shape: must be a list (got "128")'),
-    "index weight_map entry a list": Case("traceback", U, sharded(lambda i: i["weight_map"].update({"model.norm.weight": ["x"]})),
-                                          "error: {d}/model.safetensors.index.json: weight_map.model.norm.weight: must be "
-                                          "a string (got list)"),
     "index a list": Case("traceback", U, sharded(index_text=b"[]"),
                          "error: {d}/model.safetensors.index.json: must be a JSON object (got list)"),
     "head_dim 2**30": Case("traceback", U, cfg(lambda c: c.update(head_dim=1 << 30)),
@@ -409,6 +395,17 @@ CASES: dict[str, Case] = {
     "torch.save'd exploit refused with torch's reason": Case("small", U, saved({"model.norm.weight": _Exploit("/nonexistent/pwned")}),
                                                              "error: {d}/pytorch_model.bin: refused to unpickle: Trying to load "
                                                              "unsupported GLOBAL posix.system whose module posix is blocked."),
+    "bnb quant state blocksize a string": Case("small", B, quant_state(UP, lambda s: s.update(blocksize="64")),
+                                               f"{ST}: quant state of {UP}: blocksize: must be 32, 64, 128, 256, 512, 1024, "
+                                               '2048 or 4096 (got "64")'),
+    "bnb quant state shape an object": Case("small", B, quant_state(UP, lambda s: s.update(shape={"out": 256})),
+                                            f"{ST}: quant state of {UP}: shape: must be a list (got dict)"),
+    "bnb quant state a list": Case("small", B, quant_state(UP, lambda s: [s]),
+                                   f"{ST}: quant state of {UP}: must be a JSON object (got list)"),
+    "safetensors metadata value a list": Case("small", U, header_json(lambda h: h["__metadata__"].update(format=["pt"])),
+                                              f"{ST}: __metadata__.format: must be a string (got list)"),
+    "safetensors shape a string": Case("small", U, header_json(lambda h: h["model.norm.weight"].update(shape="128")),
+                                       f'{ST}: model.norm.weight.shape: must be a list (got "128")'),
     # --- what already held (kept)
     "config missing": Case("held", U, lambda d: (d / "config.json").unlink(), f"{CFG}: missing"),
     "config invalid JSON": Case("held", U, raw_config(b"{"), f"{CFG}: invalid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
@@ -445,6 +442,9 @@ CASES: dict[str, Case] = {
     "index not JSON": Case("held", U, sharded(index_text=b"{"),
                            "error: {d}/model.safetensors.index.json: invalid JSON: Expecting property name enclosed in double quotes: "
                            "line 1 column 2 (char 1)"),
+    "index weight_map entry a list": Case("held", U, sharded(lambda i: i["weight_map"].update({"model.norm.weight": ["x"]})),
+                                          "error: {d}/model.safetensors.index.json: weight_map.model.norm.weight: must be "
+                                          "a string (got list)"),
     "missing quant_state": Case("held", B, drop(f"{Q}.weight.quant_state.bitsandbytes__nf4"),
                                 f"error: {Q}.weight.quant_state.bitsandbytes__nf4: missing tensor (bitsandbytes quant state)"),
     "missing absmax": Case("held", B, drop(f"{Q}.weight.absmax"), f"error: {Q}.weight.absmax: missing tensor (absmax)"),
