@@ -10,6 +10,7 @@ reads from one is validated here first, at the boundary, and a problem is one
   harness reads it (the skip lists are lists of strings, config groups are objects with targets,
   a torchao ``_type`` names a class torchao itself would deserialize...). Keys the harness does
   not read are left to their library, as the libraries do;
+- ``config_hints(data, file)``: config.json as the engines read it before loading, by type only;
 - ``index(data, file)``: ``model.safetensors.index.json``: ``weight_map`` maps tensor names to
   plain ``.safetensors`` file names of the directory;
 - ``torchao_tensor(meta, weight)``: the per-tensor JSON torchao writes into ``__metadata__``;
@@ -260,6 +261,23 @@ def config_json(data: Any, file: str) -> dict:
         if qc is not None:
             quantization_config(qc, file, key)
             break
+    return data
+
+
+class ConfigHints(Open):
+    """What the engines read of config.json before they load (harness.engines.base.Checkpoint):
+    the architectures and the quantization config, by type only (an engine may know quant_methods
+    the harness does not); the load validates the whole (config_json)."""
+
+    architectures: list[StrictStr] | None = None
+    quantization_config: dict | None = None
+
+
+def config_hints(data: Any, file: str) -> dict:
+    """Validate a parsed config.json as far as ConfigHints; the dict itself."""
+    if not isinstance(data, dict):
+        raise ConfigProblem(file, "", f"must be a JSON object (got {short(data)})")
+    validate(ConfigHints, data, file)
     return data
 
 
