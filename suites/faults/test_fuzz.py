@@ -1,12 +1,25 @@
-"""Property-based fuzzing (hypothesis) of what a user hands the harness: the safetensors header,
-config.json with each library's quantization config, and models.yaml.
+"""Fuzzing of what a user hands the harness: every JSON file it reads (config.json with each
+library's quantization config, the bitsandbytes quant state, the safetensors header and its
+metadata, the index, torchao's tensor metadata, result records, logprob and accuracy baselines)
+and models.yaml.
 
-The property, for any mutation: the command loads, or exits 2 with exactly one ``error:`` line;
-never a traceback, a hang (each example runs under an alarm) or unbounded memory (the size guards
-of harness.reference.loader decide before anything is allocated).
+Two kinds of test:
+
+- every field, every JSON type (``test_every_field_of_*``): each field of a real file set to each
+  of ``faultlib.EVERY_JSON_TYPE`` and each key deleted, at the function that reads the file (for a
+  checkpoint, which then decodes what it read). Exhaustive and deterministic: 8,802 calls.
+- hypothesis properties (``test_any_*``): random mutations (values drawn from every JSON type as
+  well), and for checkpoints and models.yaml the whole command in this process.
+
+The property: the command loads, or exits 2 with exactly one ``error:`` line (a reading function:
+returns, or raises its one-line error); never a traceback, a hang (each command runs under an
+alarm) or unbounded memory (the size guards of harness.reference.loader decide before anything
+is allocated). Records and baselines are fuzzed at their reading function, a whole ``harness
+run`` per example being too slow; suites/faults/test_run.py runs one such baseline end to end.
 
 In CI (``make test``) each property runs a fixed number of examples from a fixed seed
-(``derandomize``): 890 examples, about a minute. A longer, random run is a command:
+(``derandomize``): 1,065 examples, and the whole file takes about 1.2 minutes. A longer, random
+run is a command (the exhaustive tests are the same at any length):
 
     HARNESS_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest suites/faults/test_fuzz.py -q   # or: make fuzz
 
