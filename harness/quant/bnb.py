@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
-
 from pydantic import Field, PrivateAttr, StrictInt
 
 from harness.errors import CheckpointError

@@ -181,23 +181,33 @@ EVERY_JSON_TYPE = [None, True, 0, -1, 2 ** 70, 1.5, float("nan"), float("-inf"),
 NAME_MAP = 8
 
 
-def _ends(n: int) -> list[int]:
-    return sorted({0, n - 1}) if n else []
+def _layout(value):
+    """A JSON value's layout: its type, and an object's keys with the types of their values."""
+    if isinstance(value, dict):
+        return tuple((k, type(v)) for k, v in value.items())
+    return type(value)
+
+
+def _representatives(items: list) -> list:
+    """Of the (key, value) items of a list (or of a map of names), the first, and the last where
+    its layout differs from the first's (scored row 0 has no logprob; the other rows do)."""
+    if len(items) < 2 or _layout(items[0][1]) == _layout(items[-1][1]):
+        return items[:1]
+    return [items[0], items[-1]]
 
 
 def field_paths(doc, prefix: tuple = ()) -> list[tuple]:
-    """Every field of a JSON document: each key of an object, and of a list its first and its
-    last element: the others have the same schema, and the first often differs (scored row 0
-    has no logprob). An object of more than NAME_MAP keys whose values are all of one type maps
-    names to one schema (an index's weight_map, a record's loaded_state): a list by another name,
-    explored the same way."""
+    """Every field of a JSON document: each key of an object, and of a list its representative
+    elements (the others have their schema). An object of more than NAME_MAP keys whose values are
+    all of one type maps names to one schema (an index's weight_map, a record's loaded_state): a
+    list by another name, explored the same way."""
     out = []
     if isinstance(doc, dict):
         items = list(doc.items())
         if len(items) > NAME_MAP and len({type(v) for v in doc.values()}) == 1:
-            items = [items[i] for i in _ends(len(items))]
+            items = _representatives(items)
     elif isinstance(doc, list):
-        items = [(i, doc[i]) for i in _ends(len(doc))]
+        items = _representatives(list(enumerate(doc)))
     else:
         items = []
     for key, value in items:
