@@ -342,76 +342,72 @@ def json_tensor(doc):
 
 
 @pytest.fixture(scope="module")
-def bnb_template(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fuzz-bnb") / "c"
-    shutil.copytree(fixtures.build("llama-bnb-nf4-dq"), d)
-    return d
+def template(tmp_path_factory):
+    """A copy of a fixture checkpoint by name, made once for the module."""
+    made: dict[str, Path] = {}
+
+    def copy_of(name: str) -> Path:
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp("fuzz-template") / name
+            shutil.copytree(fixtures.build(name), made[name])
+        return made[name]
+
+    return copy_of
 
 
-def test_every_field_of_a_bnb_quant_state(bnb_template):
-    from harness.errors import CheckpointError
-    from harness.quant import formats
-    from harness.quant.source import TensorSource
-
-    ts, _ = tensors_of(bnb_template, BNB_WEIGHT)
-    key = f"{BNB_WEIGHT}.quant_state.bitsandbytes__nf4"
-    state = json.loads(bytes(ts[key].numpy()).decode())
-    every_field(state, lambda s: formats.decode_weight(TensorSource.from_tensors({**ts, key: json_tensor(s)}), BNB_WEIGHT),
-                (CheckpointError,), "bnb quant state, every field")
-
-
-def test_any_bnb_quant_state_loads_or_is_one_line(bnb_template, tmp_path_factory):
-    d = tmp_path_factory.mktemp("bnb") / "c"
-    shutil.copytree(bnb_template, d)
-    ts, _ = tensors_of(bnb_template, BNB_WEIGHT)
-    key = f"{BNB_WEIGHT}.quant_state.bitsandbytes__nf4"
-    state = json.loads(bytes(ts[key].numpy()).decode())
-
-    @fuzz_settings(ci_examples=12)
-    @given(st.data())
-    def prop(data):
-        doc = mutated(data, state)
-        save_tensors(d, lambda t, m: t.update({key: json_tensor(doc)}))
-        check_one_line(["load", d], "bnb quant state")
-
-    prop()
-    report("bnb quant state")
-
-
-@pytest.fixture(scope="module")
-def torchao_template(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fuzz-torchao") / "c"
-    shutil.copytree(fixtures.build("llama-torchao-int8wo"), d)
-    return d
-
-
-def test_every_field_of_torchao_tensor_metadata(torchao_template):
-    from harness.errors import CheckpointError
-    from harness.quant import formats
-    from harness.quant.source import TensorSource
-
-    module = Q_WEIGHT.removesuffix(".weight")
-    ts, meta = tensors_of(torchao_template, module + ".")
-    doc = json.loads(meta[Q_WEIGHT])
-    every_field(doc, lambda m: formats.decode_weight(TensorSource.from_tensors(ts, {Q_WEIGHT: json.dumps(m)}), Q_WEIGHT),
-                (CheckpointError,), "torchao tensor metadata, every field")
-
-
-def test_any_torchao_tensor_metadata_loads_or_is_one_line(torchao_template, tmp_path_factory):
-    d = tmp_path_factory.mktemp("torchao") / "c"
-    shutil.copytree(torchao_template, d)
-    _, meta = tensors_of(torchao_template, Q_WEIGHT)
-    original = json.loads(meta[Q_WEIGHT])
-
+def check_stored_json(d: Path, original, store, name: str) -> None:
+    """The property for a JSON document kept in model.safetensors (``store(tensors, metadata, doc)``
+    puts it there): any mutation of it loads, or is one line."""
     @fuzz_settings(ci_examples=12)
     @given(st.data())
     def prop(data):
         doc = mutated(data, original)
-        save_tensors(d, lambda t, m: m.update({Q_WEIGHT: json.dumps(doc)}))
-        check_one_line(["load", d], "torchao tensor metadata")
+        save_tensors(d, lambda t, m: store(t, m, doc))
+        check_one_line(["load", d], name)
 
     prop()
-    report("torchao tensor metadata")
+    report(name)
+
+
+BNB_FIXTURE, BNB_STATE = "llama-bnb-nf4-dq", f"{BNB_WEIGHT}.quant_state.bitsandbytes__nf4"  # double quant: nested_* too
+
+
+def test_every_field_of_a_bnb_quant_state(template):
+    from harness.errors import CheckpointError
+    from harness.quant import formats
+    from harness.quant.source import TensorSource
+
+    ts, _ = tensors_of(template(BNB_FIXTURE), BNB_WEIGHT)
+    state = json.loads(bytes(ts[BNB_STATE].numpy()).decode())
+    every_field(state, lambda s: formats.decode_weight(TensorSource.from_tensors({**ts, BNB_STATE: json_tensor(s)}), BNB_WEIGHT),
+                (CheckpointError,), "bnb quant state, every field")
+
+
+def test_any_bnb_quant_state_loads_or_is_one_line(template, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bnb") / "c"
+    shutil.copytree(template(BNB_FIXTURE), d)
+    ts, _ = tensors_of(d, BNB_WEIGHT)
+    check_stored_json(d, json.loads(bytes(ts[BNB_STATE].numpy()).decode()),
+                      lambda t, m, doc: t.update({BNB_STATE: json_tensor(doc)}), "bnb quant state")
+
+
+def test_every_field_of_torchao_tensor_metadata(template):
+    from harness.errors import CheckpointError
+    from harness.quant import formats
+    from harness.quant.source import TensorSource
+
+    ts, meta = tensors_of(template("llama-torchao-int8wo"), Q_WEIGHT.removesuffix("weight"))
+    every_field(json.loads(meta[Q_WEIGHT]),
+                lambda m: formats.decode_weight(TensorSource.from_tensors(ts, {Q_WEIGHT: json.dumps(m)}), Q_WEIGHT),
+                (CheckpointError,), "torchao tensor metadata, every field")
+
+
+def test_any_torchao_tensor_metadata_loads_or_is_one_line(template, tmp_path_factory):
+    d = tmp_path_factory.mktemp("torchao") / "c"
+    shutil.copytree(template("llama-torchao-int8wo"), d)
+    _, meta = tensors_of(d, Q_WEIGHT)
+    check_stored_json(d, json.loads(meta[Q_WEIGHT]), lambda t, m, doc: m.update({Q_WEIGHT: json.dumps(doc)}),
+                      "torchao tensor metadata")
 
 
 @pytest.mark.parametrize("fixture", CONFIG_FIXTURES)
