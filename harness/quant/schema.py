@@ -182,6 +182,7 @@ class TorchaoConfig(Open):
     quant_method: StrictStr
     quant_type: dict[StrictStr, TorchaoSerialized] | None = None
     modules_to_not_convert: Names | None = None
+    include_input_output_embeddings: StrictBool | None = None
 
 
 # ------------------------------------------------------------------------------------ messages

@@ -378,6 +378,9 @@ CASES: dict[str, Case] = {
     "torchao nested unknown class": Case("silent", AO, cfg(lambda c: c["quantization_config"]["quant_type"]["default"]["_data"]["granularity"].update(_type="subprocess.Popen")),
                                          f"{CFG}: quantization_config.quant_type.default._data.granularity._type: \"subprocess.Popen\" is "
                                          "not a class torchao deserializes"),
+    "torchao include_input_output_embeddings a string": Case("silent", AO, qc(include_input_output_embeddings="no"),
+                                                             f"{CFG}: quantization_config.include_input_output_embeddings: "
+                                                             'must be a boolean (got "no")'),
     "torchao quant_type 5": Case("silent", AO, qc(quant_type=5), f"{CFG}: quantization_config.quant_type: must be an object (got 5)"),
     "ct kv_cache_scheme a string": Case("silent", F8, qc(kv_cache_scheme="x"),
                                         f'{CFG}: quantization_config.kv_cache_scheme: must be an object (got "x")'),
