@@ -19,7 +19,7 @@ run`` per example being too slow; suites/faults/test_run.py runs one such baseli
 
 In CI (``make test``) each property runs a fixed number of examples from a fixed seed
 (``derandomize``): 1,024 examples, and with the exhaustive tests the file takes about a minute
-(55 s against 50 s before them). A longer, random run is a command (the exhaustive tests are the
+(37 s against 30 s before them, on an idle 2-core machine). A longer, random run is a command (the exhaustive tests are the
 same at any length):
 
     HARNESS_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest suites/faults/test_fuzz.py -q   # or: make fuzz
