@@ -1,6 +1,7 @@
 """Faults during ``harness run``, in a subprocess: what only a process shows (signals, the fork
 server, engine children, what the terminal gets).
 
+- A baseline field of the wrong JSON type is an ``error`` for its cell, with the field named.
 - One run keeps its work: every fault of a baseline is an ``error`` for its cell alone, a child
   killed by SIGKILL is an ``error`` record, every other cell gets its record, the summary and the
   report are written, a new baseline has the normal file mode.
@@ -81,6 +82,26 @@ def test_the_run_keeps_its_work(tmp_path):
     assert new.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
     assert (tmp_path / "r" / "summary.txt").exists() and (tmp_path / "r" / "report" / "report.html").exists()
     assert_written_only_under(tree, "r", "baselines", "cache")
+    assert_no_process_left(o)
+
+
+def test_a_baseline_field_of_the_wrong_type_is_that_cells_error(tmp_path):
+    """A token written as a string ("510", not 510): before the baselines were read strictly it
+    was taken for the number, and the cell passed against a file that is not a baseline."""
+    (tmp_path / "m.yaml").write_text(matrix())
+    b = tmp_path / "baselines" / "cpu-tiny"
+    b.mkdir(parents=True)
+    baseline = _committed("llama.unquantized.reference")
+    token = baseline["sequences"][0]["prompt_tokens"][0]
+    baseline["sequences"][0]["prompt_tokens"][0] = str(token)
+    (b / "llama.unquantized.reference.json").write_text(json.dumps(baseline))
+    o = subprocess_run(["run", "--matrix", "m.yaml", "--results", "r", "--baselines", "baselines"], cwd=tmp_path, timeout=600)
+    assert "Traceback" not in o.out + o.err
+    assert (o.code, o.err) == (1, ""), o.out[-3000:] + o.err[-2000:]  # the cell's error fails the run, no error line
+    record = json.loads((tmp_path / "r" / "llama.unquantized.reference.json").read_text())
+    where = Path("baselines") / "cpu-tiny" / "llama.unquantized.reference.json"
+    assert (record["verdict"], record["verdict_reason"]) == (
+        "error", f'baseline unreadable: {where}: sequences[0].prompt_tokens[0]: must be an integer (got "{token}")')
     assert_no_process_left(o)
 
 
