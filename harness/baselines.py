@@ -22,7 +22,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar, Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -40,12 +40,15 @@ from harness.records import (
     SourceRef,
     TopK,
     atomic_write_text,
+    is_version,
     render_json,
 )
 from harness.store import Change, Outcome, git_commit, refusal_of
 from harness.traces.fingerprint import Fingerprint
+from harness.validation import one_line, strict_json
 
 BASELINE_VERSION = 1
+Doc = TypeVar("Doc", bound=BaseModel)
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent / "baselines"
 
 
@@ -209,19 +212,24 @@ def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
 
 
 def parse(text: str, source: str = "<baseline>") -> Baseline:
+    """A baseline read from a file: every field validated by its JSON type
+    (harness.validation.strict_json); a problem is one BaselineError line naming the field."""
+    return parse_document(Baseline, text, source, BASELINE_VERSION, "baseline")
+
+
+def parse_document(kind: type[Doc], text: str, source: str, version: int, what: str) -> Doc:
+    """A versioned baseline document of ``kind`` (``what`` names the kind in messages)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise BaselineError(f"{source}: not JSON: {e.msg} at line {e.lineno}") from None
-    if not isinstance(data, dict) or data.get("schema_version") != BASELINE_VERSION:
-        found = data.get("schema_version") if isinstance(data, dict) else None
-        raise BaselineError(f"{source}: baseline schema_version {found!r} is not supported (this harness reads {BASELINE_VERSION})")
+    found = data.get("schema_version") if isinstance(data, dict) else None
+    if not is_version(found, version):
+        raise BaselineError(f"{source}: {what} schema_version {found!r} is not supported (this harness reads {version})")
     try:
-        return Baseline.model_validate(data)
+        return strict_json(kind, text)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise BaselineError(f"{source}: {loc}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise BaselineError(f"{source}: {one_line(e)}") from None
 
 
 # ------------------------------------------------------------------------------------ update

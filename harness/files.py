@@ -10,6 +10,9 @@ is the same check for files that another library opens itself (safetensors' mmap
 Every refusal is an :class:`Unreadable` whose ``reason`` is one line (``missing``, ``is a FIFO,
 not a regular file``, ``is not UTF-8 (byte 0xff at offset 3)``...); callers turn it into their own
 one-line error (``CheckpointError``, ``MatrixError``, ``BaselineError``) with the path in front.
+
+Writing has its check before the work too: :func:`write_problem` takes every path a command will
+write (:class:`Written`) and says, in one line, the first that cannot be written.
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 # JSON and YAML files the harness reads are small; a config.json or a baseline of more than this
@@ -130,4 +135,59 @@ def writable_dir_problem(path: str | os.PathLike) -> str | None:
         return f"is not writable: {what}" if probe == p else f"cannot be created in {probe}: {what}"
     os.close(fd)
     os.unlink(name)
+    return None
+
+
+@dataclass(frozen=True)
+class Written:
+    """A path a command will write: a directory that must accept new files, or (``file``) a file
+    written atomically (a temporary file beside it renamed over it) or removed. ``option`` names
+    where the path comes from, for the error line (``--results``, ``$HARNESS_FIXTURE_CACHE``...)."""
+
+    path: Path
+    option: str
+    file: bool = False
+
+
+def _replace_problem(path: Path) -> str | None:
+    """Why a rename cannot put a file at ``path``, or unlink remove one, beyond what its directory
+    allows: a directory is in the way, or an immutable or append-only file (EPERM on opening it for
+    writing, which does not change it). EACCES is no problem: mode bits alone do not stop a rename."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot be replaced: {e.strerror or e}"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a directory, which a file cannot replace"
+    if not stat.S_ISREG(st.st_mode):
+        return None  # a link, a FIFO...: the rename replaces the entry itself
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)))
+    except OSError as e:
+        if e.errno == errno.EPERM:
+            return "cannot be replaced: it is immutable or append-only"
+    return None
+
+
+def write_problem(paths: Iterable[Written]) -> str | None:
+    """The first of ``paths`` that cannot be written, as one line ``<path>: <what> (<option>)``,
+    or None. A file's directory is checked as a directory first; each directory is probed once."""
+    probed: dict[str, str | None] = {}
+
+    def directory(p: Path) -> str | None:
+        key = os.path.abspath(p)
+        if key not in probed:
+            probed[key] = writable_dir_problem(p)
+        return probed[key]
+
+    for w in paths:
+        given = Path(w.path)
+        checks: list[tuple[Path, Callable[[Path], str | None]]] = (
+            [(given.parent, directory), (given, _replace_problem)] if w.file else [(given, directory)])
+        for where, check in checks:
+            problem = check(where)
+            if problem:
+                return f"{where}: {problem} ({w.option})"
     return None

@@ -10,6 +10,7 @@
                                      its log logs/<cell id>.load<N>.log, an error record beside it if it failed)
     witness/<cell id>.unfused.json   the reference executed unfused
     sequences/<model>.<scheme>.json  the scored sequences of a group computed in this run
+    traces/<cell id>[.fused|.unfused].pt   module traces (harness.traces.jobs)
     summary.txt                      the verdict table (harness run)
     report/                          the HTML report, JUnit XML and annotation (harness run)
 """
@@ -72,11 +73,23 @@ class Layout:
     def sequences(self, key: str) -> Path:
         return self.root / "sequences" / f"{key}.json"
 
+    def traces(self) -> Path:
+        return self.root / "traces"
+
     def summary(self) -> Path:
         return self.root / "summary.txt"
 
     def report(self) -> Path:
         return self.root / "report"
+
+    def directories(self) -> list[Path]:
+        """Every directory a run writes files into."""
+        return [self.root, *(self.root / sub for sub in SUBDIRS), self.traces(), self.report()]
+
+    def cell_files(self, cell_id: str) -> list[Path]:
+        """The files a run writes (or removes, from an earlier run) for one cell."""
+        raw = self.raw(cell_id)
+        return [self.record(cell_id), raw, self.info(raw), self.job(raw), self.log(cell_id), self.witness(cell_id)]
 
     def prepare(self, cell_ids: Iterable[str] = (), keys: Iterable[str] = ()) -> None:
         """Create the directory; forget what an earlier run into it left for these cells and groups."""

@@ -62,10 +62,14 @@ BASELINE_CHILDREN = 5
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def calibration_path() -> Path:
+    return bench_cache_root() / f"calibration-{CALIBRATION_BYTES}.bin"
+
+
 def calibration_file() -> Path:
     """The workload's input file, written once (deterministic bytes; its writing is never timed)."""
-    root = bench_cache_root()
-    path = root / f"calibration-{CALIBRATION_BYTES}.bin"
+    path = calibration_path()
+    root = path.parent
     if not path.is_file() or path.stat().st_size != CALIBRATION_BYTES:
         import numpy as np
 

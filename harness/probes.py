@@ -166,6 +166,7 @@ def hardware_problem(hw: Hardware, found: tuple[Gpu, ...] | None = None) -> str 
     return f"needs compute capability {hw.compute_capability}; {g.name} is {g.capability[0]}.{g.capability[1]}"
 
 
+@functools.cache  # ~9 ms a lookup, asked for every cell (Runner.decided) before any runs
 def installed(engine: str) -> tuple[str, str] | None:
     """(distribution, version) of the package that provides ``engine`` here; None when none is
     installed. The reference engine is the harness itself: always there."""

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from harness import files
 from harness.cpu import platform as cpu_platform  # noqa: F401  (the engines' platform string)
 from harness.registry import ENGINE_NAMES
+from harness.validation import one_line, strict_json
 from harness.verdicts import VERDICTS
 
 if TYPE_CHECKING:
@@ -344,33 +346,27 @@ class Record(_Strict):
 
     @classmethod
     def from_json(cls, text: str, source: str = "<record>") -> Record:
+        """A record read from a file (``source`` names it): every field validated by its JSON type
+        (harness.validation.strict_json); a problem is one RecordError line naming the field."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise RecordError(f"{source}: not JSON: {e.msg} at line {e.lineno}") from None
-        return cls.from_dict(data, source)
-
-    @classmethod
-    def from_dict(cls, data: Any, source: str = "<record>") -> Record:
         if not isinstance(data, dict) or "schema_version" not in data:
             raise RecordError(f"{source}: not a result record (no schema_version)")
         v = data["schema_version"]
-        if v != SCHEMA_VERSION:
+        if not is_version(v, SCHEMA_VERSION):
             raise RecordError(f"{source}: schema_version {v!r} is not supported (this harness reads {SCHEMA_VERSION}); "
                               "rerun the cell or use the harness version that wrote it")
         try:
-            return cls.model_validate(data)
+            return strict_json(cls, text)
         except ValidationError as e:
-            raise RecordError(f"{source}: {_first_error(e)}") from None
+            raise RecordError(f"{source}: {one_line(e)}") from None
 
 
-def _first_error(e: ValidationError) -> str:
-    err = e.errors(include_url=False)[0]
-    loc = ""
-    for part in err["loc"]:
-        loc += f"[{part}]" if isinstance(part, int) else ("." if loc else "") + str(part)
-    msg = err["msg"].removeprefix("Value error, ")
-    return f"{loc}: {msg}" if loc else msg
+def is_version(value: Any, version: int) -> bool:
+    """Whether a file's ``schema_version`` is ``version``: the JSON integer (``true`` and ``1.0`` are not)."""
+    return type(value) is int and value == version
 
 
 def _has_dict(obj: Any) -> bool:
@@ -413,9 +409,9 @@ def _render(obj: Any, level: int) -> str:
 def load(path: str | Path) -> Record:
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise RecordError(f"{path}: cannot read: {e.strerror or e}") from None
+        text = files.read_text(path)
+    except files.Unreadable as e:
+        raise RecordError(f"{path}: {e.reason}") from None
     return Record.from_json(text, str(path))
 
 

@@ -40,8 +40,11 @@ KILL_GRACE_S = 3.0
 THREADS_ENV = "HARNESS_TORCH_THREADS"
 ISOLATION_ENV = "HARNESS_ISOLATION"  # "fork" (default): children forked from a preloaded fork server; "spawn"
 # Test-only (never set it outside tests): "SIGNAME@STAGE" makes this process send itself SIGNAME
-# when it reaches STAGE, one of STAGES: how the fault suite interrupts a run at each stage.
+# when it reaches STAGE, one of STAGES: how the fault suite interrupts a run at each stage; with
+# SIGNAL_STAMP_ENV naming a file, the hook first writes there when it sent it (time.time()), which
+# the fault suite measures the answer against.
 SIGNAL_HOOK_ENV = "HARNESS_TEST_SIGNAL"
+SIGNAL_STAMP_ENV = "HARNESS_TEST_SIGNAL_STAMP"
 STAGES = ("fork-server-start", "cell-running", "report-writing")
 SERVER_REPLY_TIMEOUT_S = 600.0  # a fork server answers once its preload is imported
 MAX_SERVERS = 4  # a harness run needs one per engine environment: ~0.5-1 GB each
@@ -68,6 +71,8 @@ def stage(name: str) -> None:
     if spec:
         sig, _, at = spec.partition("@")
         if at == name:
+            if os.environ.get(SIGNAL_STAMP_ENV):
+                Path(os.environ[SIGNAL_STAMP_ENV]).write_text(repr(time.time()))
             os.kill(os.getpid(), getattr(signal, sig))
 
 
@@ -75,8 +80,10 @@ def stage(name: str) -> None:
 def _signals_held():
     """SIGINT and SIGTERM held back while the body runs (main thread only): a child is started and
     registered, or not started at all, so an interrupt can always end it (docs/design.md, "Bad
-    input and faults"). A signal that arrives meanwhile is noted and sent again when the body ends.
-    (A signal mask would not do: the processes started meanwhile would inherit it.)"""
+    input and faults"). The body takes milliseconds (a fork and exec, or a request sent to a fork
+    server), never a wait for a fork server's imports. A signal that arrives meanwhile is noted and
+    sent again when the body ends. (A signal mask would not do: the processes started meanwhile
+    would inherit it.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -134,6 +141,9 @@ class Child:
         """The exit status (negative: killed by that signal), or None when ``timeout`` passed."""
         raise NotImplementedError
 
+    def started(self) -> None:
+        """Wait until the child has a pid (a spawned child has one at once)."""
+
     def kill(self) -> None:
         """SIGTERM to the child's process group, SIGKILL after a grace period."""
         for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
@@ -167,13 +177,18 @@ class Spawned(Child):
 
 class Forked(Child):
     """A child forked by a fork server, which reports on the child's connection its pid (once it
-    leads its own session) and then its exit status."""
+    leads its own session) and then its exit status. It is registered with the Supervisor as soon
+    as its request is sent, before the server has answered (a server still importing its preload
+    answers seconds later), so an interrupt meanwhile is answered at once: the child is abandoned
+    (kill()) and the server's stop ends whatever it forks."""
 
-    def __init__(self, conn: socket.socket, server: ForkServer):
+    def __init__(self, conn: socket.socket, server: ForkServer, log: Path):
         self.conn = conn
         self.server = server
+        self.log = log
         self.pid = None
         self.code: int | None = None
+        self._ended_by_server = False
         self._buffer = b""
 
     def _message(self, timeout: float | None) -> tuple[str, int] | None:
@@ -184,12 +199,12 @@ class Forked(Child):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return None
-            self.conn.settimeout(left)
             try:
+                self.conn.settimeout(left)
                 chunk = self.conn.recv(4096)
             except TimeoutError:
                 return None
-            except OSError:
+            except OSError:  # closed by kill() from another thread
                 chunk = b""
             if not chunk:
                 return ("exit", -signal.SIGKILL)
@@ -198,30 +213,54 @@ class Forked(Child):
         what, _, value = line.decode().partition(" ")
         return what, int(value)
 
-    def started(self, log: Path) -> Forked:
-        """Wait for the pid; a server that ended before forking leaves the reason in the log."""
-        message = self._message(SERVER_REPLY_TIMEOUT_S)
-        if message is not None and message[0] == "pid":
+    def _read(self, timeout: float | None) -> bool:
+        """Read and apply the next message; False when ``timeout`` passed first."""
+        message = self._message(timeout)
+        if message is None:
+            return False
+        if message[0] == "pid":
             self.pid = message[1]
-            return self
-        self._ended(message[1] if message is not None else 1)
-        with open(log, "a") as f:
-            f.write("harness: the fork server ended or did not answer before this cell's child started\n")
-        return self
+        else:
+            self._ended(message[1])
+        return True
 
-    def _ended(self, code: int) -> None:
-        self.code = code
-        self.conn.close()
+    def started(self) -> None:
+        """Wait for the pid (interruptible: no signal is held meanwhile); a server that ended or
+        never answered leaves the reason in the log, an abandoned child (kill()) nothing."""
+        stage("fork-server-start")
+        if self.pid is None and self.code is None and not self._read(SERVER_REPLY_TIMEOUT_S):
+            self._ended(1)
+        if self.pid is None and self._ended_by_server:
+            with open(self.log, "a") as f:
+                f.write("harness: the fork server ended or did not answer before this cell's child started\n")
+
+    def _ended(self, code: int, by_server: bool = True) -> None:
+        """Note how the child ended, once: kill() from another thread may race the waiting one."""
         with _SERVERS_LOCK:
+            if self.code is not None:
+                return
+            self.code = code
+            self._ended_by_server = by_server
             self.server.children -= 1
+        with contextlib.suppress(OSError):
+            self.conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+        self.conn.close()
 
     def wait(self, timeout: float | None) -> int | None:
-        if self.code is None:
-            message = self._message(timeout)
-            if message is None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.code is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._read(left):
                 return None
-            self._ended(message[1])
         return self.code
+
+    def kill(self) -> None:
+        """A child not forked yet is abandoned: there is nothing to signal, and waiting for it
+        could take the server's whole import; the server's stop ends it if it is forked anyway."""
+        if self.pid is None:
+            self._ended(-signal.SIGKILL, by_server=False)
+            return
+        super().kill()
 
 
 class ForkServer:
@@ -247,16 +286,17 @@ class ForkServer:
         return self.proc.poll() is None
 
     def fork(self, job_path: Path, log: Path) -> Forked:
-        """Fork a child (counted in ``children`` by :func:`fork_server`)."""
+        """Ask for a child (counted in ``children`` by :func:`fork_server`), without waiting for
+        the answer (Forked.started)."""
         conn = socket.socket(socket.AF_UNIX)
-        child = Forked(conn, self)
+        child = Forked(conn, self, log)
         try:
             conn.connect(self.address)
             request = {"job": str(job_path), "log": str(log), "cwd": os.getcwd()}
             conn.sendall(json.dumps(request).encode() + b"\n")
         except OSError:
             pass  # started() then finds the connection closed
-        return child.started(log)
+        return child
 
     def stop(self) -> None:
         self.proc.kill()
@@ -298,10 +338,10 @@ def stop_fork_servers() -> None:
 
 
 def start_child(job_path: Path, log: Path, env: dict[str, str], preload: str | None) -> Child:
-    """Fork the child from the preload's fork server, or spawn it when ``preload`` is None."""
+    """Fork the child from the preload's fork server, or spawn it when ``preload`` is None; a
+    forked child has its pid only after Child.started."""
     if preload is None:
         return Spawned(job_path, log, env)
-    stage("fork-server-start")
     return fork_server(preload, env, for_child=True).fork(job_path, log)
 
 
@@ -337,6 +377,7 @@ class Supervisor:
                 child = start_child(job_path, log, env, preload)
                 self._children.add(child)
         try:
+            child.started()
             stage("cell-running")
             code = child.wait(timeout)
         except BaseException:

@@ -222,6 +222,29 @@ def test_corrupt_or_foreign_baseline_is_a_clear_error(tmp_path):
     assert change.kind == "updated" and change.messages[0].startswith("old baseline unreadable")
 
 
+@pytest.mark.parametrize("path, value, problem", [
+    (("sequences", 0, "prompt_tokens", 0), "1", 'sequences[0].prompt_tokens[0]: must be an integer (got "1")'),
+    (("sequences", 0, "scored", 1, "token"), True, "sequences[0].scored[1].token: must be an integer (got true)"),
+    (("sequences", 0, "scored", 1, "logprob"), "-1.25", 'sequences[0].scored[1].logprob: must be a number (got "-1.25")'),
+    (("sequences", 0, "scored", 1, "topk", 0), {"2": -1.0}, "sequences[0].scored[1].topk[0]: must be a list (got dict)"),
+    (("provenance", "engine"), ["reference"], "provenance.engine: must be a string (got list)"),
+    (("schema_version",), True, "baseline schema_version True is not supported (this harness reads 1)"),
+])
+def test_a_field_of_the_wrong_json_type_is_refused_not_coerced(tmp_path, path, value, problem):
+    """Read strictly: pydantic's lax mode would take "1" and true for the integer 1."""
+    doc = json.loads(B.Baseline.from_record(record()).to_text())
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    p = tmp_path / TIER / f"{CELL}.json"
+    p.parent.mkdir(parents=True)
+    p.write_text(json.dumps(doc))
+    with pytest.raises(B.BaselineError) as e:
+        B.read(tmp_path, TIER, CELL)
+    assert str(e.value) == f"{p}: {problem}"
+
+
 def test_an_unchanged_minus_infinity_logprob_is_no_change(tmp_path):
     """Image placeholders score -inf; the same -inf again is not a material change."""
     rec = record()

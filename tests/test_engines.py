@@ -1,6 +1,8 @@
 """The engine interface, in-process: the reference and transformers engines produce the same record
 shape from the same methods, score given sequences, probe before loading, and turn failures into
 records. (The child process, timeouts and hooks: tests/test_runner.py.)"""
+import json
+
 import pytest
 
 from harness import matrix as M
@@ -116,6 +118,19 @@ def test_engine_failure_is_an_error_record(cells, tmp_path):
     assert rec.error.type in ("CheckpointError", "OSError", "ValueError", "KeyError", "EnvironmentError")
     assert "Traceback" in rec.error.log_tail
     assert rec.engine_info.version == "0.1.0"
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"architectures": 5}, "architectures: must be a list (got 5)"),
+    ({"architectures": ["LlamaForCausalLM"], "quantization_config": ["bnb"]}, "quantization_config: must be an object (got list)"),
+    ([1], "must be a JSON object (got list)"),
+])
+def test_a_config_field_the_engines_read_of_the_wrong_type_is_named(cells, tmp_path, config, problem):
+    """Checked before an engine reads it: the cell's error names the field, not a Python attribute."""
+    cell = _cell(cells, "llama.unquantized.reference")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rec = execute.execute(ReferenceEngine(cell), base.Checkpoint(tmp_path))
+    assert (rec.status, rec.error.type, rec.error.message) == ("error", "CheckpointError", f"{tmp_path}/config.json: {problem}")
 
 
 def test_test_hooks_parse_and_target_cells():

@@ -177,6 +177,9 @@ def _qs_key(quant_type="nf4"):
     return f"{W}.quant_state.bitsandbytes__{quant_type}"
 
 
+QS = f"<memory>: quant state of {W}"  # where a problem of the quant state's JSON is
+
+
 def _set_json(sd, **changes):
     key = _qs_key()
     state = json.loads(bytes(sd[key].numpy()).decode())
@@ -278,7 +281,7 @@ def test_unreadable_json():
     sd = _state()
     sd[_qs_key()] = torch.tensor(list(b"{not json"), dtype=torch.uint8)
     err = _error(sd)
-    assert err.where == _qs_key() and "JSON" in err.what
+    assert err.where == QS and err.what.startswith("JSON unreadable: ")
 
 
 def test_quant_state_wrong_dtype():
@@ -287,19 +290,30 @@ def test_quant_state_wrong_dtype():
     assert _error(sd).where == _qs_key()
 
 
-@pytest.mark.parametrize("changes", [{"blocksize": None}, {"blocksize": 48}, {"dtype": "int8"},
-                                     {"quant_type": "fp4"}, {"shape": [2048]}, {"shape": "x"}])
-def test_bad_quant_state_fields(changes):
+@pytest.mark.parametrize("changes, what", [
+    ({"blocksize": None}, "blocksize: required key is missing"),
+    ({"blocksize": 48}, "blocksize: must be 32, 64, 128, 256, 512, 1024, 2048 or 4096 (got 48)"),
+    ({"blocksize": "64"}, 'blocksize: must be 32, 64, 128, 256, 512, 1024, 2048 or 4096 (got "64")'),
+    ({"dtype": "int8"}, "dtype: must be 'float32', 'float16' or 'bfloat16' (got \"int8\")"),
+    ({"dtype": ["float32"]}, "dtype: must be 'float32', 'float16' or 'bfloat16' (got list)"),
+    ({"quant_type": "fp4"}, "quant_type: 'fp4' under a __nf4 key"),
+    ({"shape": [2048]}, "shape: List should have at least 2 items after validation, not 1 (got list)"),
+    ({"shape": "x"}, 'shape: must be a list (got "x")'),
+    ({"shape": [32, True]}, "shape[1]: must be an integer (got true)"),
+    ({"nested_offset": "0.5"}, 'nested_offset: must be a number (got "0.5")'),
+])
+def test_bad_quant_state_fields(changes, what):
     sd = _state()
     _set_json(sd, **changes)
-    assert _error(sd).where == _qs_key()
+    err = _error(sd)
+    assert (err.where, err.what) == (QS, what)
 
 
 def test_nested_fields_missing_from_json():
     sd = _state(double=True)
     _set_json(sd, nested_offset=None)
     err = _error(sd)
-    assert err.where == _qs_key() and "nested_offset" in err.what
+    assert (err.where, err.what) == (QS, "nested_offset: double quant but the quant state has none")
 
 
 def test_quant_map_disagreeing_with_the_table():

@@ -60,6 +60,20 @@ def test_unknown_schema_version_is_a_clear_error(version, fragment):
         R.Record.from_json("{", "results/x.json")
 
 
+@pytest.mark.parametrize("change, problem", [
+    (dict(duration_s="1.5"), 'duration_s: must be a number (got "1.5")'),
+    (dict(duration_s=True), "duration_s: must be a number (got true)"),
+    (dict(cell=5), "cell: must be a string (got 5)"),
+    (dict(schema_version=1.0), "schema_version 1.0 is not supported (this harness reads 1); rerun the cell or use the "
+                               "harness version that wrote it"),
+])
+def test_a_field_of_the_wrong_json_type_is_refused_not_coerced(change, problem):
+    data = {**json.loads(record().to_json()), **change}
+    with pytest.raises(R.RecordError) as e:
+        R.Record.from_json(json.dumps(data), "r.json")
+    assert str(e.value) == f"r.json: {problem}"
+
+
 @pytest.mark.parametrize(
     "change, fragment",
     [

@@ -299,7 +299,9 @@ LIGHT = "harness.engines.worker"  # a preload for fork servers whose children ne
 
 def _fork(tmp_path, job: Path, name: str, mark: str = ""):
     env = supervise.child_env({"MARK": mark}, 1)
-    return supervise.start_child(job, tmp_path / f"{name}.log", env, LIGHT)
+    child = supervise.start_child(job, tmp_path / f"{name}.log", env, LIGHT)
+    child.started()
+    return child
 
 
 def test_a_forked_child_reports_its_exit_status_and_is_killed_on_timeout(tmp_path):
@@ -338,6 +340,24 @@ def test_a_forked_child_starts_with_what_the_preload_imported_frozen(tmp_path):
     assert report["frozen"] > 10_000  # the worker's imports alone leave tens of thousands
 
 
+def test_a_child_whose_fork_server_is_still_importing_is_abandoned_at_once(tmp_path):
+    """Starting a forked child waits for nothing: the request is sent and the child registered; an
+    interrupt meanwhile abandons it at once, and the server's stop ends it before it forks."""
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(60)\n")
+    env = supervise.child_env({"MARK": "", "PYTHONPATH": str(tmp_path)}, 1)
+    try:
+        t0 = time.monotonic()
+        child = supervise.start_child(tmp_path / "job.json", tmp_path / "c.log", env, "slow_preload")
+        assert child.wait(0.5) is None and child.pid is None  # the server is still importing
+        child.kill()
+        assert time.monotonic() - t0 < 5
+        assert child.wait(0) == -signal.SIGKILL
+    finally:
+        supervise.stop_fork_servers()
+    assert child.server.proc.poll() is not None
+    assert not (tmp_path / "c.log").exists()  # never forked
+
+
 def test_a_fork_server_killed_from_outside_is_replaced(tmp_path):
     try:
         first = supervise.fork_server(LIGHT, supervise.child_env({"MARK": ""}, 1))
@@ -370,7 +390,7 @@ def test_a_fork_server_and_its_children_end_with_the_process_that_started_them(t
     os.mkfifo(fifo)
     script = (f"import time\nfrom pathlib import Path\nfrom harness import supervise\n"
               f"s = supervise.fork_server('harness.engines.worker', supervise.child_env({{}}, 1))\n"
-              f"c = s.fork(Path({str(fifo)!r}), Path({str(tmp_path / 'c.log')!r}))\n"
+              f"c = s.fork(Path({str(fifo)!r}), Path({str(tmp_path / 'c.log')!r}))\nc.started()\n"
               f"print(s.proc.pid, c.pid, flush=True)\ntime.sleep(600)\n")
     starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                env=supervise.child_env({}, 1))
@@ -478,3 +498,49 @@ def test_a_cell_child_ends_once_its_record_is_written_without_closing_its_engine
     assert done.returncode == 0, done.stderr[-2000:]
     assert R.load(tmp_path / "record.json").status == "ok"
     assert not marks.exists()  # os._exit: no engine shutdown, no exit handlers, nothing after main
+
+
+# ---------------------------------------------------------------------- what a run writes
+
+PATH_MATRIX = """\
+version: 1
+environments:
+  core:
+    engines: {reference: "0.1.0"}
+defaults:
+  max_tokens: 4
+  top_k: 3
+  timeout_s: 300
+  bounds:
+    unquantized: {logprob: 1.0e-4, topk: 1.0e-4, load_time: 1.5}
+prompt_sets:
+  p: [{id: a, text: hello}]
+models:
+  llama:
+    arch: LlamaForCausalLM
+    path: bench/llama-M-unquantized
+    prompts: p
+    tier: cpu-tiny
+    engines: {reference: core}
+    schemes:
+      unquantized:
+"""
+
+
+def test_the_write_check_decides_no_cell_whose_checkpoint_is_built_after_it(tmp_path, monkeypatch):
+    """harness run checks what it writes before it builds the benchmark checkpoints: a cell whose
+    checkpoint is not built yet writes beside its baseline all the same, and is not decided a
+    configuration error (no checkpoint) for the rest of the run."""
+    from harness import matrix, store
+    from harness.baselines import Baseline
+
+    monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path / "bench"))
+    (tmp_path / "m.yaml").write_text(PATH_MATRIX)
+    m = matrix.load(tmp_path / "m.yaml")
+    [cell] = m.cells(tier="cpu-tiny")
+    r = runner.Runner(m, [cell], results=tmp_path / "r", baselines_root=tmp_path / "b", matrix_path=tmp_path / "m.yaml")
+    written = {w.path for w in r.writes()}
+    assert store.obtained_path_for(Baseline, tmp_path / "b", cell.tier, cell.id) in written
+    assert tmp_path / "bench" in written  # the checkpoint is built there
+    (tmp_path / "bench" / "llama-M-unquantized").mkdir(parents=True)  # as benchmark.ensure_for_cells would
+    assert r.decided(cell) is None

@@ -10,15 +10,15 @@ mismatch writes ``<cell id>.obtained.json`` beside it.
 """
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, create_model
 
 from harness import baselines as B
-from harness import store
+from harness import files, store
 from harness.records import Accuracy, FixtureRef, Record, SourceRef, render_json
 
 VERSION = 1
@@ -63,24 +63,13 @@ def path_for(root: str | Path, tier: str, cell_id: str) -> Path:
 def read(root: str | Path, tier: str, cell_id: str) -> AccuracyBaseline | None:
     """The cell's accuracy baseline, or None. A corrupt file raises harness.baselines.BaselineError."""
     path = path_for(root, tier, cell_id)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except OSError as e:
-        raise B.BaselineError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise B.BaselineError(f"{path}: not JSON: {e.msg} at line {e.lineno}") from None
-    if not isinstance(data, dict) or data.get("schema_version") != VERSION:
-        found = data.get("schema_version") if isinstance(data, dict) else None
-        raise B.BaselineError(f"{path}: accuracy baseline schema_version {found!r} is not supported (this harness reads {VERSION})")
-    try:
-        return AccuracyBaseline.model_validate(data)
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        raise B.BaselineError(f"{path}: {'.'.join(str(p) for p in err['loc'])}: {err['msg']}") from None
+        text = files.read_text(path)
+    except files.Unreadable as e:
+        raise B.BaselineError(f"{path}: {e.reason}") from None
+    return B.parse_document(AccuracyBaseline, text, str(path), VERSION, "accuracy baseline")
 
 
 def _material(old: AccuracyBaseline, new: AccuracyBaseline) -> list[str]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from harness import cpu, hub, loaded_state, probes
+from harness import cpu, files, hub, loaded_state, probes
 from harness import records as R
 from harness.registry import ENGINES, resolve
 
@@ -69,10 +69,18 @@ class Checkpoint:
 
     @property
     def config(self) -> dict:
+        """config.json, its architectures and quantization config checked by type
+        (harness.quant.schema.config_hints); {} when there is none or it is not JSON: the load
+        itself says what is wrong then."""
+        # lazy: harness.quant imports torch, which this module leaves to the engines that need it
+        from harness.quant import schema
+
+        file = self.path / "config.json"
         try:
-            return json.loads((self.path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError):
+            data = json.loads(files.read_text(file))
+        except (files.Unreadable, json.JSONDecodeError):
             return {}
+        return schema.config_hints(data, str(file))
 
     @property
     def quantization_config(self) -> dict | None:

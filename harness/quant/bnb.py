@@ -34,12 +34,15 @@ import functools
 import json
 import math
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field, PrivateAttr, StrictInt
 
 from harness.errors import CheckpointError
-from harness.quant import Decoded, StoredWeight, finite_bounds, lookup_bytes, native
+from harness.quant import Decoded, StoredWeight, finite_bounds, lookup_bytes, native, schema
 from harness.quant.source import TensorSource
+from harness.validation import short
 
 QUANT_TYPES = ("nf4", "fp4")
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' 4-bit dequantize accepts
@@ -193,36 +196,40 @@ def owns(src: TensorSource, weight: str) -> bool:
     return f"{weight}.absmax" in src.keys or f"{weight}.nested_absmax" in src.keys
 
 
-def read_quant_state(src: TensorSource, weight: str) -> dict:
-    """The JSON quant state of `weight`, checked: quant_type, blocksize, dtype, shape, nested_*."""
+class QuantState(schema.Open):
+    """The JSON quant state bitsandbytes stores beside a 4-bit weight (``QuantState.as_dict``)."""
+
+    quant_type: Literal[QUANT_TYPES]  # type: ignore[valid-type]
+    blocksize: Literal[BLOCKSIZES]  # type: ignore[valid-type]
+    dtype: Literal[tuple(_DTYPES)]  # type: ignore[valid-type]
+    shape: Annotated[list[Annotated[StrictInt, Field(gt=0)]], Field(min_length=2, max_length=2)]  # [out, in]
+    nested_blocksize: Annotated[StrictInt, Field(gt=0)] | None = None
+    nested_offset: Annotated[float, Field(strict=True, allow_inf_nan=False)] | None = None
+    nested_dtype: Literal["float32"] | None = None  # what bitsandbytes writes
+    _where: str = PrivateAttr("")  # "<file>: quant state of <weight>", for the problems found later
+
+
+def read_quant_state(src: TensorSource, weight: str) -> QuantState:
+    """The JSON quant state of `weight`, validated (QuantState). A problem names the file, the
+    weight and the field: ``<file>: quant state of <weight>: dtype: must be ...``."""
     key = _state_key(src, weight)
     if key is None:
         raise CheckpointError(f"{weight}.quant_state.bitsandbytes__nf4", "missing tensor (bitsandbytes quant state)")
     raw = src.get(key)
     if raw.dtype != torch.uint8 or raw.dim() != 1:
         raise CheckpointError(key, f"quant state must be 1-D uint8 JSON bytes, got {raw.dtype} {tuple(raw.shape)}")
+    where = f"{src.file_of(key)}: quant state of {weight}"
     try:
-        state = json.loads(bytes(raw.numpy()).decode("utf-8"))
-    except Exception as e:
-        raise CheckpointError(key, f"quant state JSON unreadable: {e}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(key, "quant state JSON is not an object")
+        data = json.loads(bytes(raw.numpy()).decode("utf-8"))
+    except ValueError as e:  # not UTF-8, not JSON
+        raise CheckpointError(where, f"JSON unreadable: {e}") from None
+    if not isinstance(data, dict):
+        raise schema.ConfigProblem(where, "", f"must be a JSON object (got {short(data)})")
+    state = schema.validate(QuantState, data, where)
     suffix = key.rsplit("__", 1)[1]
-    for field in ("quant_type", "blocksize", "dtype", "shape"):
-        if field not in state:
-            raise CheckpointError(key, f"quant state has no '{field}'")
-    if state["quant_type"] != suffix:
-        raise CheckpointError(key, f"quant state says quant_type '{state['quant_type']}' under a __{suffix} key")
-    bs = state["blocksize"]
-    if not isinstance(bs, int) or bs not in BLOCKSIZES:
-        raise CheckpointError(key, f"blocksize {bs!r} is not one of {BLOCKSIZES}")
-    if state["dtype"] not in _DTYPES:
-        raise CheckpointError(key, f"dtype {state['dtype']!r} is not one of {sorted(_DTYPES)}")
-    shape = state["shape"]
-    if (not isinstance(shape, list) or len(shape) != 2
-            or not all(isinstance(d, int) and d > 0 for d in shape)):
-        raise CheckpointError(key, f"shape {shape!r} is not a 2-D [out, in] weight shape")
-    state["_key"] = key
+    if state.quant_type != suffix:
+        raise schema.ConfigProblem(where, "quant_type", f"{state.quant_type!r} under a __{suffix} key")
+    state._where = where
     return state
 
 
@@ -242,9 +249,8 @@ def _check_scale(name: str, t: torch.Tensor) -> None:
 
 def decode(src: TensorSource, weight: str) -> Decoded:
     state = read_quant_state(src, weight)
-    key = state["_key"]
-    qt, bs, shape = state["quant_type"], state["blocksize"], tuple(state["shape"])
-    dtype = _DTYPES[state["dtype"]]
+    qt, bs, shape = state.quant_type, state.blocksize, tuple(state.shape)
+    dtype = _DTYPES[state.dtype]
     n = math.prod(shape)
 
     packed = _get(src, weight, "packed 4-bit weight")
@@ -266,20 +272,14 @@ def decode(src: TensorSource, weight: str) -> Decoded:
     if absmax.numel() != n_blocks:
         raise CheckpointError(f"{weight}.absmax", f"has {absmax.numel()} values; shape {list(shape)} in blocks of {bs} needs {n_blocks}")
 
-    double = f"{weight}.nested_absmax" in src.keys or "nested_offset" in state or absmax.dtype == torch.uint8
+    double = f"{weight}.nested_absmax" in src.keys or state.nested_offset is not None or absmax.dtype == torch.uint8
     if double:
         if absmax.dtype != torch.uint8:
             raise CheckpointError(f"{weight}.absmax", f"double-quant absmax must be uint8, got {absmax.dtype}")
         for field in ("nested_blocksize", "nested_offset"):
-            if field not in state:
-                raise CheckpointError(key, f"double quant but the quant state has no '{field}'")
-        nbs, offset = state["nested_blocksize"], state["nested_offset"]
-        if not isinstance(nbs, int) or nbs <= 0:
-            raise CheckpointError(key, f"nested_blocksize {nbs!r} is not a positive integer")
-        if not isinstance(offset, (int, float)) or not math.isfinite(offset):
-            raise CheckpointError(key, f"nested_offset {offset!r} is not a finite number")
-        if state.get("nested_dtype", "float32") != "float32":
-            raise CheckpointError(key, f"nested_dtype {state['nested_dtype']!r}: bitsandbytes writes float32")
+            if getattr(state, field) is None:
+                raise schema.ConfigProblem(state._where, field, "double quant but the quant state has none")
+        nbs, offset = state.nested_blocksize, state.nested_offset
         n_abs = _get(src, f"{weight}.nested_absmax", "nested_absmax")
         n_map = _get(src, f"{weight}.nested_quant_map", "nested_quant_map")
         if n_abs.dtype != torch.float32:

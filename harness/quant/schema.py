@@ -2,7 +2,7 @@
 
 A checkpoint is untrusted input (docs/design.md, "Bad input and faults"). Everything the harness
 reads from one is validated here first, at the boundary, and a problem is one
-``CheckpointError(<file>, "<key path>: <what>")``:
+``CheckpointError(<file>, "<key path>: <what>")`` (worded by harness.validation):
 
 - ``config_json(data, file)``: ``config.json``: an object, ``architectures`` a non-empty list of
   names, ``model_type`` a name, and its quantization config by ``quant_method``;
@@ -10,17 +10,23 @@ reads from one is validated here first, at the boundary, and a problem is one
   harness reads it (the skip lists are lists of strings, config groups are objects with targets,
   a torchao ``_type`` names a class torchao itself would deserialize...). Keys the harness does
   not read are left to their library, as the libraries do;
+- ``config_hints(data, file)``: config.json as the engines read it before loading, by type only;
 - ``index(data, file)``: ``model.safetensors.index.json``: ``weight_map`` maps tensor names to
   plain ``.safetensors`` file names of the directory;
 - ``torchao_tensor(meta, weight)``: the per-tensor JSON torchao writes into ``__metadata__``;
+- ``safetensors_header(header, file)``: a safetensors header by type: each tensor's ``dtype``
+  a string, ``shape`` and ``data_offsets`` lists of integers, ``__metadata__`` strings to strings
+  (the values are then safetensors' to check);
+- ``harness.quant.bnb.QuantState``: the JSON quant state bitsandbytes stores beside each 4-bit
+  weight (beside the constants of the format it names);
 - ``unique_object(text)``: JSON parsing that refuses a key given twice in one object (safetensors
   headers, where the last one would silently win).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
-import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -28,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from harness import registry
 from harness.errors import CheckpointError
+from harness.validation import problem, short
 
 # Every format's quant_methods (harness.registry.FORMATS), and the other spellings that mean them.
 KNOWN_METHODS = tuple(sorted(registry.methods()))
@@ -42,7 +49,7 @@ def ConfigProblem(file: str, key: str, detail: str) -> CheckpointError:  # noqa:
     return e
 
 
-class _Open(BaseModel):
+class Open(BaseModel):
     """Keys not named are the library's own business; named keys must have the right type."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -54,7 +61,7 @@ Names = Annotated[list[StrictStr], Field()]
 # ----------------------------------------------------------------------------------- config.json
 
 
-class ConfigJson(_Open):
+class ConfigJson(Open):
     architectures: list[StrictStr] = Field(min_length=1)
     model_type: StrictStr
     quantization_config: dict | None = None
@@ -64,7 +71,7 @@ class ConfigJson(_Open):
 # ------------------------------------------------------------------------ quantization configs
 
 
-class BitsandbytesConfig(_Open):
+class BitsandbytesConfig(Open):
     """transformers' ``BitsAndBytesConfig`` as the bnb dialects read it."""
 
     quant_method: StrictStr | None = None
@@ -76,7 +83,7 @@ class BitsandbytesConfig(_Open):
     bnb_4bit_use_double_quant: StrictBool | None = None
 
 
-class QuantArgs(_Open):
+class QuantArgs(Open):
     """compressed-tensors ``QuantizationArgs``: the fields the loader reads."""
 
     num_bits: StrictInt | None = Field(default=None, ge=1, le=64)
@@ -86,7 +93,7 @@ class QuantArgs(_Open):
     symmetric: StrictBool | None = None
 
 
-class CtScheme(_Open):
+class CtScheme(Open):
     """compressed-tensors ``QuantizationScheme``."""
 
     targets: Names = Field(min_length=1)
@@ -95,7 +102,7 @@ class CtScheme(_Open):
     output_activations: QuantArgs | None = None
 
 
-class CompressedTensorsConfig(_Open):
+class CompressedTensorsConfig(Open):
     quant_method: StrictStr
     config_groups: dict[StrictStr, CtScheme] | None = None
     ignore: Names | None = None
@@ -103,7 +110,7 @@ class CompressedTensorsConfig(_Open):
     format: StrictStr | None = None
 
 
-class Fp8Config(_Open):
+class Fp8Config(Open):
     """``quant_method: fp8`` (vLLM's ``Fp8Config``, transformers' ``FineGrainedFP8Config``)."""
 
     quant_method: StrictStr
@@ -113,9 +120,11 @@ class Fp8Config(_Open):
     weight_block_size: list[StrictInt] | None = None
 
 
-def torchao_modules() -> list:
+@functools.cache
+def torchao_modules() -> tuple:
     """The modules torchao 0.18's ``config_from_dict`` looks a ``_type`` up in (its
-    ``ALLOWED_AO_MODULES`` that import here), in the order it searches them."""
+    ``ALLOWED_AO_MODULES`` that import here), in the order it searches them. Imported once: a
+    config names many ``_type``s."""
     from torchao.core.config import ALLOWED_AO_MODULES
 
     modules = []
@@ -124,7 +133,7 @@ def torchao_modules() -> list:
             modules.append(importlib.import_module(module_path))
         except ImportError:
             continue
-    return modules
+    return tuple(modules)
 
 
 def torchao_class(name: str) -> type | None:
@@ -150,7 +159,7 @@ def _serialized_types(value: Any, path: str):
             yield from _serialized_types(v, f"{path}[{i}]")
 
 
-class TorchaoSerialized(_Open):
+class TorchaoSerialized(Open):
     """A torchao config as ``TorchAoConfig.to_dict`` serializes it (``{"_type", "_version", "_data"}``)."""
 
     type_: StrictStr = Field(alias="_type")
@@ -169,52 +178,22 @@ class TorchaoSerialized(_Open):
         return v
 
 
-class TorchaoConfig(_Open):
+class TorchaoConfig(Open):
     quant_method: StrictStr
     quant_type: dict[StrictStr, TorchaoSerialized] | None = None
     modules_to_not_convert: Names | None = None
+    include_input_output_embeddings: StrictBool | None = None
 
 
 # ------------------------------------------------------------------------------------ messages
-
-
-def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
-    return text if len(text) <= 60 else text[:59] + "…"
-
-
-_ARTICLE = {"list": "a list", "string": "a string", "integer": "an integer", "boolean": "a boolean", "number": "a number"}
-
-
-def problem(e: ValidationError, prefix: str = "") -> tuple[str, str]:
-    """The first problem of a validation error: (key path, what is wrong, with the value found)."""
-    err = e.errors(include_url=False)[0]
-    where = _loc(tuple(err["loc"]))
-    where = f"{prefix}.{where}" if prefix and where else (prefix or where)
-    if err["type"] == "missing":
-        return where, "required key is missing"
-    if err["type"] == "value_error":
-        return where, err["msg"].removeprefix("Value error, ")
-    msg = re.sub(r"a valid dictionary( or instance of \w+)?", "an object", err["msg"])
-    msg = re.sub(r"a valid (list|string|integer|boolean|number)", lambda m: _ARTICLE[m.group(1)], msg)
-    return where, f"{msg.replace('Input should be', 'must be')} (got {_short(err.get('input'))})"
 
 
 def _key(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def _validate(model: type[BaseModel], data: Any, file: str, prefix: str) -> BaseModel:
+def validate(model: type[BaseModel], data: Any, file: str, prefix: str = "") -> BaseModel:
+    """``data`` validated by ``model``; a problem is the ConfigProblem of ``file`` at ``prefix``."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -233,7 +212,7 @@ def method_of(qc: Mapping, file: str, prefix: str = "quantization_config") -> st
             return "bitsandbytes"  # configs written before transformers recorded quant_method
         raise ConfigProblem(file, _key(prefix, "quant_method"), "required key is missing")
     if not isinstance(method, str):
-        raise ConfigProblem(file, _key(prefix, "quant_method"), f"must be a string (got {_short(method)})")
+        raise ConfigProblem(file, _key(prefix, "quant_method"), f"must be a string (got {short(method)})")
     normal = ALIASES.get(method.lower(), method.lower())
     if normal not in KNOWN_METHODS:
         raise ConfigProblem(file, _key(prefix, "quant_method"), f"unknown quant_method {method!r} "
@@ -244,11 +223,11 @@ def method_of(qc: Mapping, file: str, prefix: str = "quantization_config") -> st
 def quantization_config(qc: Any, file: str, prefix: str = "quantization_config") -> str:
     """Validate one quantization config; its normalised quant_method."""
     if not isinstance(qc, Mapping):
-        raise ConfigProblem(file, prefix, f"must be an object (got {_short(qc)})")
+        raise ConfigProblem(file, prefix, f"must be an object (got {short(qc)})")
     method = method_of(qc, file, prefix)
     check = registry.resolve(registry.methods()[method].schema)  # a model, or a function validating it
     if isinstance(check, type) and issubclass(check, BaseModel):
-        _validate(check, qc, file, prefix)
+        validate(check, qc, file, prefix)
     else:
         check(qc, file, prefix)
     return method
@@ -256,28 +235,28 @@ def quantization_config(qc: Any, file: str, prefix: str = "quantization_config")
 
 def validate_torchao(qc: Mapping, file: str, prefix: str) -> None:
     """A torchao config: TorchaoConfig, and every serialized object inside it a class torchao deserializes."""
-    cfg = _validate(TorchaoConfig, qc, file, prefix)
+    cfg = validate(TorchaoConfig, qc, file, prefix)
     for name, ser in (cfg.quant_type or {}).items():
         where = _key(prefix, f"quant_type.{name}._data")
         fqn = {k: ser.data[k] for k in ("fqn_to_config", "module_fqn_to_config") if k in ser.data}
         for key, table in fqn.items():
             if not isinstance(table, Mapping):
-                raise ConfigProblem(file, f"{where}.{key}", f"must be an object (got {_short(table)})")
+                raise ConfigProblem(file, f"{where}.{key}", f"must be an object (got {short(table)})")
             for fq, value in table.items():
                 if value is not None:
-                    _validate(TorchaoSerialized, value, file, f"{where}.{key}.{fq}")
+                    validate(TorchaoSerialized, value, file, f"{where}.{key}.{fq}")
         for path, type_name in _serialized_types(ser.data, where):
             if type_name == "torch.dtype":
                 continue
             if not isinstance(type_name, str) or torchao_class(type_name) is None:
-                raise ConfigProblem(file, f"{path}._type", f"{_short(type_name)} is not a class torchao deserializes")
+                raise ConfigProblem(file, f"{path}._type", f"{short(type_name)} is not a class torchao deserializes")
 
 
 def config_json(data: Any, file: str) -> dict:
     """Validate a parsed config.json (and its quantization config); the dict itself."""
     if not isinstance(data, dict):
-        raise ConfigProblem(file, "", f"must be a JSON object (got {_short(data)})")
-    cfg = _validate(ConfigJson, data, file, "")
+        raise ConfigProblem(file, "", f"must be a JSON object (got {short(data)})")
+    cfg = validate(ConfigJson, data, file, "")
     for key in ("quantization_config", "compression_config"):
         qc = getattr(cfg, key)
         if qc is not None:
@@ -286,7 +265,24 @@ def config_json(data: Any, file: str) -> dict:
     return data
 
 
-class Index(_Open):
+class ConfigHints(Open):
+    """What the engines read of config.json before they load (harness.engines.base.Checkpoint):
+    the architectures and the quantization config, by type only (an engine may know quant_methods
+    the harness does not); the load validates the whole (config_json)."""
+
+    architectures: list[StrictStr] | None = None
+    quantization_config: dict | None = None
+
+
+def config_hints(data: Any, file: str) -> dict:
+    """Validate a parsed config.json as far as ConfigHints; the dict itself."""
+    if not isinstance(data, dict):
+        raise ConfigProblem(file, "", f"must be a JSON object (got {short(data)})")
+    validate(ConfigHints, data, file)
+    return data
+
+
+class Index(Open):
     weight_map: dict[StrictStr, Annotated[StrictStr, Field(pattern=r"^[^/\\]+\.safetensors$")]]
     metadata: dict | None = None
 
@@ -294,24 +290,24 @@ class Index(_Open):
 def index(data: Any, file: str) -> dict[str, str]:
     """Validate a safetensors index; its weight_map (tensor name -> file name in the directory)."""
     if not isinstance(data, dict):
-        raise ConfigProblem(file, "", f"must be a JSON object (got {_short(data)})")
+        raise ConfigProblem(file, "", f"must be a JSON object (got {short(data)})")
     for shard in (data.get("weight_map") or {}).values() if isinstance(data.get("weight_map"), dict) else ():
         if shard in (".", "..") or (isinstance(shard, str) and ("/" in shard or "\\" in shard)):
             raise ConfigProblem(file, "weight_map", f"shard {shard!r} is not a file name in the checkpoint directory")
-    return dict(_validate(Index, data, file, "").weight_map)
+    return dict(validate(Index, data, file, "").weight_map)
 
 
-class TorchaoDtype(_Open):
+class TorchaoDtype(Open):
     type_: Literal["torch.dtype"] = Field(alias="_type")
     data: StrictStr = Field(alias="_data")
 
 
-class TorchaoTensorData(_Open):
+class TorchaoTensorData(Open):
     block_size: list[Annotated[StrictInt, Field(gt=0)]] | None = None
     dtype: TorchaoDtype | StrictStr | None = None
 
 
-class TorchaoTensor(_Open):
+class TorchaoTensor(Open):
     type_: StrictStr = Field(alias="_type")
     data: TorchaoTensorData = Field(default_factory=TorchaoTensorData, alias="_data")
     tensor_data_names: list[StrictStr] | None = Field(default=None, alias="_tensor_data_names")
@@ -320,9 +316,34 @@ class TorchaoTensor(_Open):
 def torchao_tensor(meta: Any, weight: str) -> dict:
     """Validate the torchao metadata of one weight; the dict itself."""
     if not isinstance(meta, dict):
-        raise ConfigProblem(weight, "torchao metadata", f"must be a JSON object (got {_short(meta)})")
-    _validate(TorchaoTensor, meta, weight, "torchao metadata")
+        raise ConfigProblem(weight, "torchao metadata", f"must be a JSON object (got {short(meta)})")
+    validate(TorchaoTensor, meta, weight, "torchao metadata")
     return meta
+
+
+class HeaderEntry(Open):
+    """One tensor of a safetensors header (its values are then checked by safetensors itself)."""
+
+    dtype: StrictStr
+    shape: list[StrictInt]
+    data_offsets: Annotated[list[StrictInt], Field(min_length=2, max_length=2)]
+
+
+class SafetensorsHeader(BaseModel):
+    """A safetensors header: ``__metadata__`` maps strings to strings, every other key is a tensor.
+    (Not Open: a tensor may be named ``metadata``.)"""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, HeaderEntry] = Field(init=False)
+    metadata: dict[StrictStr, StrictStr] | None = Field(default=None, alias="__metadata__")
+
+
+def safetensors_header(header: Any, file: str) -> dict:
+    """Validate a parsed safetensors header by type; the dict itself."""
+    if not isinstance(header, dict):
+        raise ConfigProblem(file, "", "not a readable safetensors file: header is not a JSON object")
+    validate(SafetensorsHeader, header, file)
+    return header
 
 
 class DuplicateKey(ValueError):

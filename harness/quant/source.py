@@ -64,8 +64,8 @@ HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header
 def _check_header(path: Path) -> tuple[dict, int]:
     """What safetensors itself does not refuse: a shard that is not a regular file (a FIFO would
     block its open), and a header that names a tensor twice (safetensors keeps the last one
-    without a word). The header's length and JSON are checked here; its dtypes, shapes and
-    offsets by safetensors. Returns the header and where the tensor data starts in the file."""
+    without a word). The header's length and JSON are checked here, its types by
+    schema.safetensors_header; the values of its dtypes, shapes and offsets by safetensors. Returns the header and where the tensor data starts in the file."""
     try:
         size = files.check_regular(path)
         head = files.read_range(path, 0, 8)
@@ -86,9 +86,7 @@ def _check_header(path: Path) -> tuple[dict, int]:
         raise CheckpointError(str(path), f"not a readable safetensors file: its header {e.reason}") from None
     except ValueError as e:  # json.JSONDecodeError
         raise CheckpointError(str(path), f"not a readable safetensors file: header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(str(path), "not a readable safetensors file: header is not a JSON object")
-    return header, 8 + n
+    return schema.safetensors_header(header, str(path)), 8 + n
 
 
 class _MappedFile:
@@ -195,8 +193,8 @@ class TensorSource:
         directory: the checkpoint directory (None for an in-memory source)
         keys: every tensor name (frozenset)
         metadata: the safetensors `__metadata__` of all files merged (str -> str); for torchao
-            files the per-tensor JSON entries are merged as they are, and `tensor_names` is the
-            union of the files' lists (JSON).
+            files the per-tensor JSON entries are merged as they are (the harness reads no
+            other entry).
     """
 
     def __init__(self, directory: str | None = None):
@@ -337,18 +335,8 @@ class TensorSource:
     def _finish(self) -> None:
         self.keys = frozenset(self._where)
         merged: dict[str, str] = {}
-        tensor_names: list[str] = []
         for meta in self._file_meta.values():
-            for k, v in meta.items():
-                if k == "tensor_names":
-                    try:
-                        tensor_names += [n for n in json.loads(v) if n not in tensor_names]
-                    except Exception:
-                        pass
-                    continue
-                merged[k] = v
-        if tensor_names:
-            merged["tensor_names"] = json.dumps(tensor_names)
+            merged.update(meta)
         self.metadata = merged
 
     # access ---------------------------------------------------------------------------------

@@ -46,6 +46,12 @@ class Written:
         return bool(self.problems) or any(n and verdicts.fails_run(s) for s, n in self.counts.items())
 
 
+def report_files(out_dir: str | Path) -> tuple[Path, Path, Path, Path]:
+    """What write_reports writes in ``out_dir``: report.html, junit.xml, annotation.md, annotation-style.txt."""
+    out = Path(out_dir)
+    return out / "report.html", out / "junit.xml", out / "annotation.md", out / "annotation-style.txt"
+
+
 def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expected: Iterable[str] = (),
                   matrix=None, title: str | None = None, baselines_root: str | Path | None = None) -> Written:
     """Read ``results`` and write report.html, junit.xml, annotation.md, annotation-style.txt.
@@ -62,11 +68,11 @@ def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expecte
     counts = counts_of(states)
     style = annotation_style(states, len(merged.problems))
     page = html.render(merged, matrix=matrix, title=title, baselines_root=baselines_root)
-    paths = (out / "report.html", out / "junit.xml", out / "annotation.md")
+    *paths, style_path = report_files(out)
     atomic_write_text(paths[0], page)
     atomic_write_text(paths[1], junit.render(merged, matrix=matrix))
     atomic_write_text(paths[2], annotation.render(merged, matrix=matrix, report_path=f"{out.name}/report.html"))
-    atomic_write_text(out / "annotation-style.txt", style + "\n")
+    atomic_write_text(style_path, style + "\n")
     return Written(*paths, style=style, counts=counts, missing=merged.missing, problems=len(merged.problems),
                    notes=merged.notes)
 

@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import compare, verdicts
+from harness import compare, files, verdicts
 from harness.records import Record, RecordError
 
 if TYPE_CHECKING:
@@ -106,14 +106,18 @@ def load_results(dirs: Sequence[str | Path], expected: Iterable[str] = ()) -> Me
             continue
         for path in _record_files(root):
             try:
-                data = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+                text = files.read_text(path)
+                data = json.loads(text)
+            except files.Unreadable as e:
+                problems.append(Problem(path, f"not a readable JSON file: {e.reason}"))
+                continue
+            except json.JSONDecodeError as e:
                 problems.append(Problem(path, f"not a readable JSON file: {e}"))
                 continue
             if not isinstance(data, dict) or "schema_version" not in data:
                 continue  # another JSON file (a summary, a manifest): not a record
             try:
-                record = Record.from_dict(data, str(path))
+                record = Record.from_json(text, str(path))
             except RecordError as e:
                 problems.append(Problem(path, str(e)))
                 continue

@@ -63,7 +63,7 @@ class Tracer:
 
     # ---- children -------------------------------------------------------------------------
     def _path(self, cell_id: str, variant: str = "") -> Path:
-        return self.runner.layout.root / "traces" / f"{cell_id}{variant}.pt"
+        return self.runner.layout.traces() / f"{cell_id}{variant}.pt"
 
     def forget(self, cell_ids: list[str]) -> None:
         """Remove the traces an earlier run into the same results directory left for these cells."""

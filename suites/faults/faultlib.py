@@ -9,10 +9,14 @@ caches, and no process of the command is left behind (docs/design.md, "Bad input
 - ``subprocess_run(argv, ...)``: the installed command in a fresh interpreter, for what only a
   process shows: the terminal, signals, the fork server and engine children. Its environment
   carries a unique marker, so every process it started can be found afterwards in ``/proc``.
+
+And for the fuzzing of JSON files (test_fuzz.py): ``EVERY_JSON_TYPE``, one value of each JSON type,
+and ``every_field_every_type(doc)``, a document with each of its fields set to each of them.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import signal
@@ -63,6 +67,7 @@ class Outcome:
     err: str
     marker: str | None = None
     wall: float = 0.0
+    ended_at: float = 0.0  # time.time() when the command had exited
 
 
 def in_process(argv: list) -> Outcome:
@@ -90,7 +95,20 @@ def subprocess_run(argv: list, *, cwd: Path, env: dict[str, str] | None = None, 
     # the child starts with the default disposition, as from an interactive shell or CI.
     proc = subprocess.run([*HARNESS, *map(str, argv)], cwd=cwd, env=full, capture_output=True, text=True,
                           timeout=timeout, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    return Outcome(proc.returncode, proc.stdout, proc.stderr, marker, time.perf_counter() - t0)
+    return Outcome(proc.returncode, proc.stdout, proc.stderr, marker, time.perf_counter() - t0, time.time())
+
+
+@contextlib.contextmanager
+def cpu_hog():
+    """A process busy-looping on every core while the body runs: a loaded CI agent, on which a
+    process that waits for something else's CPU time answers late."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def assert_one_error(o: Outcome, code: int, line: str) -> None:
@@ -164,3 +182,84 @@ def assert_written_only_under(tree: Tree, *allowed: str) -> None:
     """Everything written below ``tree.root`` lies under one of the ``allowed`` relative paths."""
     stray = [p for p in tree.written() if not any(p == a or p.startswith(a.rstrip("/") + "/") for a in allowed)]
     assert not stray, f"written outside {allowed}: {stray[:20]}"
+
+
+# ------------------------------------------------------------------------- JSON documents
+
+# One value of every JSON type Python's json reads, with the awkward ones: huge and negative
+# integers, NaN and the infinities (which json writes and reads), empty and nested containers.
+EVERY_JSON_TYPE = [None, True, 0, -1, 2 ** 70, 1.5, float("nan"), float("-inf"), "", "x", [], [[1, "a"]], {},
+                   {"k": {"k": []}}]
+
+
+NAME_MAP = 8
+
+
+def _layout(value):
+    """A JSON value's layout: its type, and an object's keys with the types of their values."""
+    if isinstance(value, dict):
+        return tuple((k, type(v)) for k, v in value.items())
+    return type(value)
+
+
+def _representatives(items: list) -> list:
+    """Of the (key, value) items of a list (or of a map of names), the first, and the last where
+    its layout differs from the first's (scored row 0 has no logprob; the other rows do)."""
+    if len(items) < 2 or _layout(items[0][1]) == _layout(items[-1][1]):
+        return items[:1]
+    return [items[0], items[-1]]
+
+
+def field_paths(doc, prefix: tuple = ()) -> list[tuple]:
+    """Every field of a JSON document: each key of an object, and of a list its representative
+    elements (the others have their schema). An object of more than NAME_MAP keys whose values are
+    all of one type maps names to one schema (an index's weight_map, a record's loaded_state): a
+    list by another name, explored the same way."""
+    out = []
+    if isinstance(doc, dict):
+        items = list(doc.items())
+        if len(items) > NAME_MAP and len({type(v) for v in doc.values()}) == 1:
+            items = _representatives(items)
+    elif isinstance(doc, list):
+        items = _representatives(list(enumerate(doc)))
+    else:
+        items = []
+    for key, value in items:
+        out.append(prefix + (key,))
+        out += field_paths(value, prefix + (key,))
+    return out
+
+
+def _copy_along(doc, path: tuple):
+    """A copy of ``doc`` in which the containers on ``path`` are new (the rest is shared); the copy
+    and the parent of the last key."""
+    new = parent = copy.copy(doc)
+    for p in path[:-1]:
+        parent[p] = copy.copy(parent[p])
+        parent = parent[p]
+    return new, parent
+
+
+def replaced(doc, path: tuple, value):
+    """A copy of ``doc`` with the field at ``path`` set to ``value``."""
+    new, parent = _copy_along(doc, path)
+    parent[path[-1]] = copy.deepcopy(value)
+    return new
+
+
+def deleted(doc, path: tuple):
+    """A copy of ``doc`` without the key at ``path`` (an object's key; a list element is left)."""
+    new, parent = _copy_along(doc, path)
+    if isinstance(parent, dict):
+        del parent[path[-1]]
+    return new
+
+
+def every_field_every_type(doc):
+    """``doc`` with one field changed: each field (field_paths) set to each of EVERY_JSON_TYPE,
+    and each key deleted. Yields (path, what was done, the changed document)."""
+    for path in field_paths(doc):
+        for value in EVERY_JSON_TYPE:
+            yield path, value, replaced(doc, path, value)
+        if isinstance(path[-1], str):
+            yield path, "deleted", deleted(doc, path)

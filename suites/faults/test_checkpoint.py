@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from harness import fixtures
 
 Q = "model.layers.0.self_attn.q_proj"
+UP = "model.layers.0.mlp.up_proj.weight"
 SLOW = "(.|.)*(?<!j)$"  # backtracks for ever in Python's re on every module name not ending in j
 TRANSFORMERS = __import__("transformers").__version__
 DEADLINE_S = 60  # a case that could hang must end well before this
@@ -158,6 +159,16 @@ def torchao_meta_raw(weight: str, text: str | None):
             meta[weight] = text
         save_file(ts, file, meta)
     return apply
+
+
+def quant_state(weight: str, edit: Callable[[dict], object]):
+    """Edit the JSON quant state bitsandbytes stores beside a 4-bit weight."""
+    def edit_tensors(ts):
+        key = f"{weight}.quant_state.bitsandbytes__nf4"
+        state = json.loads(bytes(ts[key].numpy()).decode())
+        out = edit(state)
+        ts[key] = torch.tensor(list(json.dumps(state if out is None else out).encode()), dtype=torch.uint8)
+    return tensors(edit_tensors)
 
 
 def sharded(edit: Callable[[dict], object] | None = None, index_text: bytes | None = None):
@@ -292,6 +303,8 @@ CASES: dict[str, Case] = {
                                     f"error: {Q}.weight: torchao metadata: must be a JSON object (got list)"),
     "index weight_map a list": Case("traceback", U, sharded(lambda i: i.update(weight_map=[1])),
                                     "error: {d}/model.safetensors.index.json: weight_map: must be an object (got list)"),
+    "bnb quant state dtype a list": Case("traceback", B, quant_state(UP, lambda s: s.update(dtype=["float32"])),
+                                         f"{ST}: quant state of {UP}: dtype: must be 'float32', 'float16' or 'bfloat16' (got list)"),
     "index a list": Case("traceback", U, sharded(index_text=b"[]"),
                          "error: {d}/model.safetensors.index.json: must be a JSON object (got list)"),
     "head_dim 2**30": Case("traceback", U, cfg(lambda c: c.update(head_dim=1 << 30)),
@@ -365,6 +378,9 @@ CASES: dict[str, Case] = {
     "torchao nested unknown class": Case("silent", AO, cfg(lambda c: c["quantization_config"]["quant_type"]["default"]["_data"]["granularity"].update(_type="subprocess.Popen")),
                                          f"{CFG}: quantization_config.quant_type.default._data.granularity._type: \"subprocess.Popen\" is "
                                          "not a class torchao deserializes"),
+    "torchao include_input_output_embeddings a string": Case("silent", AO, qc(include_input_output_embeddings="no"),
+                                                             f"{CFG}: quantization_config.include_input_output_embeddings: "
+                                                             'must be a boolean (got "no")'),
     "torchao quant_type 5": Case("silent", AO, qc(quant_type=5), f"{CFG}: quantization_config.quant_type: must be an object (got 5)"),
     "ct kv_cache_scheme a string": Case("silent", F8, qc(kv_cache_scheme="x"),
                                         f'{CFG}: quantization_config.kv_cache_scheme: must be an object (got "x")'),
@@ -382,6 +398,17 @@ CASES: dict[str, Case] = {
     "torch.save'd exploit refused with torch's reason": Case("small", U, saved({"model.norm.weight": _Exploit("/nonexistent/pwned")}),
                                                              "error: {d}/pytorch_model.bin: refused to unpickle: Trying to load "
                                                              "unsupported GLOBAL posix.system whose module posix is blocked."),
+    "bnb quant state blocksize a string": Case("small", B, quant_state(UP, lambda s: s.update(blocksize="64")),
+                                               f"{ST}: quant state of {UP}: blocksize: must be 32, 64, 128, 256, 512, 1024, "
+                                               '2048 or 4096 (got "64")'),
+    "bnb quant state shape an object": Case("small", B, quant_state(UP, lambda s: s.update(shape={"out": 256})),
+                                            f"{ST}: quant state of {UP}: shape: must be a list (got dict)"),
+    "bnb quant state a list": Case("small", B, quant_state(UP, lambda s: [s]),
+                                   f"{ST}: quant state of {UP}: must be a JSON object (got list)"),
+    "safetensors metadata value a list": Case("small", U, header_json(lambda h: h["__metadata__"].update(format=["pt"])),
+                                              f"{ST}: __metadata__.format: must be a string (got list)"),
+    "safetensors shape a string": Case("small", U, header_json(lambda h: h["model.norm.weight"].update(shape="128")),
+                                       f'{ST}: model.norm.weight.shape: must be a list (got "128")'),
     # --- what already held (kept)
     "config missing": Case("held", U, lambda d: (d / "config.json").unlink(), f"{CFG}: missing"),
     "config invalid JSON": Case("held", U, raw_config(b"{"), f"{CFG}: invalid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
@@ -418,6 +445,9 @@ CASES: dict[str, Case] = {
     "index not JSON": Case("held", U, sharded(index_text=b"{"),
                            "error: {d}/model.safetensors.index.json: invalid JSON: Expecting property name enclosed in double quotes: "
                            "line 1 column 2 (char 1)"),
+    "index weight_map entry a list": Case("held", U, sharded(lambda i: i["weight_map"].update({"model.norm.weight": ["x"]})),
+                                          "error: {d}/model.safetensors.index.json: weight_map.model.norm.weight: must be "
+                                          "a string (got list)"),
     "missing quant_state": Case("held", B, drop(f"{Q}.weight.quant_state.bitsandbytes__nf4"),
                                 f"error: {Q}.weight.quant_state.bitsandbytes__nf4: missing tensor (bitsandbytes quant state)"),
     "missing absmax": Case("held", B, drop(f"{Q}.weight.absmax"), f"error: {Q}.weight.absmax: missing tensor (absmax)"),
