@@ -90,7 +90,7 @@ def test_update_reports_what_changed_and_skips_noise(tmp_path):
     assert "prompt p0: scored tokens changed at position 3" in "\n".join(change.messages)
 
 
-@pytest.mark.parametrize("verdict", ["failed", "error", "unsupported", "waived", None])
+@pytest.mark.parametrize("verdict", ["failed", "error", "unsupported", None])
 def test_update_refuses_bad_verdicts_and_leaves_the_file(tmp_path, verdict):
     B.update(tmp_path, record(), commit="abc")
     path = tmp_path / TIER / f"{CELL}.json"
