@@ -12,6 +12,8 @@ Checks (each a records.Check named ``<kind>:<against>``):
 - ``load-time``: the load-time ratio obtained / baseline, calibrated by the in-run calibration
   workload where both runs measured it.
 - ``module-diff``: vLLM's module-level conformance (from the record).
+- ``input-sensitivity``: a multimodal record's output against a second image or audio input,
+  which must differ by more than the noise (docs/design.md, "Input sensitivity"; no baseline).
 
 ``cross_engine()`` and ``disagreement()`` are the cross-engine rule and its judgement, shared by
 the runner and the Buildkite merge step (harness.report.merge). The verdict built from these
@@ -430,6 +432,40 @@ def other_kernels(record: Record, baseline: Baseline) -> bool:
     mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
     theirs = baseline.provenance.cpu.model_dump() if baseline.provenance.cpu else None
     return not cpu.same_kernels(mine, theirs)
+
+
+def check_input_sensitivity(record: Record, bound: float, noise: Noise | None = None) -> Check | None:
+    """``input-sensitivity:contrast``, for a record that scored its image or audio prompts with a
+    second input (harness.engines.execute.input_sensitivity): at the first positions after the
+    input, max |Δlogprob| must exceed the cell's noise, the family ``bound`` or, where ``noise``
+    (a baseline's, from other kernels) is given, its measured noise there if larger; Mllama's
+    cross-attention gates must be non-zero. None for a record without such prompts. Needs no
+    baseline (docs/design.md, "Input sensitivity")."""
+    s = record.input_sensitivity
+    if s is None:
+        return None
+    rows = {}
+    for p in s.prompts:
+        measured = noise.prompts.get(p.prompt) if noise is not None else None
+        at = measured.logprob_noise[p.first:p.first + len(p.logprobs)] if measured is not None else []
+        threshold = max([bound, *at])
+        rows[p.prompt] = {"kind": p.kind, "max_delta": _safe(p.max_delta), "noise": threshold,
+                          "margin": _safe(p.max_delta / threshold) if threshold > 0 else None}
+    flat = [pid for pid, r in rows.items() if not (r["max_delta"] is None or r["max_delta"] > r["noise"])]
+    closed = sorted(n for n, v in s.gates.items() if v == 0.0)
+    data = {"prompts": rows, "gates": dict(s.gates), "seconds": s.seconds}
+    if flat or closed:
+        parts = [f"the output does not depend on the {rows[pid]['kind']} (prompt {pid}: max |Δlogprob| "
+                 f"{_fmt(rows[pid]['max_delta'] or 0.0)} <= noise {_fmt(rows[pid]['noise'])} at the first "
+                 f"positions after it, against a second input)" for pid in flat]
+        if closed:
+            parts.append(f"cross-attention gate(s) {', '.join(closed)} are 0: the image never reaches the decoder")
+        return Check(name="input-sensitivity:contrast", ok=False, detail="; ".join(parts), data=data)
+    worst = min(rows, key=lambda pid: rows[pid]["margin"] or math.inf)
+    r = rows[worst]
+    return Check(name="input-sensitivity:contrast", ok=True, data=data,
+                 detail=f"the output depends on every input: smallest max |Δlogprob| {_fmt(r['max_delta'])} "
+                        f"against noise {_fmt(r['noise'])} (prompt {worst}, {_fmt(r['margin'] or 0.0)}x)")
 
 
 def noise_for(record: Record, baseline: Baseline) -> Noise | None:
