@@ -14,12 +14,17 @@ loaded model right after it:
 | ``tensor-scaled:GLOB:FACTOR`` | the checkpoint tensors matching GLOB (on-disk names) read multiplied by FACTOR: a wrong FP8 ``weight_scale``, a corrupted bnb ``absmax`` |
 | ``tensors-swapped:A:B`` | the checkpoint tensors under prefix A read from prefix B and the other way round: a loader that swaps k and v |
 | ``mask-shifted:GLOB`` | after loading, the attention modules matching GLOB (in-memory names) attend with a causal mask off by one (each position also sees the next) |
+| ``vision-constant`` | the vision tower's output, as the projector receives it, replaced by a constant (Mllama, Qwen2.5-VL) |
+| ``projector-zeroed`` | the projector's output zeroed (Mllama's ``multi_modal_projector``, Qwen2.5-VL's ``visual.merger``) |
+| ``cross-kv-constant`` | the cross-attention modules given constant encoder states, so their keys and values are constants detached from the encoder (Mllama, Whisper) |
+| ``encoder-silence`` | Whisper's encoder fed the log-mel features of silence, whatever the audio |
 
 The last three are the module-trace localisation's faults (docs/design.md, "Localisation"); they
 change the reference's own reading (harness.quant.source.TensorSource) or its modules, never
 another engine's.
 
-``rows`` works on every engine: in-process on the model, in vLLM through ``LLM.apply_model``.
+``rows`` and the last four, the input-sensitivity check's mutations (docs/design.md, "Input
+sensitivity"), work on every engine: in-process on the model, in vLLM through ``LLM.apply_model``.
 """
 from __future__ import annotations
 
@@ -167,6 +172,85 @@ def _mask_shifted(arg: str | None) -> Callable:
     return after_load
 
 
+def _on_model(engine, change: Callable) -> None:
+    """Run ``change(torch module)`` on the loaded model, in-process or inside vLLM."""
+    if getattr(engine, "llm", None) is not None:
+        engine.llm.apply_model(change)
+        return
+    # lazy: torch, numpy, +3.7 s (scripts/import-graph --costs)
+    from harness.traces.record import torch_module
+
+    change(torch_module(engine.model))
+
+
+def _replaced(value, make: Callable):
+    """``value`` with each tensor in it (a tensor, or a tuple or list of them: vLLM's linear layers
+    return (output, bias)) replaced by ``make(tensor)``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return make(value)
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return type(value)([make(value[0]), *value[1:]]) if isinstance(value, tuple) else [make(v) for v in value]
+    return value
+
+
+def _module_hook(name: str, globs: tuple[str, ...], make: Callable, inputs: tuple[str, ...] | None) -> Callable:
+    """An after-load fault: the modules matching one of ``globs`` get their output replaced by
+    ``make(tensor)`` or, with ``inputs``, the first of those keyword inputs they are given (else
+    their first positional input)."""
+
+    def install(model) -> int:
+        hits = [m for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in globs)]
+        for m in hits:
+            if inputs is None:
+                m.register_forward_hook(lambda mod, args, out: _replaced(out, make))
+            else:
+                m.register_forward_pre_hook(lambda mod, args, kwargs: _input_replaced(args, kwargs, inputs, make),
+                                            with_kwargs=True)
+        return len(hits)
+
+    def after_load(engine) -> None:
+        counts = []
+        _on_model(engine, lambda model: counts.append(install(model)))
+        if not any(counts):
+            raise ValueError(f"fault {name}: no module matches {' or '.join(globs)}")
+
+    return after_load
+
+
+def _input_replaced(args: tuple, kwargs: dict, names: tuple[str, ...], make: Callable):
+    key = next((k for k in names if k in kwargs), None)
+    if key is not None:
+        return args, {**kwargs, key: _replaced(kwargs[key], make)}
+    if args:
+        return (_replaced(args[0], make), *args[1:]), kwargs
+    return None
+
+
+# The modules the mutations change, in transformers', the reference's and vLLM's spellings.
+PROJECTORS = ("*multi_modal_projector", "*visual.merger")
+CROSS_ATTENTION = ("*cross_attn", "*encoder_attn")
+# The keyword that carries the encoder's states into a cross-attention: transformers' Whisper (and
+# the reference's), Mllama's, vLLM's Whisper.
+ENCODER_STATES = ("key_value_states", "cross_attention_states", "encoder_hidden_states")
+ENCODERS = ("model.encoder",)
+# Whisper's log-mel of silence: log10 of the 1e-10 floor, clamped to peak - 8 (the same), (x + 4) / 4.
+SILENCE_FEATURE = -1.5
+
+
+def _constant(value: float) -> Callable:
+    return lambda t: t.new_full(t.shape, value)
+
+
+MUTATIONS: dict[str, Callable[[], Callable]] = {
+    "vision-constant": lambda: _module_hook("vision-constant", PROJECTORS, _constant(0.5), ("hidden_states",)),
+    "projector-zeroed": lambda: _module_hook("projector-zeroed", PROJECTORS, _constant(0.0), None),
+    "cross-kv-constant": lambda: _module_hook("cross-kv-constant", CROSS_ATTENTION, _constant(0.5), ENCODER_STATES),
+    "encoder-silence": lambda: _module_hook("encoder-silence", ENCODERS, _constant(SILENCE_FEATURE), ("input_features",)),
+}
+
+
 FAULTS: dict[str, Callable[[str | None], Callable | None]] = {
     "bnb-dq-no-offset": _bnb_dq_no_offset,
     "fp8-scale-dropped": _fp8_scale_dropped,
@@ -175,6 +259,7 @@ FAULTS: dict[str, Callable[[str | None], Callable | None]] = {
     "tensor-scaled": _tensor_scaled,
     "tensors-swapped": _tensors_swapped,
     "mask-shifted": _mask_shifted,
+    **{name: (lambda arg, make=make: make()) for name, make in MUTATIONS.items()},
 }
 
 
