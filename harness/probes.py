@@ -204,7 +204,7 @@ def environment_problem(cell: Cell) -> str | None:
 def _input_problem(base: Path, cell, prompt, kind: str) -> str | None:
     """What is wrong with a prompt's image or audio: a ``synthetic:`` name the generator does not
     know, or of the other modality; a file that does not exist. One line, naming the prompt."""
-    # lazy: numpy, +90 ms, for models.yaml's synthetic: inputs only (scripts/import-graph --costs)
+    # lazy: numpy, +130 ms, for models.yaml's synthetic: inputs only (scripts/import-graph --costs)
     from harness import synthetic
 
     value = getattr(prompt, kind)

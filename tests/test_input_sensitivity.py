@@ -270,3 +270,27 @@ def test_dry_run_rejects_an_unknown_name_in_one_line(tmp_path, capsys):
             "'synthetic:whistle-16k-5s': the kinds are images") in lines[-1] if lines else False, out
     assert any("prompt set vision-chat, prompt describe: 'synthetic:chirp-16k-1s' is an audio input, given as its "
                "image" in line for line in lines), out
+
+
+# ------------------------------------------------------------------------------------- report
+
+def test_report_rows_show_both_inputs_and_a_picture():
+    import base64
+    import zlib
+
+    from harness.report import sensitivity
+
+    record = _record([0.7])
+    check = compare.check_input_sensitivity(record, 1e-4)
+    rows = sensitivity.rows(record.model_copy(update={"checks": [check]}))
+    (row,) = rows
+    assert [(q["index"], q["logprob"], q["contrast"]) for q in row["positions"]] == [(1, -1.0, -1.7), (2, -2.0, -2.0)]
+    assert row["noise"] == 1e-4 and row["input"] == "synthetic:gradient-56"
+    png = base64.b64decode(row["picture"].removeprefix("data:image/png;base64,"))
+    assert png.startswith(b"\x89PNG") and png[12:16] == b"IHDR"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    start = png.index(b"IDAT") + 4
+    raw = zlib.decompress(png[start:start + int.from_bytes(png[start - 8:start - 4], "big")])
+    pixels = np.frombuffer(raw, dtype=np.uint8).reshape(height, 1 + width * 3)[:, 1:].reshape(height, width, 3)
+    assert (pixels == synthetic.generate(synthetic.parse("synthetic:gradient-56"))[::2, ::2]).all()
+    assert sensitivity.rows(record.model_copy(update={"input_sensitivity": None})) == []
