@@ -220,14 +220,14 @@ def test_mutations_fail_even_with_a_baseline_written_under_them(tmp_path, capsys
 @pytest.mark.cpu_tiny
 def test_gpu_full_prompt_sets_on_the_tiny_fixtures(tmp_path, capsys):
     """models.yaml's vision-chat and speech prompt sets (synthetic:gradient-448, synthetic:chirp-
-    16k-5s), given to the tiny fixtures instead of their own prompts: every engine builds them, and
-    the output depends on the synthetic input."""
-    models = {m: _model(arch, m, sets, CORE) for m, (arch, sets) in MODELS.items()}
+    16k-5s), given to the tiny fixtures instead of their own prompts: every engine builds them
+    (vLLM the speech prompt, from the waveform), and the output depends on the synthetic input."""
+    models = {m: _model(arch, m, sets, MUTATED[m][1]) for m, (arch, sets) in MODELS.items()}
     path = _matrix(tmp_path, models)
     code, out = _run(capsys, "run", "--matrix", path, "--baselines", tmp_path / "b", "--results", tmp_path / "r",
                      "-j", "1")
     got = _records(tmp_path / "r")
-    assert len(got) == 6, out
+    assert len(got) == 7, out
     sets = yaml.safe_load((ROOT / "models.yaml").read_text())["prompt_sets"]
     for cell, r in got.items():
         assert r.status == "ok" and r.verdict == "missing-baseline", (cell, r.verdict_reason)
@@ -251,6 +251,8 @@ def test_gpu_full_prompt_sets_on_the_tiny_fixtures(tmp_path, capsys):
     assert json.dumps(ref.input_sensitivity.prompts[0].logprobs) != json.dumps(
         ref.input_sensitivity.prompts[0].contrast_logprobs)
     assert [s.prompt_tokens for s in ref.sequences] == [s.prompt_tokens for s in tf.sequences]
+    chirp = {e: got[f"whisper.unquantized.{e}"].input_sensitivity.prompts[0] for e in ("reference", "vllm")}
+    assert abs(chirp["vllm"].max_delta - chirp["reference"].max_delta) < 1e-2 * chirp["reference"].max_delta
 
 
 # ---------------------------------------------------------------------- dry run and probes
