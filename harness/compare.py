@@ -444,28 +444,29 @@ def check_input_sensitivity(record: Record, bound: float, noise: Noise | None = 
     s = record.input_sensitivity
     if s is None:
         return None
-    rows = {}
+    deltas, noises = {}, {}
     for p in s.prompts:
         measured = noise.prompts.get(p.prompt) if noise is not None else None
         at = measured.logprob_noise[p.first:p.first + len(p.logprobs)] if measured is not None else []
-        threshold = max([bound, *at])
-        rows[p.prompt] = {"kind": p.kind, "max_delta": _safe(p.max_delta), "noise": threshold,
-                          "margin": _safe(p.max_delta / threshold) if threshold > 0 else None}
-    flat = [pid for pid, r in rows.items() if not (r["max_delta"] is None or r["max_delta"] > r["noise"])]
+        deltas[p.prompt], noises[p.prompt] = p.max_delta, max([bound, *at])
+    kinds = {p.prompt: p.kind for p in s.prompts}
+    margins = {pid: deltas[pid] / noises[pid] if noises[pid] > 0 else math.inf for pid in deltas}
+    data = {"prompts": {pid: {"kind": kinds[pid], "max_delta": _safe(deltas[pid]), "noise": noises[pid],
+                              "margin": _safe(margins[pid])} for pid in deltas},
+            "gates": dict(s.gates), "seconds": s.seconds}
+    flat = [pid for pid in deltas if not deltas[pid] > noises[pid]]  # a NaN difference is no difference shown
     closed = sorted(n for n, v in s.gates.items() if v == 0.0)
-    data = {"prompts": rows, "gates": dict(s.gates), "seconds": s.seconds}
     if flat or closed:
-        parts = [f"the output does not depend on the {rows[pid]['kind']} (prompt {pid}: max |Δlogprob| "
-                 f"{_fmt(rows[pid]['max_delta'] or 0.0)} <= noise {_fmt(rows[pid]['noise'])} at the first "
-                 f"positions after it, against a second input)" for pid in flat]
+        parts = [f"the output does not depend on the {kinds[pid]} (prompt {pid}: max |Δlogprob| {_fmt(deltas[pid])} "
+                 f"<= noise {_fmt(noises[pid])} at the first positions after it, against a second input)"
+                 for pid in flat]
         if closed:
             parts.append(f"cross-attention gate(s) {', '.join(closed)} are 0: the image never reaches the decoder")
         return Check(name="input-sensitivity:contrast", ok=False, detail="; ".join(parts), data=data)
-    worst = min(rows, key=lambda pid: rows[pid]["margin"] or math.inf)
-    r = rows[worst]
+    worst = min(margins, key=margins.get)
     return Check(name="input-sensitivity:contrast", ok=True, data=data,
-                 detail=f"the output depends on every input: smallest max |Δlogprob| {_fmt(r['max_delta'])} "
-                        f"against noise {_fmt(r['noise'])} (prompt {worst}, {_fmt(r['margin'] or 0.0)}x)")
+                 detail=f"the output depends on every input: smallest max |Δlogprob| {_fmt(deltas[worst])} "
+                        f"against noise {_fmt(noises[worst])} (prompt {worst}, {_fmt(margins[worst])}x)")
 
 
 def noise_for(record: Record, baseline: Baseline) -> Noise | None:

@@ -13,6 +13,7 @@
 """
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import yaml
 
 from harness import baselines, cli, compare, judging, matrix, synthetic
 from harness import records as R
-from harness.engines import base
+from harness.engines import base, execute
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,6 +152,15 @@ def test_a_difference_below_the_noise_is_no_difference():
     assert j.verdict == "missing-baseline"
     check = next(c for c in j.checks if c.name == "input-sensitivity:contrast")
     assert check.ok and "smallest max |Δlogprob| 0.002 against noise 0.0001 (prompt p0, 20x)" in check.detail
+
+
+def test_an_infinite_difference_is_a_difference():
+    """A logprob that is -inf with one input only (an FP8 overflow, say) moved: judged, not a crash."""
+    j = judging.verdict(_record([math.inf, 0.7]), None, bounds=BOUNDS)
+    assert j.verdict == "missing-baseline"
+    check = next(c for c in j.checks if c.name == "input-sensitivity:contrast")
+    assert check.data["prompts"]["p0"]["max_delta"] is None and "(prompt p1, 7e+03x)" in check.detail
+    assert execute._difference(-math.inf, -math.inf) == 0.0 and execute._difference(-math.inf, -1.0) == math.inf
 
 
 def test_closed_gates_fail():

@@ -4,6 +4,7 @@ engine's steps). The engine child (harness.engines.worker) calls :func:`execute`
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import traceback
@@ -140,10 +141,18 @@ def input_sensitivity(engine: Engine, prompts: list[EnginePrompt], sequences: li
         mine, theirs = s.logprobs[first:first + SENSITIVITY_POSITIONS], a.logprobs[first:first + SENSITIVITY_POSITIONS]
         out.append(R.PromptSensitivity(prompt=p.id, kind=p.kind, input=p.input_name, contrast=c.input_name,
                                        first=first, logprobs=mine, contrast_logprobs=theirs,
-                                       max_delta=max(abs(x - y) for x, y in zip(mine, theirs))))
+                                       max_delta=max(_difference(x, y) for x, y in zip(mine, theirs))))
     log(f"input sensitivity: {len(out)} prompt(s) scored with a second input in {seconds:.2f} s; max |Δlogprob| "
         + ", ".join(f"{o.prompt}={o.max_delta:.3g}" for o in out))
     return R.InputSensitivity(prompts=out, gates=engine.cross_attention_gates(), seconds=seconds)
+
+
+def _difference(a: float, b: float) -> float:
+    """|a - b|, 0 for equal infinities, infinite where one side is not a number."""
+    if a == b:
+        return 0.0
+    d = abs(a - b)
+    return math.inf if math.isnan(d) else d
 
 
 def _sequences_to_score(prompts: list[EnginePrompt], greedy: list[R.Greedy],
