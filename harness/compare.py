@@ -439,22 +439,24 @@ def check_input_sensitivity(record: Record, bound: float, noise: Noise | None = 
     second input (harness.engines.execute.input_sensitivity): at the first positions after the
     input, max |Δlogprob| must exceed the cell's noise, the family ``bound`` or, where ``noise``
     (a baseline's, from other kernels) is given, its measured noise there if larger; Mllama's
-    cross-attention gates must be non-zero. None for a record without such prompts. Needs no
-    baseline (docs/design.md, "Input sensitivity")."""
+    cross-attention gates must be non-zero. A prompt whose logprobs are NaN is left out (other
+    checks judge NaN); None for a record without such prompts. Needs no baseline (docs/design.md,
+    "Input sensitivity")."""
     s = record.input_sensitivity
-    if s is None:
+    prompts = [p for p in s.prompts if not math.isnan(p.max_delta)] if s is not None else []
+    if not prompts:
         return None
     deltas, noises = {}, {}
-    for p in s.prompts:
+    for p in prompts:
         measured = noise.prompts.get(p.prompt) if noise is not None else None
         at = measured.logprob_noise[p.first:p.first + len(p.logprobs)] if measured is not None else []
         deltas[p.prompt], noises[p.prompt] = p.max_delta, max([bound, *at])
-    kinds = {p.prompt: p.kind for p in s.prompts}
+    kinds = {p.prompt: p.kind for p in prompts}
     margins = {pid: deltas[pid] / noises[pid] if noises[pid] > 0 else math.inf for pid in deltas}
     data = {"prompts": {pid: {"kind": kinds[pid], "max_delta": _safe(deltas[pid]), "noise": noises[pid],
                               "margin": _safe(margins[pid])} for pid in deltas},
             "gates": dict(s.gates), "seconds": s.seconds}
-    flat = [pid for pid in deltas if not deltas[pid] > noises[pid]]  # a NaN difference is no difference shown
+    flat = [pid for pid in deltas if deltas[pid] <= noises[pid]]
     closed = sorted(n for n, v in s.gates.items() if v == 0.0)
     if flat or closed:
         parts = [f"the output does not depend on the {kinds[pid]} (prompt {pid}: max |Δlogprob| {_fmt(deltas[pid])} "
