@@ -12,6 +12,8 @@ Checks (each a records.Check named ``<kind>:<against>``):
 - ``load-time``: the load-time ratio obtained / baseline, calibrated by the in-run calibration
   workload where both runs measured it.
 - ``module-diff``: vLLM's module-level conformance (from the record).
+- ``input-sensitivity``: a multimodal record's output against a second image or audio input,
+  which must differ by more than the noise (docs/design.md, "Input sensitivity"; no baseline).
 
 ``cross_engine()`` and ``disagreement()`` are the cross-engine rule and its judgement, shared by
 the runner and the Buildkite merge step (harness.report.merge). The verdict built from these
@@ -432,6 +434,43 @@ def other_kernels(record: Record, baseline: Baseline) -> bool:
     mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
     theirs = baseline.provenance.cpu.model_dump() if baseline.provenance.cpu else None
     return not cpu.same_kernels(mine, theirs)
+
+
+def check_input_sensitivity(record: Record, bound: float, noise: Noise | None = None) -> Check | None:
+    """``input-sensitivity:contrast``, for a record that scored its image or audio prompts with a
+    second input (harness.engines.execute.input_sensitivity): at the first positions after the
+    input, max |Δlogprob| must exceed the cell's noise, the family ``bound`` or, where ``noise``
+    (a baseline's, from other kernels) is given, its measured noise there if larger; Mllama's
+    cross-attention gates must be non-zero. A prompt whose logprobs are NaN is left out (other
+    checks judge NaN); None for a record without such prompts. Needs no baseline (docs/design.md,
+    "Input sensitivity")."""
+    s = record.input_sensitivity
+    prompts = [p for p in s.prompts if not math.isnan(p.max_delta)] if s is not None else []
+    if not prompts:
+        return None
+    deltas, noises = {}, {}
+    for p in prompts:
+        measured = noise.prompts.get(p.prompt) if noise is not None else None
+        at = measured.logprob_noise[p.first:p.first + len(p.logprobs)] if measured is not None else []
+        deltas[p.prompt], noises[p.prompt] = p.max_delta, max([bound, *at])
+    kinds = {p.prompt: p.kind for p in prompts}
+    margins = {pid: deltas[pid] / noises[pid] if noises[pid] > 0 else math.inf for pid in deltas}
+    data = {"prompts": {pid: {"kind": kinds[pid], "max_delta": _safe(deltas[pid]), "noise": noises[pid],
+                              "margin": _safe(margins[pid])} for pid in deltas},
+            "gates": dict(s.gates), "seconds": s.seconds}
+    flat = [pid for pid in deltas if deltas[pid] <= noises[pid]]
+    closed = sorted(n for n, v in s.gates.items() if v == 0.0)
+    if flat or closed:
+        parts = [f"the output does not depend on the {kinds[pid]} (prompt {pid}: max |Δlogprob| {_fmt(deltas[pid])} "
+                 f"<= noise {_fmt(noises[pid])} at the first positions after it, against a second input)"
+                 for pid in flat]
+        if closed:
+            parts.append(f"cross-attention gate(s) {', '.join(closed)} are 0: the image never reaches the decoder")
+        return Check(name="input-sensitivity:contrast", ok=False, detail="; ".join(parts), data=data)
+    worst = min(margins, key=margins.get)
+    return Check(name="input-sensitivity:contrast", ok=True, data=data,
+                 detail=f"the output depends on every input: smallest max |Δlogprob| {_fmt(deltas[worst])} "
+                        f"against noise {_fmt(noises[worst])} (prompt {worst}, {_fmt(margins[worst])}x)")
 
 
 def noise_for(record: Record, baseline: Baseline) -> Noise | None:

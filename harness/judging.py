@@ -11,9 +11,9 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from harness.accuracy import gates as accuracy_gates
-from harness.compare import (Judgement, KnownFailureLike, applicable, baseline_key_problems, check_load_time,
-                             check_loaded_state, check_module_diff, compare_sequences, cross_engine, disagreement,
-                             failed_or_waived, match_error, noise_for, other_kernels)
+from harness.compare import (Judgement, KnownFailureLike, applicable, baseline_key_problems, check_input_sensitivity,
+                             check_load_time, check_loaded_state, check_module_diff, compare_sequences, cross_engine,
+                             disagreement, failed_or_waived, match_error, noise_for, other_kernels)
 from harness.records import Check, Record
 
 if TYPE_CHECKING:
@@ -43,9 +43,13 @@ class _Case:
 
     @cached_property
     def other_checks(self) -> list[Check]:
-        """The checks not against the baseline: the module diff, then the cross-engine checks."""
-        md = check_module_diff(self.record)
-        return ([md] if md is not None else []) + list(self.cross_engine_checks)
+        """The checks not against the baseline: the module diff, the input sensitivity, then the
+        cross-engine checks."""
+        record, baseline = self.record, self.baseline
+        md = check_module_diff(record)
+        sensitivity = check_input_sensitivity(record, self.bounds.logprob,
+                                              noise_for(record, baseline) if baseline is not None else None)
+        return [c for c in (md, sensitivity) if c is not None] + list(self.cross_engine_checks)
 
     @cached_property
     def disagreement(self) -> Judgement | None:
@@ -106,7 +110,8 @@ def _engine_error(case: _Case) -> Judgement | None:
 
 
 def _disagreement(case: _Case) -> Judgement | None:
-    """3. Module diff or cross-engine disagreement beyond the bounds (accuracy's checks against
+    """3. Module diff, an output that does not depend on its image or audio (the input
+    sensitivity), or cross-engine disagreement beyond the bounds (accuracy's checks against
     other engines among them) -> failed. When known failures match every failing check, the cell
     is waived only if it also agrees with its own baseline, the engine's recorded known behaviour
     (steps 4, 6 and 8): a known failure never excuses a second bug in the same cell."""

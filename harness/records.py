@@ -241,6 +241,29 @@ class Accuracy(_Strict):
     seconds: float = Field(ge=0)
 
 
+class PromptSensitivity(_Strict):
+    """One image or audio prompt scored again with a second input (docs/design.md, "Input
+    sensitivity"): the scored-token logprobs of both at the first positions after the input."""
+
+    prompt: str
+    kind: PromptKind
+    input: str  # what the prompt's input is (``synthetic:<name>``, ``fixture image 0 (pcg64-blocks)``)
+    contrast: str  # the second input (harness.synthetic.contrast)
+    first: int  # logprob index of the first position compared (the prompt's last input token)
+    logprobs: list[float]  # with the prompt's input
+    contrast_logprobs: list[float]  # with the second input
+    max_delta: float  # max |difference| over those positions
+
+
+class InputSensitivity(_Strict):
+    """What the input-sensitivity check measured on a multimodal cell, with no baseline needed:
+    per prompt, and Mllama's cross-attention gates (tanh of each, as the decoder applies them)."""
+
+    prompts: list[PromptSensitivity]
+    gates: dict[str, float] = {}
+    seconds: float = Field(ge=0)  # the second scoring's wall time
+
+
 class Check(_Strict):
     """One comparison. ``name`` is ``<kind>:<against>``, e.g. ``teacher-forced:baseline`` or
     ``greedy:transformers``; ``data`` carries numbers for the report (JSON-safe)."""
@@ -280,6 +303,7 @@ class Record(_Strict):
     loaded_state: dict[str, str] | None = None
     accuracy: list[Accuracy] = []  # the cell's accuracy tasks, run in the same engine child
     localisation: list[Localisation] = []  # module-trace localisations (harness.traces), on demand
+    input_sensitivity: InputSensitivity | None = None  # multimodal cells: the output against a second input
     started_at: str
     duration_s: float = Field(ge=0)
     verdict: Verdict | None = None

@@ -4,12 +4,13 @@ engine's steps). The engine child (harness.engines.worker) calls :func:`execute`
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import traceback
 from collections.abc import Callable
 
-from harness import traces
+from harness import synthetic, traces
 from harness import records as R
 from harness.accuracy import lmeval
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, prompts_for, topk_lists
@@ -54,13 +55,15 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
         greedy = engine.greedy(prompts, cell.max_tokens, cell.top_k)
         scored_seqs = _sequences_to_score(prompts, greedy, sequences, log)
         scored = engine.teacher_forced(prompts, scored_seqs, cell.top_k)
+        sensitivity = input_sensitivity(engine, prompts, scored_seqs, scored, log)
         diff = engine.module_diff(ckpt)
         acc = []
         if accuracy and cell.accuracy:
             acc = lmeval.evaluate(engine, ckpt, cell.accuracy, log=log)
         record = R.Record.for_cell(cell, engine_info=info, status="ok", fixture_identity=fixture_identity,
                                    sequences=_sequence_results(prompts, scored, greedy), load=load,
-                                   module_diff=diff, loaded_state=loaded_state, accuracy=acc, started_at=started,
+                                   module_diff=diff, loaded_state=loaded_state, accuracy=acc,
+                                   input_sensitivity=sensitivity, started_at=started,
                                    duration_s=time.perf_counter() - t0)
         if on_sequences is not None:
             on_sequences({p.id: s for p, s in zip(prompts, scored_seqs)})
@@ -112,6 +115,48 @@ def trace_cell(engine: Engine, checkpoint: Callable[[], Checkpoint], sequences: 
             engine.close()
         except Exception:
             pass
+
+
+# The positions the input-sensitivity check compares: from the prompt's last input token on.
+SENSITIVITY_POSITIONS = 8
+
+
+def input_sensitivity(engine: Engine, prompts: list[EnginePrompt], sequences: list[list[int]],
+                      scored: list[R.Scored], log: Callable[[str], None]) -> R.InputSensitivity | None:
+    """Each image or audio prompt scored again on the same sequence with a second input
+    (harness.synthetic.contrast), and the scored-token logprobs of both at the first
+    SENSITIVITY_POSITIONS positions after the input (docs/design.md, "Input sensitivity"); None
+    for a cell without such prompts. The verdict is harness.compare.check_input_sensitivity's."""
+    picked = [(p, seq, s) for p, seq, s in zip(prompts, sequences, scored) if p.input is not None]
+    if not picked:
+        return None
+    t0 = time.perf_counter()
+    contrasts = [p.with_input(synthetic.contrast(p.kind, p.input, p.audio[1] if p.audio else None),
+                              f"contrast of {p.input_name}") for p, _, _ in picked]
+    again = engine.teacher_forced(contrasts, [seq for _, seq, _ in picked], engine.cell.top_k)
+    seconds = time.perf_counter() - t0
+    out = []
+    for (p, _, s), c, a in zip(picked, contrasts, again):
+        first = min(p.input_end, len(s.logprobs) - 1)
+        mine, theirs = s.logprobs[first:first + SENSITIVITY_POSITIONS], a.logprobs[first:first + SENSITIVITY_POSITIONS]
+        out.append(R.PromptSensitivity(prompt=p.id, kind=p.kind, input=p.input_name, contrast=c.input_name,
+                                       first=first, logprobs=mine, contrast_logprobs=theirs,
+                                       max_delta=_largest([_difference(x, y) for x, y in zip(mine, theirs)])))
+    log(f"input sensitivity: {len(out)} prompt(s) scored with a second input in {seconds:.2f} s; max |Δlogprob| "
+        + ", ".join(f"{o.prompt}={o.max_delta:.3g}" for o in out))
+    return R.InputSensitivity(prompts=out, gates=engine.cross_attention_gates(), seconds=seconds)
+
+
+def _difference(a: float, b: float) -> float:
+    """|a - b|: 0 for equal infinities, infinite for one; NaN where either side is NaN, which says
+    nothing about the input (the check leaves such a prompt out)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return 0.0 if a == b else abs(a - b)
+
+
+def _largest(deltas: list[float]) -> float:
+    return math.nan if any(math.isnan(d) for d in deltas) else max(deltas)
 
 
 def _sequences_to_score(prompts: list[EnginePrompt], greedy: list[R.Greedy],

@@ -406,9 +406,12 @@ class VllmEngine(Engine):
                                       max_num_seqs=MAX_NUM_SEQS, disable_log_stats=True)
         if qc.get("kv_cache_scheme"):
             kwargs["kv_cache_dtype"] = "fp8"
-        if getattr(architectures.get(self.arch), "modality", None) == "audio":
+        modality = getattr(architectures.get(self.arch), "modality", None)
+        if modality == "audio":
             kwargs["limit_mm_per_prompt"] = {"audio": 1}
             self._kind = "audio"
+        elif modality == "image":
+            kwargs["limit_mm_per_prompt"] = {"image": 1}
         self._log(f"vllm: LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items() if k not in ('model', 'tokenizer'))}); "
                   f"VLLM_CPU_OMP_THREADS_BIND={binding}")
         vllm_worker.TIMINGS.clear()
@@ -454,8 +457,13 @@ class VllmEngine(Engine):
             audio, sr = p.audio
             return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (audio, sr)}},
                     "decoder_prompt": {"prompt_token_ids": list(tokens)}}
-        if p.image is not None:
-            raise NotImplementedError(f"prompt {p.id}: image prompts are not implemented for the vllm engine yet")
+        if p.kind == "image":
+            # The prompt's image pads are already expanded (harness.engines.inputs), which vLLM's
+            # multi-modal processor recognises instead of inserting its own. Not run on any machine
+            # of this project yet: vllm-cpu cannot process images (no torchvision, docs/README-vllm.md).
+            from PIL import Image
+
+            return {"prompt_token_ids": list(tokens), "multi_modal_data": {"image": Image.fromarray(p.input)}}
         return {"prompt_token_ids": list(tokens)}
 
     def _run(self, what: str, fn):

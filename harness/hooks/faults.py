@@ -15,13 +15,18 @@ loaded model right after it:
 | ``tensors-swapped:A:B`` | the checkpoint tensors under prefix A read from prefix B and the other way round: a loader that swaps k and v |
 | ``mask-shifted:GLOB`` | after loading, the attention modules matching GLOB (in-memory names) attend with a causal mask off by one (each position also sees the next) |
 | ``output-scaled:GLOB:FACTOR`` | after loading, the output of the modules matching GLOB (in-memory names: vLLM's fused ones in vLLM) multiplied by FACTOR: a second bug inside a cell a known failure already covers |
+| ``vision-constant`` | the vision tower's output, as the projector receives it, replaced by a constant (Mllama, Qwen2.5-VL) |
+| ``projector-zeroed`` | the projector's output zeroed (Mllama's ``multi_modal_projector``, Qwen2.5-VL's ``visual.merger``) |
+| ``cross-kv-constant`` | the cross-attention modules given constant encoder states, so their keys and values are constants detached from the encoder (Mllama, Whisper) |
+| ``encoder-silence`` | Whisper's encoder fed the log-mel features of silence, whatever the audio |
 
 The last three are the module-trace localisation's faults (docs/design.md, "Localisation"); they
 change the reference's own reading (harness.quant.source.TensorSource) or its modules, never
 another engine's.
 
-``rows`` and ``output-scaled`` work on every engine: in-process on the model, in vLLM through
-``LLM.apply_model``.
+``rows``, ``output-scaled`` and the last four, the input-sensitivity check's mutations
+(docs/design.md, "Input sensitivity"), work on every engine: in-process on the model, in vLLM
+through ``LLM.apply_model``.
 """
 from __future__ import annotations
 
@@ -169,6 +174,85 @@ def _mask_shifted(arg: str | None) -> Callable:
     return after_load
 
 
+def _on_model(engine, change: Callable) -> None:
+    """Run ``change(torch module)`` on the loaded model, in-process or inside vLLM."""
+    if getattr(engine, "llm", None) is not None:
+        engine.llm.apply_model(change)
+        return
+    # lazy: torch, numpy, +3.7 s (scripts/import-graph --costs)
+    from harness.traces.record import torch_module
+
+    change(torch_module(engine.model))
+
+
+def _replaced(value, make: Callable):
+    """``value`` with each tensor in it (a tensor, or a tuple or list of them: vLLM's linear layers
+    return (output, bias)) replaced by ``make(tensor)``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return make(value)
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return type(value)([make(value[0]), *value[1:]]) if isinstance(value, tuple) else [make(v) for v in value]
+    return value
+
+
+def _module_hook(name: str, globs: tuple[str, ...], make: Callable, inputs: tuple[str, ...] | None) -> Callable:
+    """An after-load fault: the modules matching one of ``globs`` get their output replaced by
+    ``make(tensor)`` or, with ``inputs``, the first of those keyword inputs they are given (else
+    their first positional input)."""
+
+    def install(model) -> int:
+        hits = [m for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, g) for g in globs)]
+        for m in hits:
+            if inputs is None:
+                m.register_forward_hook(lambda mod, args, out: _replaced(out, make))
+            else:
+                m.register_forward_pre_hook(lambda mod, args, kwargs: _input_replaced(args, kwargs, inputs, make),
+                                            with_kwargs=True)
+        return len(hits)
+
+    def after_load(engine) -> None:
+        counts = []
+        _on_model(engine, lambda model: counts.append(install(model)))
+        if not any(counts):
+            raise ValueError(f"fault {name}: no module matches {' or '.join(globs)}")
+
+    return after_load
+
+
+def _input_replaced(args: tuple, kwargs: dict, names: tuple[str, ...], make: Callable):
+    key = next((k for k in names if k in kwargs), None)
+    if key is not None:
+        return args, {**kwargs, key: _replaced(kwargs[key], make)}
+    if args:
+        return (_replaced(args[0], make), *args[1:]), kwargs
+    return None
+
+
+# The modules the mutations change, in transformers', the reference's and vLLM's spellings.
+PROJECTORS = ("*multi_modal_projector", "*visual.merger")
+CROSS_ATTENTION = ("*cross_attn", "*encoder_attn")
+# The keyword that carries the encoder's states into a cross-attention: transformers' Whisper (and
+# the reference's), Mllama's, vLLM's Whisper.
+ENCODER_STATES = ("key_value_states", "cross_attention_states", "encoder_hidden_states")
+ENCODERS = ("model.encoder",)
+# Whisper's log-mel of silence: log10 of the 1e-10 floor, clamped to peak - 8 (the same), (x + 4) / 4.
+SILENCE_FEATURE = -1.5
+
+
+def _constant(value: float) -> Callable:
+    return lambda t: t.new_full(t.shape, value)
+
+
+MUTATIONS: dict[str, Callable[[], Callable]] = {
+    "vision-constant": lambda: _module_hook("vision-constant", PROJECTORS, _constant(0.5), ("hidden_states",)),
+    "projector-zeroed": lambda: _module_hook("projector-zeroed", PROJECTORS, _constant(0.0), None),
+    "cross-kv-constant": lambda: _module_hook("cross-kv-constant", CROSS_ATTENTION, _constant(0.5), ENCODER_STATES),
+    "encoder-silence": lambda: _module_hook("encoder-silence", ENCODERS, _constant(SILENCE_FEATURE), ("input_features",)),
+}
+
+
 def _output_scaled(arg: str | None) -> Callable:
     glob, _, factor = (arg or "").rpartition(":")
     try:
@@ -177,29 +261,7 @@ def _output_scaled(arg: str | None) -> Callable:
         glob = ""
     if not glob:
         raise ValueError(f"fault output-scaled: expected GLOB:FACTOR, got {arg!r}")
-
-    def scaled(module, inputs, output):
-        # vLLM's parallel linears return (output, bias)
-        return (output[0] * factor, *output[1:]) if isinstance(output, tuple) else output * factor
-
-    def hook(model) -> int:
-        hits = [m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, glob)]
-        if not hits:
-            raise ValueError(f"fault output-scaled: no module matches {glob!r}")
-        for m in hits:
-            m.register_forward_hook(scaled)
-        return len(hits)
-
-    def after_load(engine) -> None:
-        if getattr(engine, "llm", None) is not None:  # vLLM: inside the engine
-            engine.llm.apply_model(hook)
-            return
-        # lazy: torch, numpy, +3.7 s (scripts/import-graph --costs)
-        from harness.traces.record import torch_module
-
-        hook(torch_module(engine.model))
-
-    return after_load
+    return _module_hook("output-scaled", (glob,), lambda t: t * factor, None)
 
 
 FAULTS: dict[str, Callable[[str | None], Callable | None]] = {
@@ -211,6 +273,7 @@ FAULTS: dict[str, Callable[[str | None], Callable | None]] = {
     "tensors-swapped": _tensors_swapped,
     "mask-shifted": _mask_shifted,
     "output-scaled": _output_scaled,
+    **{name: (lambda arg, make=make: make()) for name, make in MUTATIONS.items()},
 }
 
 

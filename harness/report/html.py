@@ -33,7 +33,7 @@ from harness.report import charts
 from harness.report.states import counts_of, state_of
 from harness.report.merge import Entry, Merged
 from harness.verdicts import ROWS, SEVERITY, STATES, needs_attention, row, worst
-from harness.report import accuracy, localisation
+from harness.report import accuracy, localisation, sensitivity
 
 LOG_LINES = 60  # lines of an engine log shown
 MAX_PROMPTS = 6  # charts per check
@@ -250,7 +250,7 @@ def _panel(slot: _Slot, merged: Merged, baselines) -> dict:
         "module_diff": r.module_diff, "family_share": slot.family_share,
         "tf": _teacher_forced(r), "greedy": _greedy(r), "load": _load(r, merged.history.get(r.cell, [])),
         "log": _log_tail(slot.entry), "checks": r.checks, "accuracy": accuracy.rows(r),
-        "localisation": localisation.rows(r),
+        "localisation": localisation.rows(r), "sensitivity": sensitivity.rows(r),
         "provenance": _provenance(slot.entry, baselines.get(r) if baselines else None),
     }
 
