@@ -1,15 +1,13 @@
 """The input-sensitivity check in the report (docs/design.md, "Input sensitivity"): per image or
 audio prompt of a record, the scored-token logprobs with its input and with the second input side
-by side, and for a ``synthetic:`` image a small inline picture of both."""
+by side, and for a ``synthetic:`` image a small inline picture of both. The pictures need numpy,
+which the Buildkite report step's light runtime does not install: there the report has none."""
 from __future__ import annotations
 
 import base64
 import struct
 import zlib
 
-import numpy as np
-
-from harness import synthetic
 from harness.records import Record
 
 PICTURE_SIDE = 48  # pixels, at most, of the inline pictures
@@ -35,17 +33,22 @@ def rows(rec: Record) -> list[dict]:
 
 def _pictures(name: str) -> tuple[str, str] | None:
     """Data URIs of a synthetic image and of its contrast, shrunk by an integer stride; None for
-    an input the report cannot regenerate (a fixture's, a file)."""
+    an input the report cannot regenerate (a fixture's, a file), or where numpy is not installed."""
+    try:
+        # lazy: numpy, which the report step's light runtime lacks (harness.buildkite.HARNESS_RUNTIME)
+        from harness import synthetic
+    except ImportError:
+        return None
     try:
         image = synthetic.generate(synthetic.parse(name))
     except synthetic.SyntheticError:
         return None
     stride = max(1, -(-max(image.shape[:2]) // PICTURE_SIDE))
-    small = np.ascontiguousarray(image[::stride, ::stride])
+    small = image[::stride, ::stride].copy()
     return _png(small), _png(synthetic.contrast("image", small))
 
 
-def _png(rgb: np.ndarray) -> str:
+def _png(rgb) -> str:
     """A uint8 [h, w, 3] array as a PNG data URI (no image library needed)."""
     h, w = rgb.shape[:2]
     raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
