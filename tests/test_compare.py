@@ -204,6 +204,31 @@ def test_against_recorded_behaviour_from_other_kernels_a_waived_cell_is_held_to_
     assert j.verdict == "failed" and "loaded-state:baseline" in j.reason and "teacher-forced:baseline" not in j.reason
 
 
+def test_a_known_failure_that_does_not_show_on_other_kernels_is_a_pass_held_to_the_loaded_state():
+    # whisper.fp8-dynamic.vllm under MKL_ENABLE_INSTRUCTIONS=AVX2: vLLM agrees with the reference
+    # there, so nothing is waived, while its baseline records the known deviation from the Xeon
+    epyc = XEON.model_copy(update={"vendor": "AuthenticAMD", "model": "EPYC", "flags": ["avx2"], "capability": "avx2"})
+    state = {"model.layers.0.mlp.down_proj": "b" * 16}
+    ref, known, kfs = _waived_case(loaded_state=state)
+    agreeing = record(loaded_state=state, engine_info=INFO.model_copy(update={"cpu": epyc}))
+    cross = C.cross_engine(agreeing, [ref], BOUNDS)
+    assert all(c.ok for c in cross)
+    j = judging.verdict(agreeing, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
+    assert j.verdict == "pass" and "shows in that baseline, recorded on other kernels, not on these" in j.reason
+    assert any(c.name == "teacher-forced:baseline" and not c.ok for c in j.checks)
+    # the loaded state still holds it
+    moved = agreeing.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})
+    j = judging.verdict(moved, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
+    assert j.verdict == "regressed" and "loaded-state:baseline" in j.reason and "teacher-forced:baseline" not in j.reason
+    # on the baseline's own kernels, a known failure that does not show is an unexpected pass
+    native = agreeing.model_copy(update={"engine_info": INFO.model_copy(update={"cpu": XEON})})
+    j = judging.verdict(native, baseline(native), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
+    assert j.verdict == "unexpected-pass"
+    # with no other engine in the run to vouch for its sequences, the baseline's are held
+    j = judging.verdict(agreeing, baseline(known), bounds=BOUNDS, known_failures=kfs)
+    assert j.verdict == "regressed" and "teacher-forced:baseline" in j.reason
+
+
 def test_module_diff_is_failed():
     r = record(module_diff=R.ModuleDiff(first_differing_module="model.layers.1.self_attn.qkv_proj", detail="quantized, reference says unquantized"))
     j = judging.verdict(r, baseline(), bounds=BOUNDS)

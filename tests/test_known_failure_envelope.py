@@ -1,14 +1,14 @@
 """A known failure cannot hide a second bug (issue 31): llama.bnb-nf4.vllm is waived (the bnb
 plugin computes in bfloat16), and a 2% error in one layer's output inside vLLM (the test-only
 fault ``output-scaled``, harness.hooks.faults) makes it ``failed``, naming the known failure and
-the excess against the cell's own baseline, its recorded known behaviour. The control, the same
-cell without the fault, is the matrix's own run (suites/matrix): waived.
+the excess against the cell's own baseline, its recorded known behaviour, written on this machine
+by the test's first run. The control against the committed baselines is the matrix's own run
+(suites/matrix): waived.
 
-One run of the reference and vLLM cells of one scheme (~1 min here)."""
+Two runs of the reference and vLLM cells of one scheme (~2 min here)."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,15 +24,18 @@ CELLS = ("llama.bnb-nf4.reference", "llama.bnb-nf4.vllm")
 
 
 def test_a_second_bug_in_a_waived_vllm_cell_is_failed(tmp_path, monkeypatch, capsys):
+    # The cell's recorded behaviour from this machine: the plugin's bfloat16 matmuls move with the
+    # CPU's kernels (AMX or not), and against a baseline from other kernels only the loaded state
+    # is held (docs/design.md, "Verdicts"), which a 2% error in one output does not change.
     baselines = tmp_path / "baselines"
-    for kind in ("", "accuracy/"):  # copies: a failing run writes its obtained result beside the baseline
-        (baselines / "cpu-tiny" / kind).mkdir(parents=True, exist_ok=True)
-        for cell in CELLS:
-            shutil.copy(ROOT / "baselines" / "cpu-tiny" / f"{kind}{cell}.json", baselines / "cpu-tiny" / kind)
+    (baselines / "cpu-tiny" / "accuracy").mkdir(parents=True)
+    k = "(llama.bnb-nf4.reference or llama.bnb-nf4.vllm) and not mllama"
+    cli.main(["run", "--baselines", str(baselines), "--results", str(tmp_path / "recorded"), "-k", k, "--update-baselines"])
+    recorded = R.load(tmp_path / "recorded" / f"{CELLS[1]}.json")
+    assert recorded.verdict == "waived" and (baselines / "cpu-tiny" / f"{CELLS[1]}.json").is_file(), recorded.verdict_reason
     monkeypatch.setenv("HARNESS_TEST_HOOK", "fault=output-scaled:model.layers.1.mlp.down_proj:1.02@llama.bnb-nf4.vllm")
     results = tmp_path / "results"
-    cli.main(["run", "--baselines", str(baselines), "--results", str(results),
-              "-k", "(llama.bnb-nf4.reference or llama.bnb-nf4.vllm) and not mllama"])
+    cli.main(["run", "--baselines", str(baselines), "--results", str(results), "-k", k])
     capsys.readouterr()
     ref, rec = (R.load(results / f"{cell}.json") for cell in CELLS)
     assert ref.verdict == "pass", ref.verdict_reason

@@ -109,6 +109,30 @@ def test_every_planted_fault_is_caught_against_baselines_from_other_kernels(tmp_
         assert "rounding flip" not in (r["verdict_reason"] or ""), (c, r["verdict_reason"])
 
 
+@pytest.mark.parametrize("condition", sorted(CONDITIONS))
+def test_the_trace_suites_faults_are_localised_against_fingerprints_from_other_kernels(condition):
+    """Each fault of test_traces.FAULTS names its module and kind against the committed baseline's
+    fingerprint, written on other kernels; a clean cell names none, or a rounding flip that the
+    flip rule explains (issue 31, target 4)."""
+    import test_traces
+
+    expected = {param.id: param.values for param in test_traces.FAULTS}
+    cases = [[case, model, scheme, spec] for case, (model, scheme, spec, _, _) in expected.items()]
+    cases += [[f"{model}.{scheme} clean", model, scheme, None] for model, scheme in dict.fromkeys(tuple(c[1:3]) for c in cases)]
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "localise_child.py"), json.dumps(cases)],
+                       env=_env(CONDITIONS[condition]), cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
+                       text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    found = {d["case"]: d for d in map(json.loads, p.stdout.splitlines())}
+    assert set(found) == {c[0] for c in cases}, p.stdout
+    wrong = {case: found[case]["detail"] for case, (_, _, _, modules, kind) in expected.items()
+             if found[case]["module"] not in modules or found[case]["kind"] != kind}
+    assert not wrong, wrong
+    named = {case: d["detail"] for case, d in found.items()
+             if case.endswith(" clean") and d["module"] is not None and not d["rounding_flip"]}
+    assert not named, named
+
+
 def test_baselines_written_under_other_kernels_judge_this_machine_and_still_catch_a_fault(tmp_path):
     """The other direction: baselines (with their noise and fingerprint) written under a lowered
     capability, the cells then run under this machine's kernels."""

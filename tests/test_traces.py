@@ -185,6 +185,30 @@ def test_a_difference_within_the_noise_is_none():
     assert localise([p], "x").module is None
 
 
+def test_against_other_kernels_a_difference_at_the_noise_is_passed_over_for_the_fault_after_it():
+    p = _deltas(LAYER, AFTER_K - {"model.layers.0.self_attn.k_proj"}, inputs_moved={"model.layers.0.self_attn.o_proj"})
+    for deltas in (p.outputs, p.inputs):
+        deltas.update({n: Delta(d.delta, 0.01, d.position, d.scale) for n, d in deltas.items()})  # a fault: 100x
+    p.outputs["model.layers.0.self_attn.q_proj"] = Delta(5.03e-4, 5.01e-4)  # issue 31's AVX2 EPYC
+    assert localise([p], "baseline").module == "model.layers.0.self_attn.q_proj"
+    loc = localise([p], "baseline", margin=10)
+    assert (loc.module, loc.kind) == ("model.layers.0.self_attn", "attention")
+    assert "from other kernels: a module differs beyond 10 x its noise" in loc.detail
+
+
+def test_a_loaded_state_that_differs_is_named_before_any_output():
+    # a flip in an earlier module moves every output after it; the loaded state is exact on any kernel
+    p = _deltas(LAYER, AFTER_K | {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"},
+                weights_moved={"model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"})
+    p.outputs["model.layers.0.self_attn.v_proj"] = Delta(0.3, 0.001, scale=1.0)
+    p.outputs["model.layers.0.self_attn.k_proj"] = Delta(0.9, 0.001, scale=1.0)
+    loc = localise([p], "baseline", changed_state=["model.layers.0.self_attn.qkv_proj"])  # fused: its shards are traced
+    assert (loc.module, loc.kind) == ("model.layers.0.self_attn.k_proj", "weights")
+    assert "the loaded state of model.layers.0.self_attn.qkv_proj differs from the baseline's" in loc.detail
+    loc = localise([p], "baseline", changed_state=["model.layers.0.mlp.down_proj", "model.layers.0.self_attn"])
+    assert (loc.module, loc.kind) == ("model.layers.0.self_attn", "attention")  # its k_scale: the earlier
+
+
 # ------------------------------------------------------------------------------ the format
 
 

@@ -25,13 +25,14 @@ from filelock import FileLock
 
 from harness import measure_noise, traces, verdicts
 from harness import baselines as B
+from harness import compare as C
 from harness import records as R
 from harness.layout import Layout, group_key
 from harness.matrix import ENGINES
 from harness.noise import NoiseError
 from harness.registry import fuses_shards
 from harness.traces import diff, fingerprint, flips
-from harness.traces.localise import localise
+from harness.traces.localise import OTHER_KERNELS_MARGIN, localise
 
 if TYPE_CHECKING:
     from harness.matrix import Cell
@@ -181,10 +182,7 @@ class Tracer:
             return R.Localisation(against="baseline", detail=str(e))
         skipped = sorted(set(sequences) - set(same))
         note = f"; prompts {', '.join(skipped)} scored other sequences than the baseline's, not compared" if skipped else ""
-        compared = [t for t in mine if t.prompt in same]
-        deltas = fingerprint.deltas(baseline.fingerprint, compared)
-        return localise(deltas, "baseline", note).model_copy(
-            update={"rounding_flip": flips.explain(baseline.fingerprint, compared, deltas)})
+        return against_fingerprint(record, baseline, [t for t in mine if t.prompt in same], note)
 
     # ---- fingerprints ----------------------------------------------------------------------
     def refresh_fingerprint(self, cell: Cell, record: R.Record) -> str | None:
@@ -203,6 +201,22 @@ class Tracer:
             return f"fingerprint not written: {e}"
         fp = fingerprint.make(mine, cell.engine, fused, m.a, [m.b, m.c], m.noise)
         return B.set_fingerprint(self.runner.baselines_root, cell.tier, cell.id, fp)
+
+
+def against_fingerprint(record: R.Record, baseline: B.Baseline, traces: list[PromptTrace], note: str = "") -> R.Localisation:
+    """The localisation of ``record``'s ``traces`` against its baseline's fingerprint: the loaded
+    state first, then the outputs, beyond OTHER_KERNELS_MARGIN x their noise where the baseline is
+    from other kernels; and whether rounding flips explain the difference."""
+    deltas = fingerprint.deltas(baseline.fingerprint, traces)
+    margin = OTHER_KERNELS_MARGIN if C.other_kernels(record, baseline) else 1.0
+    return localise(deltas, "baseline", note, changed_state=changed_state(record, baseline), margin=margin).model_copy(
+        update={"rounding_flip": flips.explain(baseline.fingerprint, traces, deltas)})
+
+
+def changed_state(record: R.Record, baseline: B.Baseline) -> list[str]:
+    """The modules whose loaded state differs from the baseline's (compare.check_loaded_state)."""
+    c = C.check_loaded_state(record, baseline)
+    return [] if c is None or c.ok else [*c.data["differing"], *c.data["missing"], *c.data["extra"]]
 
 
 def scored(record: R.Record) -> dict[str, list[int]]:
