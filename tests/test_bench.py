@@ -226,11 +226,17 @@ def test_worker_hook_slow_installs_the_slowdown(monkeypatch):
     from harness.engines import worker
 
     seen = []
-    monkeypatch.setattr(slowdown, "install", lambda fraction: seen.append(fraction))
-    monkeypatch.setenv(worker.HOOK_ENV, "slow=0.2@*.reference")
+    monkeypatch.setattr(slowdown, "install", lambda fraction, entry, work: seen.append((fraction, entry, work[0])))
+    monkeypatch.setenv(worker.HOOK_ENV, "slow=0.2@*.reference;slow=0.1@*.vllm")
     worker.apply_hooks("llama.unquantized.transformers")
     worker.apply_hooks("llama.unquantized.reference")
-    assert seen == [0.2]
+    worker.apply_hooks("llama-m-unquantized.unquantized.vllm")
+    assert seen == [(0.2, "harness.reference:load", "harness.quant.source:TensorSource.get"),
+                    (0.1, "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model", "torch:Tensor.copy_")]
+    # an engine without the hook says so
+    monkeypatch.setenv(worker.HOOK_ENV, "slow=0.2")
+    with pytest.raises(ValueError, match="the transformers engine has no slowdown hook"):
+        worker.apply_hooks("llama.unquantized.transformers")
 
 
 @pytest.fixture

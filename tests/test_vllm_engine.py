@@ -304,8 +304,10 @@ def test_log_capture_reads_vllms_timing_lines():
 
 
 def test_unknown_mutation_is_refused():
-    with pytest.raises(ValueError, match="unknown mutation 'nope'"):
-        W.install(["nope"])
+    from harness.engines import vllm_mutations
+
+    with pytest.raises(ValueError, match="unknown mutation 'nope'; known: torchao-full-size-dummy, merged-shards-swapped"):
+        vllm_mutations.apply(["nope"])
 
 
 def test_known_failures_of_vllm_carry_evidence():

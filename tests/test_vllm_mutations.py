@@ -1,6 +1,6 @@
 """Proof that the harness catches vLLM loading bugs: each test breaks vLLM's own loading, one way
 at a time, inside the engine's child process (the test-only hook ``HARNESS_VLLM_MUTATION``, see
-harness/engines/vllm_worker.py), runs the cell end to end through ``harness run`` and checks the
+harness/engines/vllm_mutations.py), runs the cell end to end through ``harness run`` and checks the
 verdict and the check that caught it. Each mutation has a control: the same cell without it.
 
 | mutation                 | cell                                  | caught by                                   |
@@ -8,6 +8,9 @@ verdict and the check that caught it. Each mutation has a control: the same cell
 | torchao-ignore-skip      | llama.torchao-int8wo-skip-modules     | error at load, naming the module            |
 | fp8-first-shard-scale    | whisper.fp8-static-kv (+ stand-in)    | module diff (failed)                        |
 | skip-cross-kv-processing | whisper.fp8-dynamic                   | module diff at load, then the forward: error |
+
+The load-time mutation (``torchao-full-size-dummy``, the seed's slow load reverted) is timed, so
+it is measured by ``harness bench --parts detection``, not here.
 
 Each run starts vLLM once (~20-30 s here), so the cells run vLLM only; the module diff is made
 inside the vLLM child against the reference loader, so it needs no reference cell.

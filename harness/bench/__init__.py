@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                        "(a reduced check of the part; target 4 is then not judged)")
     p.add_argument("--choice-runs", type=int, default=9, metavar="N",
                    help="detection: clean runs to choose the rule on (the first BASELINE_CHILDREN make the baseline)")
+    p.add_argument("--detection-k", metavar="EXPR", help="detection: only the cpu-load cells of this -k expression "
+                                                          "(say, vllm); the rule is then chosen on those alone")
     p.add_argument("--held-out-runs", type=int, default=13, metavar="N", help="detection: held-out clean runs")
     p.add_argument("--slowed-runs", type=int, default=8, metavar="N", help="detection: held-out runs per slowdown")
     p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (detection's cpu-load cells)")
@@ -133,20 +135,22 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
     from harness import matrix
 
     m = matrix.load(args.matrix)
-    cells = m.cells(tier="cpu-load")
+    cells = matrix.select(m.cells(tier="cpu-load"), args.detection_k)
     if not cells:
-        raise UsageError(f"{args.matrix}: no cpu-load cells: the detection part needs the load-time set")
+        raise UsageError(f"{args.matrix}: no cpu-load cells{' match ' + repr(args.detection_k) if args.detection_k else ''}: "
+                         "the detection part needs the load-time set")
     benchmark.ensure_for_cells(m, cells, echo)
     paths = {c.id: (m._dir / c.path).resolve() for c in cells}
     d = detection.measure(cells, paths, choice_runs=args.choice_runs, held_out_runs=args.held_out_runs,
                           slowed_runs=args.slowed_runs, echo=echo)
     return {**d.rates, "rule": d.rule.describe(), "repeats": d.rule.repeats, "statistic": d.rule.statistic,
             "confirmations": d.rule.confirmations, "threshold": d.rule.threshold, "injected": d.injected,
+            "selected": args.detection_k, "cell_ids": [c.id for c in cells],
             "confirmation_children": d.confirmation_children, "cells": len(cells), "clean_runs": d.clean_runs,
             "false_alarm_runs": round((d.rates["false_alarm"] or 0) * d.clean_runs),
             "clean_cell_runs": d.clean_cell_runs, "clean_cell_false_alarms": d.clean_cell_false_alarms,
             "cell_rates": d.cell_rates, "slowed_runs": d.slowed_runs, "slowed_cell_runs": d.slowed_cell_runs,
-            "predicted_false_alarm": d.predicted_false_alarm, "candidates": [vars(c) for c in d.candidates],
+            "predicted_false_alarm": d.predicted_false_alarm, "mutations": d.mutations, "candidates": [vars(c) for c in d.candidates],
             "seconds": d.seconds, "raw": d.raw}
 
 

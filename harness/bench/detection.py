@@ -28,8 +28,8 @@ the median child of ``BASELINE_CHILDREN`` (harness.loadtime.baseline_load).
    then the fewest confirmations and loads.
 2. Held out: new runs under the rule, interleaved: clean runs (every cell) and runs slowed by 10%,
    20% and 50% (``HARNESS_TEST_HOOK=slow=F``, harness.hooks.slowdown: the reference loader's own
-   reading repeated; reference cells only: transformers' loader has no such hook; a slowed run is
-   the reference cells slowed), each cell-run with its real confirmation children. Reported: the
+   reading repeated, vLLM's weight copies repeated; transformers' loader has no such hook; a slowed
+   run is the cells of the engines with one slowed), each cell-run with its real confirmation children. Reported: the
    fraction of slowed runs flagged and of slowed cell-runs, the slowdown actually injected (the
    median calibrated ratio of the slowed runs' first children), the fraction of clean runs with a
    false alarm and of clean cell-runs, and the false-alarm rate per run the normal model predicts
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import json
 import math
 import os
@@ -52,12 +53,18 @@ from dataclasses import dataclass, field
 from harness import loadtime
 from harness.engines import base, reference, transformers  # noqa: F401
 from harness.loadtime import BASELINE_CHILDREN, load_statistic, lower_median, retimed
+from harness.registry import ENGINES
 
 REPEATS = (1, 3, 5, 9)
 STATISTICS = ("min", "median")
 CONFIRMATIONS = (0, 1, 2)
 SLOWDOWNS = (0.1, 0.2, 0.5)
 SLOWDOWN_TARGET = 0.2  # the slowdown the gate must catch (issue 13, target 3)
+# Real load-time bugs re-introduced by a test-only mutation (harness.engines.vllm_mutations), each
+# with the cells it applies to; timed in the held-out runs beside the slowdowns (issue 31, target 1).
+MUTATIONS: dict[str, Callable[..., bool]] = {
+    "torchao-full-size-dummy": lambda cell: cell.engine == "vllm" and cell.scheme.startswith("torchao"),
+}
 MAD_TO_SD = 1.4826
 
 
@@ -117,7 +124,10 @@ class Detection:
     slowed_cell_runs: dict[str, int]
     predicted_false_alarm: float
     seconds: float
-    raw: dict = field(default_factory=dict)  # {"choice", "clean": [runs], "slowed": {fraction: [runs]}}
+    raw: dict = field(default_factory=dict)  # {"choice", "clean": [runs], "slowed": {fraction: [runs]}, "mutated"}
+    # per mutation of MUTATIONS that applies to a cell: {"cells", "cell_runs", "flagged" (share of
+    # its cell-runs the rule flags), "ratio" (median calibrated ratio of the first children to the baseline)}
+    mutations: dict[str, dict] = field(default_factory=dict)  # {"choice", "clean": [runs], "slowed": {fraction: [runs]}}
 
 
 # ------------------------------------------------------------------------------ the statistics
@@ -281,6 +291,16 @@ def evaluate(rule: Rule, base: dict[str, float], clean: Sequence[Sequence[Childr
     return out
 
 
+def caught(rule: Rule, base: dict[str, float], runs: Sequence[Sequence[Children]]) -> dict:
+    """How the rule judges a mutation's cell-runs: the share flagged and how large it is (the
+    median calibrated ratio of their first children to the baseline)."""
+    children = [ch for run in runs for ch in run]
+    ratios = [ch[0].value(rule.repeats, rule.statistic) / base[ch[0].cell] for ch in children]
+    return {"cells": sorted({ch[0].cell for ch in children}), "cell_runs": len(children),
+            "flagged": _share(cell_flags(base, ch, rule) for ch in children),
+            "ratio": statistics.median(ratios) if ratios else None}
+
+
 def _share(flags) -> float | None:
     """The fraction of true values (None when there are none)."""
     flags = list(flags)
@@ -320,14 +340,17 @@ def _in_child(fn: Callable[[], dict]) -> dict:
     return result
 
 
-def cell_run(cell, path, repeats: int, slow: float = 0.0) -> CellRun:
-    """One cell-run: the engine's own load in a fresh (forked) process, ``repeats`` loads."""
+def cell_run(cell, path, repeats: int, slow: float = 0.0, mutation: str | None = None) -> CellRun:
+    """One cell-run: the engine's own load in a fresh (forked) process, ``repeats`` loads; slowed
+    by ``slow``, or with the test-only vLLM ``mutation``."""
 
     def child() -> dict:
         # lazy: yaml, +80 ms (scripts/import-graph --costs)
-        from harness.engines import base, worker
+        from harness.engines import base, vllm, worker
 
         loadtime.LOAD_REPEATS = repeats
+        if mutation:
+            os.environ[vllm.MUTATION_ENV] = mutation
         if slow:
             os.environ[worker.HOOK_ENV] = f"slow={slow}"
             worker.apply_hooks(cell.id)
@@ -349,6 +372,11 @@ def preload(cells, paths: dict) -> None:
     loadtime.calibration_file()
     for cell in cells:
         transformers.warm_imports(base.Checkpoint(paths[cell.id]))
+    engines = {c.engine for c in cells}
+    if len(engines) == 1:
+        # one engine's cells (--detection-k): its fork server's imports too (vLLM's: ~10 s a child
+        # otherwise); a mixed set leaves them to each child, as vLLM's would change the others' process
+        importlib.import_module(ENGINES[engines.pop()].preload)
     gc.freeze()  # as the fork server does, and unfrozen at exit as its children are (harness.engines.forkserver)
     atexit.register(gc.unfreeze)
 
@@ -366,7 +394,7 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
 
     t0 = time.perf_counter()
     preload(cells, paths)
-    slow_cells = [c for c in cells if c.engine == "reference"]
+    slow_cells = [c for c in cells if ENGINES[c.engine].slowdown_entry is not None]
     most = max(REPEATS)
     choice, pairs = [], []
     for i in range(choice_runs):
@@ -380,6 +408,7 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
     echo(f"  detection: rule: {rule.describe()}")
     base = baseline_of(choice, rule.repeats, rule.statistic, BASELINE_CHILDREN)
     clean, slowed = [], {f: [] for f in SLOWDOWNS}
+    mutated = {name: [] for name, applies in MUTATIONS.items() if any(map(applies, cells))}
     for i in range(max(held_out_runs, slowed_runs)):
         if i < held_out_runs:
             clean.append([gated(lambda c=c: cell_run(c, paths[c.id], rule.repeats), rule, base) for c in cells])
@@ -387,6 +416,9 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
             for f in SLOWDOWNS:
                 slowed[f].append([gated(lambda c=c: cell_run(c, paths[c.id], rule.repeats, f), rule, base)
                                   for c in slow_cells])
+            for name, runs in mutated.items():
+                runs.append([gated(lambda c=c: cell_run(c, paths[c.id], rule.repeats, mutation=name), rule, base)
+                             for c in cells if MUTATIONS[name](c)])
         echo(f"  detection: held-out run {i + 1}/{max(held_out_runs, slowed_runs)} ({time.perf_counter() - t0:.0f} s)")
     ev = evaluate(rule, base, clean, slowed)
     return Detection(rule=rule, candidates=candidates, rates={**ev["rates"], "false_alarm": ev["false_alarm"]},
@@ -395,10 +427,12 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
                      confirmation_children=ev["confirmation_children"],
                      slowed_runs=ev["slowed_runs"], slowed_cell_runs=ev["slowed_cell_runs"],
                      predicted_false_alarm=predicted_false_alarm(rule, clean, base) if clean else float("nan"),
+                     mutations={name: caught(rule, base, runs) for name, runs in mutated.items()},
                      seconds=time.perf_counter() - t0,
                      raw={"choice": [[vars(cr) for cr in run] for run in choice],
                           "back_to_back": [vars(b) for _, b in pairs], "clean": _plain(clean),
-                          "slowed": {str(f): _plain(runs) for f, runs in slowed.items()}})
+                          "slowed": {str(f): _plain(runs) for f, runs in slowed.items()},
+                          "mutated": {name: _plain(runs) for name, runs in mutated.items()}})
 
 
 def _plain(runs: Sequence[Sequence[Children]]) -> list[list[list[dict]]]:

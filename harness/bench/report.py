@@ -200,8 +200,9 @@ def _detection_lines(det: dict) -> list[str]:
              f"\"{det['statistic']}\"` and `CONFIRMATIONS = {det['confirmations']}` in harness/loadtime.py, "
              f"`bounds: {{load_time: {det['threshold']:.3f}}}` on the cpu-load models in models.yaml.", "",
              "A run is one cell-run of every cell of the set: a child, and while the last is over the threshold "
-             "the confirmations; the slowdown slows the reference's cells of a run. A run is flagged when any of "
-             "its cells is. The baseline is each cell's median child of the first choice runs.", "",
+             "the confirmations; the slowdown slows the cells of the engines with a slowdown hook (the reference's "
+             "reading, vLLM's weight copies). A run is flagged when any of its cells is. The baseline is each cell's "
+             "median child of the first choice runs." + (f" Cells: {', '.join(det['cell_ids'])}." if det.get("selected") else ""), "",
              "| slowdown injected (nominal) | measured | runs | runs flagged | cell-runs | cell-runs flagged |",
              "|---:|---:|---:|---:|---:|---:|"]
     for key in ("slowdown_10", "slowdown_20", "slowdown_50"):
@@ -213,7 +214,14 @@ def _detection_lines(det: dict) -> list[str]:
                   f"{det['clean_cell_false_alarms']} of {det['clean_cell_runs']} clean cell-runs flagged; the normal "
                   f"model of their spread predicts {det['predicted_false_alarm']:.2g} false alarms per run. "
                   f"Confirmation children timed over all held-out runs: {det['confirmation_children']}.",
-              f"Detection took {det['seconds']:.0f} s.", "", "Candidates (chosen on the clean choice runs):", "",
+              f"Detection took {det['seconds']:.0f} s.", ""]
+    if det.get("mutations"):
+        lines += ["Load-time bugs re-introduced into an engine (test-only mutations, timed in the held-out runs):", "",
+                  "| mutation | cells | calibrated ratio to the baseline (median) | cell-runs | flagged |", "|---|---|---:|---:|---:|"]
+        lines += [f"| {name} | {', '.join(m['cells'])} | {_num(m['ratio'], '.2f')} | {m['cell_runs']} | "
+                  f"{_num(m['flagged'], '.0%')} |" for name, m in det["mutations"].items()]
+        lines.append("")
+    lines += ["Candidates (chosen on the clean choice runs):", "",
               "| loads | statistic | confirmations | spread | threshold | modelled 20% detection | "
               "modelled false alarms per run |",
               "|---:|---|---:|---:|---:|---:|---:|"]

@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import architectures, cpu
+from harness import architectures, cpu, loadtime
 from harness import records as R
 from harness.dialects.names import to_vllm
-from harness.engines import vllm_worker
+from harness.engines import vllm_mutations, vllm_worker
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem
 from harness.traces import vllm as vllm_traces
 
@@ -394,8 +394,9 @@ class VllmEngine(Engine):
 
         mutations = mutations_from_env()
         for m in mutations:
-            self._log(f"vllm: TEST MUTATION {m}: {vllm_worker.MUTATIONS[m][0] if m in vllm_worker.MUTATIONS else '?'}")
-        vllm_worker.install(mutations)
+            self._log(f"vllm: TEST MUTATION {m}: {vllm_mutations.MUTATIONS[m][0] if m in vllm_mutations.MUTATIONS else '?'}")
+        vllm_worker.install()
+        vllm_mutations.apply(mutations)
         from vllm import LLM
 
         self.arch = self._arch(checkpoint)
@@ -414,6 +415,16 @@ class VllmEngine(Engine):
             kwargs["limit_mm_per_prompt"] = {"image": 1}
         self._log(f"vllm: LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items() if k not in ('model', 'tokenizer'))}); "
                   f"VLLM_CPU_OMP_THREADS_BIND={binding}")
+        # Gated (cpu-load), the load is timed as the in-process engines time theirs (harness.loadtime):
+        # between two calibrations in this process. One LLM is built: LOAD_REPEATS is 1.
+        info = loadtime.timed_load(lambda: self._build(LLM, kwargs), gated=self.cell.gate_load_time,
+                                   checkpoint_dir=checkpoint.path)
+        self._read_modules(checkpoint)
+        return info if info.samples else info.model_copy(update={"samples": [info.seconds]})
+
+    def _build(self, LLM, kwargs: dict) -> tuple[float, dict[str, float]]:
+        """Build the LLM: (vLLM's model loading span, the phases of its start), the span being
+        ``BaseModelLoader.load_model`` (initialise, load and process the weights; vllm_worker)."""
         vllm_worker.TIMINGS.clear()
         vllm_worker.LOG.values.clear()
         vllm_worker.LOG.lines.clear()
@@ -434,8 +445,7 @@ class VllmEngine(Engine):
         seconds = float(t.get("load_model", cap.get("log_model_loading", start)))
         self._log(f"vllm: load timing: model loading {seconds:.4f} s (weights {'vLLM counters' if t.get('weights_source') else 'measured'}); "
                   f"log lines: {' | '.join(vllm_worker.LOG.lines) or 'none'}")
-        self._read_modules(checkpoint)
-        return R.LoadInfo(seconds=seconds, phases=phases, samples=[seconds])
+        return seconds, phases
 
     def _read_modules(self, checkpoint: Checkpoint) -> None:
         # lazy: torch, transformers and more, +4.6 s (scripts/import-graph --costs)

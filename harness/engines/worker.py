@@ -32,9 +32,9 @@ Test-only hooks (never set them outside tests): ``HARNESS_TEST_HOOK`` holds hook
 - ``fault=NAME[:ARG]``: a degradation of harness.hooks.faults (a dropped scale, a double-quant
   offset ignored, a skip list ignored, corrupted embedding rows after loading), which the accuracy
   gate must catch;
-- ``slow=FRACTION``: the reference loader does FRACTION more of its own reading and decoding
-  (harness.hooks.slowdown; ``slow=0.2``: 20% slower), the load-time regression the load-time gate
-  must catch (harness.bench.detection).
+- ``slow=FRACTION``: the engine's loader (the reference's, or vLLM's) does FRACTION more of its own
+  work (harness.hooks.slowdown; ``slow=0.2``: 20% slower), the load-time regression the load-time
+  gate must catch (harness.bench.detection).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def apply_hooks(cell_id: str) -> list:
 
             setattr(module, func_name, broken)
         elif action == "slow":
-            slowdown.install(float(arg or 0))
+            slowdown.install(float(arg or 0), *slowdown.targets(cell_id.rpartition(".")[2]))
         elif action == "fault":
             after = faults.install(arg or "")
             if after is not None:

@@ -1,7 +1,9 @@
-"""A test-only slowdown inside the loader's own work: ``HARNESS_TEST_HOOK=slow=0.2`` (harness.engines.worker).
+"""A test-only slowdown inside an engine loader's own work: ``HARNESS_TEST_HOOK=slow=0.2`` (harness.engines.worker).
 
-The reference loader's entry point (``harness.reference.load``) and its work (``TensorSource.get``,
-each format's decode entry point) are wrapped. During a load, after each call of its work the same
+The engine's load entry point and its work are wrapped (its registry entry: ``slowdown_entry``,
+``slowdown_work``): for the reference, ``harness.reference.load`` and its reading
+(``TensorSource.get``) and each format's decode entry point; for vLLM, the model loading span
+``BaseModelLoader.load_model`` and the copies its weight loaders and weight processing end in. During a load, after each call of its work the same
 call is repeated (its result discarded) until the repeated work amounts to ``fraction`` of the
 load's own time so far, and once more at the end of the load: a loader that does ``fraction`` more
 of its own reading and decoding, never a sleep. Outside a load (a decode called lazily in a
@@ -15,14 +17,7 @@ from __future__ import annotations
 import importlib
 import time
 
-ENTRY = "harness.reference:load"
-# The loader's work: reading a tensor, and each format's decode entry point (where it has one).
-WORK = (
-    "harness.quant.source:TensorSource.get",
-    "harness.quant.bnb:decode",
-    "harness.quant.fp8:decode",
-    "harness.quant.torchao:decode",
-)
+from harness.registry import ENGINES
 
 
 class Slowdown:
@@ -85,7 +80,15 @@ def _resolve(target: str):
     return owner, leaf
 
 
-def install(fraction: float, entry: str = ENTRY, work: tuple[str, ...] = WORK) -> Slowdown:
+def targets(engine: str) -> tuple[str, tuple[str, ...]]:
+    """(entry, work) of ``engine``'s slowdown hook (its registry entry)."""
+    spec = ENGINES[engine]
+    if spec.slowdown_entry is None:
+        raise ValueError(f"slow=: the {engine} engine has no slowdown hook")
+    return spec.slowdown_entry, spec.slowdown_work
+
+
+def install(fraction: float, entry: str, work: tuple[str, ...]) -> Slowdown:
     """Wrap the entry point and every work target that exists (a format may have no decode)."""
     state = Slowdown(fraction)
     owner, leaf = _resolve(entry)
