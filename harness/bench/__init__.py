@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="detection: clean runs to choose the rule on (the first BASELINE_CHILDREN make the baseline)")
     p.add_argument("--detection-k", metavar="EXPR", help="detection: only the cpu-load cells of this -k expression "
                                                           "(say, vllm); the rule is then chosen on those alone")
+    p.add_argument("--detection-loads", type=int, default=max(detection.REPEATS), metavar="N",
+                   help="detection: loads per child of the choice runs; the candidate rules time at most N "
+                        f"(default {max(detection.REPEATS)}; 1 for vLLM's cells, each load a whole engine)")
     p.add_argument("--held-out-runs", type=int, default=13, metavar="N", help="detection: held-out clean runs")
     p.add_argument("--slowed-runs", type=int, default=8, metavar="N", help="detection: held-out runs per slowdown")
     p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (detection's cpu-load cells)")
@@ -142,7 +145,7 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
     benchmark.ensure_for_cells(m, cells, echo)
     paths = {c.id: (m._dir / c.path).resolve() for c in cells}
     d = detection.measure(cells, paths, choice_runs=args.choice_runs, held_out_runs=args.held_out_runs,
-                          slowed_runs=args.slowed_runs, echo=echo)
+                          slowed_runs=args.slowed_runs, echo=echo, loads=args.detection_loads)
     return {**d.rates, "rule": d.rule.describe(), "repeats": d.rule.repeats, "statistic": d.rule.statistic,
             "confirmations": d.rule.confirmations, "threshold": d.rule.threshold, "injected": d.injected,
             "selected": args.detection_k, "cell_ids": [c.id for c in cells],

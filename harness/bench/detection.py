@@ -11,7 +11,8 @@ rates are per run: a slower loader is caught when its run flags, and a clean run
 must not; the per-cell-run rates are reported beside them. The baseline a cell is compared with is
 the median child of ``BASELINE_CHILDREN`` (harness.loadtime.baseline_load).
 
-1. Choice: ``choice_runs`` clean runs of one child per cell with ``max(REPEATS)`` loads each, each
+1. Choice: ``choice_runs`` clean runs of one child per cell with ``max(REPEATS)`` loads each (or
+   ``loads``: vLLM builds a whole engine per load, so its cells are measured with one), each
    child followed at once by a second (``back_to_back``: as a confirmation follows). The first
    ``BASELINE_CHILDREN`` runs make the baseline. For every candidate rule (the first k loads, their
    min or median, 0 to ``max(CONFIRMATIONS)`` confirmations), the spread of the per-child log of
@@ -389,13 +390,13 @@ def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> l
 
 
 def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_runs: int,
-            echo: Callable[[str], None] = print) -> Detection:
+            echo: Callable[[str], None] = print, loads: int = max(REPEATS)) -> Detection:
     """Choose the rule on clean runs, then evaluate it on held-out runs (module docstring)."""
 
     t0 = time.perf_counter()
     preload(cells, paths)
     slow_cells = [c for c in cells if ENGINES[c.engine].slowdown_entry is not None]
-    most = max(REPEATS)
+    most = loads  # each choice child's loads: the candidate rules time at most that many
     choice, pairs = [], []
     for i in range(choice_runs):
         run = []
