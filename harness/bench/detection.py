@@ -128,7 +128,7 @@ class Detection:
     raw: dict = field(default_factory=dict)  # {"choice", "clean": [runs], "slowed": {fraction: [runs]}, "mutated"}
     # per mutation of MUTATIONS that applies to a cell: {"cells", "cell_runs", "flagged" (share of
     # its cell-runs the rule flags), "ratio" (median calibrated ratio of the first children to the baseline)}
-    mutations: dict[str, dict] = field(default_factory=dict)  # {"choice", "clean": [runs], "slowed": {fraction: [runs]}}
+    mutations: dict[str, dict] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------ the statistics
@@ -283,12 +283,11 @@ def evaluate(rule: Rule, base: dict[str, float], clean: Sequence[Sequence[Childr
            "rates": {}, "cell_rates": {}, "injected": {}, "slowed_runs": {}, "slowed_cell_runs": {}}
     for fraction, runs in sorted(slowed.items()):
         key = slowdown_key(fraction)
-        slowed_flags = flags(runs)
-        rs = [ch[0].value(rule.repeats, rule.statistic) / base[ch[0].cell] for run in runs for ch in run]
-        out["rates"][key] = _share(any(f) for f in slowed_flags)
-        out["cell_rates"][key] = _share(f for fs in slowed_flags for f in fs)
-        out["injected"][key] = statistics.median(rs) - 1 if rs else None
-        out["slowed_runs"][key], out["slowed_cell_runs"][key] = len(runs), len(rs)
+        cells = caught(rule, base, runs)
+        out["rates"][key] = _share(any(f) for f in flags(runs))
+        out["cell_rates"][key] = cells["flagged"]
+        out["injected"][key] = cells["ratio"] - 1 if cells["ratio"] is not None else None
+        out["slowed_runs"][key], out["slowed_cell_runs"][key] = len(runs), cells["cell_runs"]
     return out
 
 
