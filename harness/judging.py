@@ -11,13 +11,14 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from harness.accuracy import gates as accuracy_gates
+from harness.accuracy.store import AccuracyBaseline
+from harness.baselines import Baseline
 from harness.compare import (Judgement, KnownFailureLike, applicable, baseline_key_problems, check_input_sensitivity,
                              check_load_time, check_loaded_state, check_module_diff, compare_sequences, cross_engine,
                              disagreement, failed_or_waived, match_error, noise_for, other_kernels)
 from harness.records import Check, Record
 
 if TYPE_CHECKING:
-    from harness.baselines import Baseline
     from harness.matrix import Bounds, Cell
 
 
@@ -35,6 +36,7 @@ class _Case:
     platform: str | None
     gate_load_time: bool
     accuracy_baseline: object
+    keyed_by_version: bool = True  # False against another build of the same run (judge_against_base)
 
     @cached_property
     def known(self) -> list[KnownFailureLike]:
@@ -100,7 +102,7 @@ class _Case:
 
     def key_problems(self, baseline) -> list[str]:
         return baseline_key_problems(self.record, baseline, expected_engine_version=self.expected_engine_version,
-                                     platform=self.platform)
+                                     platform=self.platform, keyed_by_version=self.keyed_by_version)
 
 
 def _probe_unsupported(case: _Case) -> Judgement | None:
@@ -253,11 +255,13 @@ VERDICT_ORDER: tuple[Callable[[_Case], Judgement | None], ...] = (
 def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
             known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
             expected_engine_version: str | None = None, platform: str | None = None,
-            gate_load_time: bool = False, accuracy_baseline=None) -> Judgement:
+            gate_load_time: bool = False, accuracy_baseline=None, keyed_by_version: bool = True) -> Judgement:
     """The verdict of one record: the judgement of the first step of VERDICT_ORDER that judges it
-    (each step's docstring gives its rule and its number in docs/design.md, "Verdicts")."""
+    (each step's docstring gives its rule and its number in docs/design.md, "Verdicts").
+    ``keyed_by_version=False``: the baseline is another build's record of this run, whose engine
+    version differs on purpose."""
     case = _Case(record, baseline, bounds, tuple(known_failures), tuple(cross_engine_checks),
-                 expected_engine_version, platform, gate_load_time, accuracy_baseline)
+                 expected_engine_version, platform, gate_load_time, accuracy_baseline, keyed_by_version)
     return next(j for j in (step(case) for step in VERDICT_ORDER) if j is not None)
 
 
@@ -287,3 +291,33 @@ def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterabl
         gate_load_time=cell.gate_load_time,
         accuracy_baseline=accuracy_baseline,
     )
+
+
+def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterable[Record] = (), *,
+                       known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None) -> Judgement:
+    """A candidate build's record judged against ``base``, the pinned build's judged record of the
+    same cell in this run (docs/design.md, "Candidate builds"): the base's record stands in for the
+    baseline (sequences with the family bounds, the loaded state exactly, accuracy by the paired
+    gate), unkeyed by engine version, and the cross-engine checks are the candidate's own. A known
+    failure of the base that the candidate no longer shows is ``fixed``; a known failure that only
+    the candidate matches is named as new."""
+    ok = base.status == "ok"
+    j = verdict(record, Baseline.from_record(base) if ok else None, bounds=cell.bounds,
+                known_failures=cell.known_failures,
+                cross_engine_checks=cross_engine(record, others, cell.bounds, known_failures=known_failures,
+                                                 unfused=unfused),
+                gate_load_time=cell.gate_load_time, keyed_by_version=False,
+                accuracy_baseline=AccuracyBaseline.from_record(base) if ok and base.accuracy else None)
+    base_name = f"base {base.engine} {base.engine_info.version or '(version unknown)'}"
+    # what vouches for the candidate: a base that could not run at all, or another engine of this run
+    vouched = base.status != "ok" or any(c.name.partition(":")[2] not in ("baseline", "") for c in j.checks)
+    if base.known_failure is not None and record.status == "ok" and vouched and disagreement(record, j.checks) is None:
+        k = base.known_failure
+        return Judgement("fixed", f"{base_name} is {base.verdict} by known failure {k.pattern!r} ({k.engine} "
+                         f"{k.versions}); the candidate agrees with the other engines of this run", j.checks)
+    if j.verdict == "missing-baseline":
+        return Judgement("missing-baseline", f"{base_name} has no results to compare with ({base.verdict}: "
+                         f"{base.verdict_reason})", j.checks, j.known_failure)
+    if j.known_failure is not None and base.known_failure is None:
+        return Judgement(j.verdict, f"new in the candidate: {j.reason}", j.checks, j.known_failure)
+    return Judgement(j.verdict, f"against {base_name}: {j.reason}", j.checks, j.known_failure)

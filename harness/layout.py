@@ -82,6 +82,12 @@ class Layout:
     def report(self) -> Path:
         return self.root / "report"
 
+    def candidate(self, name: str = "candidate") -> Layout:
+        """Where a candidate build's records go (harness run --candidate): a results directory of
+        its own inside this one, so that the same cell's base and candidate records never collide;
+        ``name``: one per build where several run against the same base (harness bisect)."""
+        return Layout(self.root / name)
+
     def directories(self) -> list[Path]:
         """Every directory a run writes files into."""
         return [self.root, *(self.root / sub for sub in SUBDIRS), self.traces(), self.report()]

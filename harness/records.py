@@ -292,6 +292,9 @@ class Record(_Strict):
     fixture: FixtureRef | None = None
     source: SourceRef | None = None
     engine_info: EngineInfo
+    # the candidate build's spec (harness run --candidate ENGINE=SPEC, harness.candidates); None for
+    # the environment's pinned build. The same cell's two records are told apart by it.
+    candidate: str | None = None
     status: Status
     error: ErrorInfo | None = None
     unsupported_reason: str | None = None

@@ -40,10 +40,11 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
@@ -61,6 +62,9 @@ from harness.matrix import ENGINES, Cell, Matrix, expand
 from harness.registry import fuses_shards
 from harness.sequences import ScoredSequences
 from harness.traces.jobs import Tracer
+
+if TYPE_CHECKING:
+    from harness.candidates import Candidate
 
 __all__ = ["CellResult", "Runner", "default_results_dir", "group_key", "one_line", "progress_line", "summary_text"]
 
@@ -104,11 +108,15 @@ class Runner:
     def __init__(self, matrix: Matrix, cells: Sequence[Cell], *, results: str | Path,
                  baselines_root: str | Path = B.DEFAULT_ROOT, update_baselines: bool = False,
                  matrix_path: str | Path | None = None, threads: int | None = None,
-                 echo: Callable[[str], None] | None = None, trace: bool = False, update_fingerprints: bool = False):
+                 echo: Callable[[str], None] | None = None, trace: bool = False, update_fingerprints: bool = False,
+                 candidates: Mapping[str, Candidate] | None = None, candidate_dir: str = "candidate"):
         self.matrix = matrix
         self.cells = sorted(cells, key=lambda c: (group_key(c), _engine_order(c)))
         self.results = Path(results)
         self.layout = Layout(self.results)
+        # engine -> the candidate build that runs beside the pinned one (harness run --candidate)
+        self.candidates = dict(candidates or {})
+        self.candidate_layout = self.layout.candidate(candidate_dir)
         self.baselines_root = Path(baselines_root)
         self.update_baselines = update_baselines
         self.update_fingerprints = update_fingerprints
@@ -139,6 +147,8 @@ class Runner:
             self.tracer.forget([c.id for c in self.cells])
         else:
             self.layout.prepare()
+        if self.candidates:
+            self.candidate_layout.prepare([c.id for c in self.candidate_cells()] if fresh else ())
 
     def say(self, line: str) -> None:
         with self._echo_lock:
@@ -156,6 +166,10 @@ class Runner:
         out += [Written(self.layout.sequences(key), "--results", file=True) for key in self.groups]
         for cell in self.cells:
             out += [Written(p, "--results", file=True) for p in self.layout.cell_files(cell.id)]
+        if self.candidates:
+            candidate = self.candidate_layout
+            out += [Written(d, "--results") for d in candidate.directories()]
+            out += [Written(p, "--results", file=True) for c in self.candidate_cells() for p in candidate.cell_files(c.id)]
         unbuilt = benchmark.unbuilt(self.matrix, self.cells)
         # a cell whose checkpoint is built after this check is not decided before it (it would
         # be decided a configuration error: no checkpoint yet)
@@ -259,9 +273,10 @@ class Runner:
 
     def run_child(self, cell: Cell, *, mode: str, sequences, record_path: Path, log: Path,
                    sequences_out: Path | None = None, witness: Path | None = None,
-                   extra: dict | None = None) -> R.Record | None:
-        """Run the engine child under the cell's timeout: its record, or an error record for a
-        timeout, a crash or a missing record (None in continuation mode on success)."""
+                   extra: dict | None = None, python: str | None = None) -> R.Record | None:
+        """Run the engine child under the cell's timeout (under ``python``: a candidate build's
+        interpreter; default ours): its record, or an error record for a timeout, a crash or a
+        missing record (None in continuation mode on success)."""
         info_path = self.layout.info(record_path)
         for p in (record_path, info_path):
             p.unlink(missing_ok=True)
@@ -279,7 +294,7 @@ class Runner:
         }
         engine = "reference" if mode == "continuation" else cell.engine
         exit = self.supervisor.run(job, self.layout.job(record_path), log, self._child_env(cell),
-                                   preload=supervise.preload_for(engine), timeout=cell.timeout_s)
+                                   preload=supervise.preload_for(engine), timeout=cell.timeout_s, python=python)
         return supervise.child_record(cell, exit, record_path, info_path, log, record_expected=mode == "cell")
 
     def _child_env(self, cell: Cell) -> dict[str, str]:
@@ -292,6 +307,8 @@ class Runner:
             preload = supervise.preload_for(cell.engine)
             if preload is not None and self.decided(cell) is None:
                 supervise.fork_server(preload, self._child_env(cell))
+                if cell.engine in self.candidates:
+                    supervise.fork_server(preload, self._child_env(cell), python=self.candidates[cell.engine].python)
 
     # ---- judging -------------------------------------------------------------------------
     def unfused(self, raws: dict[str, R.Record]) -> R.Record | None:
@@ -403,8 +420,32 @@ class Runner:
             result.messages += [f"against baseline: {loc.rounding_flip.detail}" for loc in found if loc.rounding_flip]
 
     def finish(self, result: CellResult) -> CellResult:
-        R.save(self.layout.record(result.cell.id), result.record)
+        layout = self.candidate_layout if result.record.candidate is not None else self.layout
+        R.save(layout.record(result.cell.id), result.record)
         return result
+
+    # ---- a candidate build beside the pinned one ----------------------------------------------
+    def candidate_cells(self) -> list[Cell]:
+        """The selected cells whose engine has a candidate build in this run."""
+        return [c for c in self.cells if c.engine in self.candidates]
+
+    def judge_candidate(self, cell: Cell, base: CellResult, raws: dict[str, R.Record]) -> CellResult:
+        """The cell run on its engine's candidate build, with the group's scored sequences, and
+        judged against ``base``, the pinned build's judged result of this run
+        (judging.judge_against_base). It writes no baseline."""
+        candidate = self.candidates[cell.engine]
+        layout = self.candidate_layout
+        rec = self.decided(cell)
+        if rec is None:
+            rec = self.run_child(cell, mode="cell", sequences=self.scored_sequences(group_key(cell))[0],
+                                 record_path=layout.raw(cell.id), log=layout.log(cell.id), python=candidate.python)
+        rec = rec.model_copy(update={"candidate": candidate.spec})
+        R.save(layout.raw(cell.id), rec)
+        group = self.groups[group_key(cell)]
+        j = judging.judge_against_base(cell, rec, base.record, [r for e, r in raws.items() if e != cell.engine],
+                                       known_failures=[k for c in group for k in c.known_failures],
+                                       unfused=self.unfused(raws))
+        return CellResult(cell, j.apply(rec), sequence_source=base.sequence_source)
 
     # ---- entry points ---------------------------------------------------------------------
     def run_cell(self, cell: Cell) -> CellResult:
@@ -427,11 +468,12 @@ class Runner:
             r = self.judge(c, raws[c.engine], raws)
             r.sequence_source = source
             out.append(self.finish(r))
+        out += [self.finish(self.judge_candidate(r.cell, r, raws)) for r in list(out) if r.cell.engine in self.candidates]
         return out
 
     def run(self, jobs: int = 1, progress: Callable[[int, int, CellResult], None] | None = None) -> list[CellResult]:
         """Every selected cell, ``jobs`` groups at a time; results in cell order."""
-        total = len(self.cells)
+        total = len(self.cells) + len(self.candidate_cells())
         done: list[CellResult] = []
         lock = threading.Lock()
 
@@ -461,7 +503,7 @@ class Runner:
                 raise
             ex.shutdown()
         order = {c.id: i for i, c in enumerate(self.cells)}
-        return sorted(done, key=lambda r: order[r.cell.id])
+        return sorted(done, key=lambda r: (order[r.cell.id], r.record.candidate is not None))
 
 
 # --------------------------------------------------------------------------------- reporting
@@ -479,7 +521,8 @@ def progress_line(i: int, n: int, r: CellResult) -> str:
         detail = f"load {rec.load.seconds:.3f} s, cell {rec.duration_s:.1f} s"
     else:
         detail = one_line(rec.verdict_reason)
-    return f"[{i:>{w}}/{n}] {rec.verdict or 'error':<16} {rec.cell}  ({detail})"
+    build = f" [candidate {rec.engine_info.version}]" if rec.candidate is not None else ""
+    return f"[{i:>{w}}/{n}] {rec.verdict or 'error':<16} {rec.cell}{build}  ({detail})"
 
 
 def summary_text(results: Iterable[CellResult]) -> tuple[str, int]:

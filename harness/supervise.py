@@ -161,9 +161,9 @@ class Spawned(Child):
     (relative paths in the job mean what they mean here); ``-P``: the harness comes from
     PYTHONPATH (child_env), never from that directory."""
 
-    def __init__(self, job_path: Path, log: Path, env: dict[str, str]):
+    def __init__(self, job_path: Path, log: Path, env: dict[str, str], python: str):
         with open(log, "w") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.engines.worker", str(job_path)],
+            self.proc = subprocess.Popen([python, "-P", "-m", "harness.engines.worker", str(job_path)],
                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
         self.pid = self.proc.pid
@@ -267,7 +267,7 @@ class ForkServer:
     """A harness.engines.forkserver process: it has the environment of the children it forks and
     ends when this process ends (its stdin is our pipe) or on stop()."""
 
-    def __init__(self, preload: str, env: dict[str, str]):
+    def __init__(self, preload: str, env: dict[str, str], python: str):
         self.children = 0  # running or being forked (under _SERVERS_LOCK)
         self.address = f"\0harness-forkserver-{os.getpid()}-{secrets.token_hex(8)}"  # abstract: no file
         with socket.socket(socket.AF_UNIX) as listener:
@@ -276,7 +276,7 @@ class ForkServer:
             alive, self._alive = os.pipe()
             try:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-P", "-m", "harness.engines.forkserver", preload, str(listener.fileno())],
+                    [python, "-P", "-m", "harness.engines.forkserver", preload, str(listener.fileno())],
                     stdin=alive, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT),
                     start_new_session=True, pass_fds=(listener.fileno(),))
             finally:
@@ -306,16 +306,18 @@ class ForkServer:
         self.proc.wait()
 
 
-_SERVERS: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
+_SERVERS: dict[tuple[str, str, tuple[tuple[str, str], ...]], ForkServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False) -> ForkServer:
-    """This process's fork server for the preload module and the children's environment, started
+def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False, python: str | None = None) -> ForkServer:
+    """This process's fork server for the preload module, the children's environment and their
+    interpreter (``python``: a candidate build's environment, harness.candidates; default ours), started
     now (in the background: its imports overlap whatever runs meanwhile) unless it is running;
     ``for_child``: counted as forking a child until that child has ended. A process whose
     environment keeps changing (tests) keeps at most MAX_SERVERS: the oldest idle ones end."""
-    key = (preload, tuple(sorted(env.items())))
+    python = python or sys.executable
+    key = (preload, python, tuple(sorted(env.items())))
     with _SERVERS_LOCK:
         server = _SERVERS.get(key)
         if server is None or not server.alive():
@@ -324,7 +326,7 @@ def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False) -
             idle = [k for k, s in _SERVERS.items() if s.children == 0]
             for old in idle[:max(0, len(_SERVERS) + 1 - MAX_SERVERS)]:
                 _SERVERS.pop(old).stop()
-            server = _SERVERS[key] = ForkServer(preload, env)
+            server = _SERVERS[key] = ForkServer(preload, env, python)
         server.children += for_child
         return server
 
@@ -337,12 +339,12 @@ def stop_fork_servers() -> None:
         server.stop()
 
 
-def start_child(job_path: Path, log: Path, env: dict[str, str], preload: str | None) -> Child:
-    """Fork the child from the preload's fork server, or spawn it when ``preload`` is None; a
-    forked child has its pid only after Child.started."""
+def start_child(job_path: Path, log: Path, env: dict[str, str], preload: str | None, python: str | None = None) -> Child:
+    """Fork the child from the preload's fork server, or spawn it when ``preload`` is None, under
+    ``python`` (default ours); a forked child has its pid only after Child.started."""
     if preload is None:
-        return Spawned(job_path, log, env)
-    return fork_server(preload, env, for_child=True).fork(job_path, log)
+        return Spawned(job_path, log, env, python or sys.executable)
+    return fork_server(preload, env, for_child=True, python=python).fork(job_path, log)
 
 
 @dataclass
@@ -364,8 +366,8 @@ class Supervisor:
         self._lock = threading.Lock()
 
     def run(self, job: dict, job_path: Path, log: Path, env: dict[str, str], *, preload: str | None,
-            timeout: float) -> Exit:
-        """Write the job, start its child and wait for it under ``timeout``."""
+            timeout: float, python: str | None = None) -> Exit:
+        """Write the job, start its child (under ``python``, default ours) and wait for it under ``timeout``."""
         R.atomic_write_text(job_path, json.dumps(job) + "\n")
         log.parent.mkdir(parents=True, exist_ok=True)
         started = R.utc_now()
@@ -374,7 +376,7 @@ class Supervisor:
             if self._stopping:
                 raise KeyboardInterrupt("the run was interrupted")
             with _signals_held():
-                child = start_child(job_path, log, env, preload)
+                child = start_child(job_path, log, env, preload, python)
                 self._children.add(child)
         try:
             child.started()

@@ -4,20 +4,20 @@ Reads result directories (``merge``), then writes into DIR:
 
 - ``report.html``: one self-contained page (inline CSS, JS and SVG; nothing from the network),
   ``html.render``;
-- ``junit.xml``: one test case per cell, ``junit.render``;
+- ``junit.xml``: one test case per cell (and per candidate build's record), ``junit.render``;
 - ``annotation.md`` and ``annotation-style.txt``: the Buildkite annotation (a markdown matrix
   summary) and its style by the worst verdict, ``annotation.render``.
 
 Every output follows the verdict table (harness.verdicts). Exit status: 0; with ``--strict`` 1
-when a cell fails the run by that table (a missing cell included), or a record file is
-unreadable; 2 for usage errors.
+when a cell fails the run by that table (a missing cell included, and a candidate build's record,
+as in ``harness run --candidate``), or a record file is unreadable; 2 for usage errors.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import verdicts
@@ -39,11 +39,15 @@ class Written:
     missing: list[str]
     problems: int
     notes: list[str]
+    # a candidate build's records (harness run --candidate): counts per state, and its headline
+    candidate_counts: dict[str, int] = field(default_factory=dict)
+    candidates: str | None = None
 
     @property
     def bad(self) -> bool:
         """A cell fails the run (harness.verdicts), or a record file is unreadable: --strict exits 1."""
-        return bool(self.problems) or any(n and verdicts.fails_run(s) for s, n in self.counts.items())
+        return bool(self.problems) or any(n and verdicts.fails_run(s) for counts in (self.counts, self.candidate_counts)
+                                          for s, n in counts.items())
 
 
 def report_files(out_dir: str | Path) -> tuple[Path, Path, Path, Path]:
@@ -57,7 +61,7 @@ def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expecte
     """Read ``results`` and write report.html, junit.xml, annotation.md, annotation-style.txt.
     ``baselines_root``: where the page finds each cell's stored baseline for its provenance."""
     # lazy: yaml, jinja2, +330 ms (scripts/import-graph --costs)
-    from harness.report import annotation, html, junit
+    from harness.report import annotation, candidates, html, junit
 
     merged = load_results(results, expected)
     if matrix is not None:
@@ -66,7 +70,9 @@ def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expecte
     out.mkdir(parents=True, exist_ok=True)
     states = [state_of(e.record) for e in merged.current.values()] + [MISSING] * len(merged.missing)
     counts = counts_of(states)
-    style = annotation_style(states, len(merged.problems))
+    # a candidate's record fails the run as a base record does (harness run --candidate): the style follows both
+    built = [state_of(e.record) for e in merged.candidates.values()]
+    style = annotation_style(states + built, len(merged.problems))
     page = html.render(merged, matrix=matrix, title=title, baselines_root=baselines_root)
     *paths, style_path = report_files(out)
     atomic_write_text(paths[0], page)
@@ -74,7 +80,8 @@ def write_reports(results: Sequence[str | Path], out_dir: str | Path, *, expecte
     atomic_write_text(paths[2], annotation.render(merged, matrix=matrix, report_path=f"{out.name}/report.html"))
     atomic_write_text(style_path, style + "\n")
     return Written(*paths, style=style, counts=counts, missing=merged.missing, problems=len(merged.problems),
-                   notes=merged.notes)
+                   notes=merged.notes, candidate_counts=counts_of(built) if built else {},
+                   candidates=candidates.headline(merged.records(), merged.candidate_records()))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when present)")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when a cell fails the run (regressed, failed, error, unexpected-pass, stale-baseline, "
-                        "missing-baseline, missing) or a record is unreadable")
+                        "missing-baseline, missing; a candidate build's records too) or a record is unreadable")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     shown = [(s, n) for s, n in written.counts.items() if n]
     width = max([len(s) for s, _ in shown] + [7])
     print("\n".join(f"{s:<{width}}  {n}" for s, n in shown) or "no cells")
+    if written.candidates:
+        print(written.candidates)
     for note in written.notes:
         print(f"note: {note}")
     if written.missing:

