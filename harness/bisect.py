@@ -94,7 +94,7 @@ def bisect(matrix: Matrix, cells: list[Cell], engine: str, specs: list[str], *, 
                           candidates={engine: candidate},
                           candidate_dir=f"build-{i}", echo=lambda line: echo("    " + line))
         r.prepare(fresh=i == 1)  # the base's records of the first build are every later build's base
-        for res in r.run(jobs=1, progress=lambda n, total, res: echo("    " + runner.progress_line(n, total, res))):
+        for res in r.run(jobs=runner.default_jobs(), progress=lambda n, total, res: echo("    " + runner.progress_line(n, total, res))):
             if res.record.candidate is not None:
                 build.records[res.cell.id] = res.record
         ran = [b for b in builds if b.skipped is None]
@@ -146,8 +146,9 @@ def write_report(builds: list[Build], cell_ids: list[str], out: Path) -> Path:
 def run(args: argparse.Namespace, matrix: Matrix, cells: list[Cell]) -> int:
     engine = args.bisect_engine
     K.parse(f"{engine}=-")  # an unknown engine: one line listing the choices
-    cells = [c for c in cells if c.engine == engine]
-    if not cells:
+    # the other selected engines run once, on the base: the witnesses of the candidates' cross-engine checks
+    ids = [c.id for c in cells if c.engine == engine]
+    if not ids:
         raise UsageError(f"no selected cell runs on {engine}")
     if args.versions:
         specs = [s.strip() for s in args.versions.split(",") if s.strip()]
@@ -157,10 +158,9 @@ def run(args: argparse.Namespace, matrix: Matrix, cells: list[Cell]) -> int:
         raise UsageError("give --good SPEC and --bad SPEC, or --versions SPEC[,SPEC]")
     results = Path(args.results or runner.default_results_dir(prefix="bisect-"))
     echo = lambda line: print(line, flush=True)  # noqa: E731
-    echo(f"harness bisect: {len(specs)} {engine} builds x {len(cells)} cells; results in {results}")
+    echo(f"harness bisect: {len(specs)} {engine} builds x {len(ids)} cells; results in {results}")
     builds = bisect(matrix, cells, engine, specs, results=results, baselines=Path(args.baselines),
                     matrix_path=args.matrix, echo=echo)
-    ids = [c.id for c in cells]
     echo("\n" + table(builds, ids))
     echo(f"report: {write_report(builds, ids, results)}")
     return 0
