@@ -30,6 +30,12 @@ the selected cells; ``harness run`` refuses the run in one line when one cannot 
 (harness.files.write_problem), before any fixture is built or cell runs (docs/design.md, "Bad
 input and faults").
 
+**A candidate build** (``candidates``: engine -> harness.candidates.Candidate, ``harness run
+--candidate``). After its group is judged, each cell of that engine runs again under the
+candidate's interpreter with the same scored sequences, and is judged against the base's judged
+record of this run (:meth:`Runner.judge_candidate`, judging.judge_against_base); its files go to
+``Layout.candidate`` and it never writes a baseline (docs/design.md, "Candidate builds").
+
 **Traces.** A cell judged failed or regressed (every cell with ``trace``) is localised module by
 module against the engines it disagrees with and against its baseline's fingerprint;
 ``update_fingerprints`` refreshes the fingerprint of each baseline a cell passes against
