@@ -299,8 +299,8 @@ def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterabl
     same cell in this run (docs/design.md, "Candidate builds"): the base's record stands in for the
     baseline (sequences with the family bounds, the loaded state exactly, accuracy by the paired
     gate), unkeyed by engine version, and the cross-engine checks are the candidate's own. A known
-    failure of the base that the candidate no longer shows is ``fixed``; a known failure that only
-    the candidate matches is named as new."""
+    failure of the base that the candidate no longer shows is ``fixed``; a known failure that the
+    base does not match (none, or another) is named as new."""
     ok = base.status == "ok"
     j = verdict(record, Baseline.from_record(base) if ok else None, bounds=cell.bounds,
                 known_failures=cell.known_failures,
@@ -318,6 +318,6 @@ def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterabl
     if j.verdict == "missing-baseline":
         return Judgement("missing-baseline", f"{base_name} has no results to compare with ({base.verdict}: "
                          f"{base.verdict_reason})", j.checks, j.known_failure)
-    if j.known_failure is not None and base.known_failure is None:
+    if j.known_failure is not None and (base.known_failure is None or base.known_failure.pattern != j.known_failure.pattern):
         return Judgement(j.verdict, f"new in the candidate: {j.reason}", j.checks, j.known_failure)
     return Judgement(j.verdict, f"against {base_name}: {j.reason}", j.checks, j.known_failure)

@@ -74,6 +74,16 @@ def test_a_known_failure_only_the_candidate_matches_is_named_as_new():
     j = judging.judge_against_base(c, candidate(sequences=DEVIATING), base, [REF], known_failures=[known])
     assert j.verdict in ("waived", "failed") and j.known_failure is not None
     assert j.reason.startswith("new in the candidate: ")
+    # another known failure than the base's is new too; the base's own is not
+    other = kf(pattern="teacher-forced:reference", versions="<0.33", reason="the base's")
+    waived_base = judged_base(cell(other), record(sequences=DEVIATING, loaded_state=STATE))
+    j = judging.judge_against_base(cell(known, other), candidate(sequences=DEVIATING), waived_base, [REF],
+                                   known_failures=[known, other])
+    assert j.verdict == "waived" and not j.reason.startswith("new in the candidate")
+    error = kf(pattern="KeyError", versions="<0.32", reason="the plugin does not load")
+    j = judging.judge_against_base(cell(error, other), candidate(status="error", sequences=[], load=None,
+                                   error=R.ErrorInfo(type="KeyError", message="KeyError: 'x'")), waived_base, [REF])
+    assert j.verdict == "unsupported" and j.reason.startswith("new in the candidate: known failure: the plugin")
 
 
 def test_a_base_without_results_is_no_pass_for_the_candidate():

@@ -16,7 +16,7 @@ from harness.report.merge import Entry, Merged
 from harness.report.states import state_of
 from harness.verdicts import fails_run
 
-NEW = "new in the candidate"  # how judge_against_base starts the reason of a known failure only the candidate matches
+NEW = "new in the candidate"  # how judge_against_base starts the reason of a known failure the base does not match
 
 
 def _n(n: int, word: str, plural: str | None = None) -> str:
