@@ -41,6 +41,6 @@ def test_a_second_bug_in_a_waived_vllm_cell_is_failed(tmp_path, monkeypatch, cap
     assert ref.verdict == "pass", ref.verdict_reason
     assert rec.verdict == "failed", rec.verdict_reason
     assert rec.known_failure is not None and "bfloat16" in rec.known_failure.reason
-    assert rec.verdict_reason.startswith("known failure '^(teacher-forced|greedy):reference' (vllm >=0.32,<0.33) excuses "
-                                         "teacher-forced:reference")
+    assert rec.verdict_reason.startswith(f"known failure '^(teacher-forced|greedy):reference' (vllm "
+                                         f"{rec.known_failure.versions}) excuses teacher-forced:reference")
     assert "but this run left its recorded behaviour: teacher-forced:baseline: exceeds bound" in rec.verdict_reason

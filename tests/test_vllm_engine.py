@@ -311,16 +311,18 @@ def test_unknown_mutation_is_refused():
 
 
 def test_known_failures_of_vllm_carry_evidence():
-    """Every vLLM known failure in models.yaml says what it is and shows its evidence."""
+    """Every vLLM known failure in models.yaml says what it is and shows its evidence, and is bounded
+    to the releases harness bisect saw it in (docs/findings.md), none of them past the pinned one."""
     from harness import matrix
 
     m = matrix.load(matrix.DEFAULT_PATH)
-    seen = 0
+    bisected = ["0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0"]
+    on_pinned = 0
     for c in m.cells(tier="cpu-tiny"):
         if c.engine != "vllm":
             continue
         for k in c.known_failures:
-            seen += 1
+            on_pinned += k.applies_to("vllm", "0.32.0")
             assert k.engine == "vllm" and k.evidence and len(k.reason) > 80, c.id
-            assert k.applies_to("vllm", "0.32.0") and not k.applies_to("vllm", "0.33.0"), c.id
-    assert seen >= 10
+            assert any(k.applies_to("vllm", v) for v in bisected) and not k.applies_to("vllm", "0.33.0"), (c.id, k.versions)
+    assert on_pinned >= 10

@@ -79,7 +79,7 @@ def test_forked_cells_give_the_records_of_fresh_interpreters(tmp_path, monkeypat
     monkeypatch.delenv(supervise.ISOLATION_ENV, raising=False)
     supervise.stop_fork_servers()
     forked = _run(tmp_path, capsys, "forked")
-    preloads = {preload for preload, _ in supervise._SERVERS}
+    preloads = {preload for preload, *_ in supervise._SERVERS}
     assert preloads == {supervise.DEFAULT_PRELOAD, ENGINES["vllm"].preload}  # both cells were forked
     monkeypatch.setenv(supervise.ISOLATION_ENV, "spawn")
     spawned = _run(tmp_path, capsys, "spawned")
