@@ -214,6 +214,7 @@ def check_teacher_forced(expected: Sequence[SequenceResult], obtained: Sequence[
             "onsets": {pid: _onset_data(noise, pid) for pid in judged},
             "noise_bound": noise_bound,  # the bound applied where judged "noise", else null
             "family_share": family_share,
+            "exceeding_prompts": sorted({pid for _, pid, _, _ in excess}),
         },
     ))
     return checks
@@ -489,7 +490,8 @@ def rounding_flip(record: Record, baseline: Baseline) -> Judgement | None:
 
     The rule: the baseline comes from other kernels; every failing check is a logprob check against
     it; the loaded state equals the baseline's, module for module; and the localisation against the
-    baseline's fingerprint shows a rounding flip on every prompt that differs (harness.traces.flips).
+    baseline's fingerprint shows a rounding flip on every prompt that differs (harness.traces.flips),
+    among them every prompt whose logprobs fail: a flip on one prompt explains nothing on another.
     On the baseline's own kernels nothing is explained away."""
     if record.verdict != "regressed" or not other_kernels(record, baseline):
         return None
@@ -500,6 +502,9 @@ def rounding_flip(record: Record, baseline: Baseline) -> Judgement | None:
     if (not failing or any(c.name not in FLIP_MOVES for c in failing) or state is None or not state.ok
             or flip is None or not flip.explained):
         return None
+    flipped = {a.prompt for a in flip.at}
+    if any(_failing_prompts(c) is None or not _failing_prompts(c) <= flipped for c in failing):
+        return None
     checks = [c if c.ok else c.model_copy(update={
         "ok": True, "detail": f"explained by a rounding flip ({flip.detail}): {c.detail}",
         "data": {**(c.data or {}), "rounding_flip": flip.model_dump()}}) for c in record.checks]
@@ -508,6 +513,15 @@ def rounding_flip(record: Record, baseline: Baseline) -> Judgement | None:
     where = f", largest move {_fmt(worst['delta'])} at prompt {worst['prompt']} position {worst['position']}" if worst else ""
     return Judgement("pass", f"{flip.detail}{where}; state exact ({state.data['modules']} modules), baseline from "
                      "other kernels", checks)
+
+
+def _failing_prompts(check: Check) -> set[str] | None:
+    """The prompts on which a failing logprob check fails (None: its data does not say)."""
+    data = check.data or {}
+    if check.name.startswith("greedy:"):
+        return {d["prompt"] for d in data.get("divergences", []) if not d["ok"]}
+    exceeding = data.get("exceeding_prompts")
+    return set(exceeding) if exceeding is not None else None
 
 
 def baseline_key_problems(record: Record, baseline: Baseline, *, expected_engine_version: str | None = None,

@@ -119,8 +119,8 @@ def test_a_state_difference_is_regressed_on_the_same_and_on_other_kernels():
 # ------------------------------------------------------------------------ rounding flips
 
 
-def _flip(explained=True) -> R.Localisation:
-    at = [R.FlipAt(prompt="p0", module="model.layers.0.mlp.gate_proj", fragile=3, moved=0.01, bound=0.04, steps=1.2)]
+def _flip(explained=True, prompt="p0") -> R.Localisation:
+    at = [R.FlipAt(prompt=prompt, module="model.layers.0.mlp.gate_proj", fragile=3, moved=0.01, bound=0.04, steps=1.2)]
     return R.Localisation(against="baseline", module="model.layers.0.mlp.gate_proj", kind="quantizer", detail="...",
                           rounding_flip=R.RoundingFlip(explained=explained, detail="rounding flip at X" if explained
                                                        else "not a rounding flip: Y", at=at if explained else []))
@@ -160,6 +160,11 @@ def test_a_flip_needs_the_state_exact_and_the_localisation_to_show_it():
     assert C.rounding_flip(rec, b) is None
     rec, b = _judged(OTHER_CPU, state=None, flip=_flip())  # no digests: nothing shows the state exact
     assert C.rounding_flip(rec, b) is None
+
+
+def test_a_flip_on_one_prompt_explains_nothing_on_another():
+    rec, b = _judged(OTHER_CPU, flip=_flip(prompt="p1"))  # the logprobs fail on p0
+    assert rec.verdict == "regressed" and C.rounding_flip(rec, b) is None
 
 
 # ------------------------------------------------- harness.traces.flips on constructed traces

@@ -82,20 +82,53 @@ def native(tmp_path_factory, committed) -> dict[str, dict]:
     return _run(tmp_path_factory.mktemp("native"), "native", REPRESENTATIVE, committed, None)
 
 
+# Cells the committed baselines are known not to hold on some kind of CPU (docs/decisions.md,
+# 2026-12-03): on which CPUs, and why. There such a cell may be `regressed` where the rounding-flip
+# rule says why not (natively or under a condition); anything else red still fails the test.
+NO_AVX512 = lambda flags: "avx512f" not in flags  # noqa: E731
+KNOWN_GAPS = {
+    "qwen2_5_vl.fp8-dynamic.reference": (
+        NO_AVX512, "torch's AVX2 kernels move Qwen2.5-VL's dynamic-FP8 logprobs past the AMX Xeon's measured noise "
+                   "(0.242 against 0.216 on an AVX2-only EPYC); the first module beyond noise is a residual add"),
+    "llama.online-fp8.reference": (
+        NO_AVX512, "under a scalar torch on an AVX2-only EPYC, 0.44 at prompt p1; the flip rule's first module "
+                   "beyond noise is model.layers.5.mlp.act_fn, a weightless leaf stored 10x finer than its input"),
+}
+
+
+def _known_gaps() -> set[str]:
+    return {c for c, (applies, _) in KNOWN_GAPS.items() if applies(cpu.flags())}
+
+
+def _gaps_shown(records: dict[str, dict], red: set[str]) -> list[str]:
+    """The known gaps among ``red``, each checked to be one: regressed, the flip rule unconvinced."""
+    gaps = _known_gaps()
+    assert red <= gaps, {c: (records[c]["verdict"], records[c]["verdict_reason"]) for c in red - gaps}
+    for c in red:
+        r = records[c]
+        flip = [(x.get("rounding_flip") or {}).get("detail", "") for x in r["localisation"] if x["against"] == "baseline"]
+        assert r["verdict"] == "regressed" and any(f.startswith("not a rounding flip") for f in flip), (r["verdict_reason"], flip)
+    return [f"{c}: {KNOWN_GAPS[c][1]}" for c in sorted(red)]
+
+
 def test_the_committed_baselines_pass_on_this_machines_own_kernels(native):
-    assert set(_verdicts(native).values()) <= GOOD, {c: (r["verdict"], r["verdict_reason"]) for c, r in native.items()
-                                                     if r["verdict"] not in GOOD}
+    shown = _gaps_shown(native, {c for c, r in native.items() if r["verdict"] not in GOOD})
+    if shown:
+        pytest.xfail("; ".join(shown))
 
 
 @pytest.mark.parametrize("condition", sorted(CONDITIONS))
 def test_other_kernels_give_the_native_verdicts(tmp_path, committed, native, condition):
     other = _run(tmp_path, condition, REPRESENTATIVE, committed, CONDITIONS[condition])
-    assert _verdicts(other) == _verdicts(native), {c: r["verdict_reason"] for c, r in other.items()
-                                                   if r["verdict"] != native[c]["verdict"]}
+    differ = {c for c, r in other.items() if r["verdict"] != native[c]["verdict"]}
+    shown = _gaps_shown(other, {c for c in differ if other[c]["verdict"] not in GOOD})
+    assert not differ - _known_gaps(), {c: other[c]["verdict_reason"] for c in differ}
     for c, r in other.items():
         state = next((x for x in r["checks"] if x["name"] == "loaded-state:baseline"), None)
         if r["verdict"] == "pass" and c.endswith((".reference", ".transformers")):
             assert state is not None and state["ok"], f"{c}: the loaded state was not checked exactly: {state}"
+    if shown or differ:
+        pytest.xfail("; ".join(shown) or f"known gaps red natively, not under {condition}: {sorted(differ)}")
 
 
 def test_every_planted_fault_is_caught_against_baselines_from_other_kernels(tmp_path, committed):

@@ -94,6 +94,22 @@ def test_plain_bin(tmp_path):
     assert src.shape("a.weight") == (3, 3) and src.dtype("a.weight") == torch.float32
 
 
+def test_reading_a_bin_leaves_the_process_allow_list_as_it_was(tmp_path):
+    """torchao registers its tensor classes for weights_only loads on import, and vLLM's .bin loader
+    relies on it; a .bin read by the reference or the fixture identity in the same process must not
+    take them away (it did: vLLM then refused torchao.quantization.Int8Tensor, docs/findings.md)."""
+    import torchao.quantization as tq
+
+    from harness.fixtures.identity import load_bin
+
+    torch.save({"a.weight": torch.randn(2, 2)}, tmp_path / "pytorch_model.bin")
+    before = set(torch.serialization.get_safe_globals())
+    assert tq.Int8Tensor in before
+    TensorSource.open(tmp_path).get("a.weight")
+    load_bin(tmp_path / "pytorch_model.bin")
+    assert set(torch.serialization.get_safe_globals()) == before
+
+
 def test_safetensors_preferred_over_bin(tmp_path):
     save_file({"a.weight": torch.ones(1)}, tmp_path / "model.safetensors")
     (tmp_path / "pytorch_model.bin").write_bytes(b"garbage never read")

@@ -26,6 +26,8 @@ import os
 import pickle
 import re
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -130,6 +132,20 @@ def torchao_safe_globals() -> list:
     except Exception:  # torchao missing or broken: allow nothing extra
         return []
     return list(ALLOWED_CLASSES.values())
+
+
+@contextmanager
+def torchao_globals_allowed() -> Iterator[None]:
+    """torchao's classes allowed for a ``weights_only`` load within the block, and the process's
+    allow-list as it was after it. torchao registers most of them itself, for the whole process, on
+    import, and vLLM's .bin loader relies on that; torch's ``safe_globals`` removes on exit every
+    class it was given, registered before or not, so only the missing ones are given to it.
+    (Giving it all of them made every later vLLM .bin load in the same process refuse
+    ``torchao.quantization.Int8Tensor``: docs/findings.md.)"""
+    allowed = torchao_safe_globals()  # first: importing torchao registers its own
+    registered = torch.serialization.get_safe_globals()
+    with torch.serialization.safe_globals([c for c in allowed if c not in registered]):
+        yield
 
 
 _BOILERPLATE = ("Weights only load failed", "Check the documentation", "Re-running `torch.load`")
@@ -298,9 +314,8 @@ class TensorSource:
         kwargs = {"weights_only": True, "map_location": "cpu"}
         if zipfile.is_zipfile(path):
             kwargs["mmap"] = True  # the legacy (non-zip) format cannot be mmapped
-        allowed = torchao_safe_globals()
         try:
-            with torch.serialization.safe_globals(allowed):
+            with torchao_globals_allowed():
                 state = torch.load(str(path), **kwargs)
         except pickle.UnpicklingError as e:
             raise CheckpointError(str(path), f"refused to unpickle: {_refusal(e)}") from None

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from harness.engines.transformers import bnb_float_compute
-from harness.quant.source import torchao_safe_globals
+from harness.quant.source import torchao_globals_allowed
 
 
 @cache
@@ -23,7 +23,7 @@ def transformers_model(path: str):
         kwargs["quantization_config"] = transformers.CompressedTensorsConfig(run_compressed=False)
     # transformers reads a legacy .bin with weights_only=True; torchao's classes must be allowed,
     # exactly as the reference allows them (harness.quant.source).
-    with torch.serialization.safe_globals(torchao_safe_globals()):
+    with torchao_globals_allowed():
         model = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", **kwargs)
     # The bf16 CPU kernel of bitsandbytes would make the oracle about bnb's kernel, not loading.
     bnb_float_compute(model)
