@@ -318,6 +318,15 @@ def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterabl
     if j.verdict == "missing-baseline":
         return Judgement("missing-baseline", f"{base_name} has no results to compare with ({base.verdict}: "
                          f"{base.verdict_reason})", j.checks, j.known_failure)
+    if j.verdict == "unexpected-pass" and not vouched:
+        # The candidate agrees with the base, and no other engine of this run can show the known
+        # failure's pattern (a run of one engine): it behaves as the base does, whatever that is.
+        if base.known_failure is not None:
+            k = base.known_failure
+            return Judgement("waived", f"against {base_name}: the same within the bounds, and the base is {base.verdict} "
+                             f"by known failure {k.pattern!r} ({k.engine} {k.versions})", j.checks, k)
+        return Judgement("pass", f"against {base_name}: the same within the bounds; no other engine in this run can "
+                         "show the known failure that covers it, for the candidate or the base", j.checks)
     if j.known_failure is not None and (base.known_failure is None or base.known_failure.pattern != j.known_failure.pattern):
         return Judgement(j.verdict, f"new in the candidate: {j.reason}", j.checks, j.known_failure)
     return Judgement(j.verdict, f"against {base_name}: {j.reason}", j.checks, j.known_failure)

@@ -86,6 +86,23 @@ def test_a_known_failure_only_the_candidate_matches_is_named_as_new():
     assert j.verdict == "unsupported" and j.reason.startswith("new in the candidate: known failure: the plugin")
 
 
+def test_in_a_run_of_one_engine_a_candidate_that_agrees_with_the_base_is_judged_as_the_base():
+    """No other engine can show a cross-engine known failure's pattern: a candidate the same as the
+    base within the bounds is no unexpected-pass, and nothing of it is new."""
+    known = kf(pattern="teacher-forced:reference", versions="<0.33")
+    c = cell(known)
+    lone_base = judging.judge(c, record(loaded_state=STATE), None, []).apply(record(loaded_state=STATE))
+    assert lone_base.known_failure is None
+    j = judging.judge_against_base(c, candidate(), lone_base, [], known_failures=[known])
+    assert j.verdict == "pass" and j.reason.startswith("against base vllm 0.32.0: the same within the bounds"), j.reason
+    waived_base = judged_base(c, record(sequences=DEVIATING, loaded_state=STATE))
+    assert waived_base.verdict == "waived"
+    j = judging.judge_against_base(c, candidate(sequences=DEVIATING), waived_base, [], known_failures=[known])
+    assert j.verdict == "waived" and j.known_failure is not None and "the base is waived by known failure" in j.reason
+    moved = candidate(sequences=[seq(lps=(-1.0, -2.01, -0.5))])
+    assert judging.judge_against_base(c, moved, lone_base, [], known_failures=[known]).verdict == "regressed"
+
+
 def test_a_base_without_results_is_no_pass_for_the_candidate():
     c = cell()
     base = judging.judge(c, record(status="error", sequences=[], load=None,
