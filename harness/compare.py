@@ -503,8 +503,10 @@ def rounding_flip(record: Record, baseline: Baseline) -> Judgement | None:
             or flip is None or not flip.explained):
         return None
     flipped = {a.prompt for a in flip.at}
-    if any(_failing_prompts(c) is None or not _failing_prompts(c) <= flipped for c in failing):
-        return None
+    for c in failing:
+        prompts = _failing_prompts(c)
+        if prompts is None or not prompts <= flipped:
+            return None
     checks = [c if c.ok else c.model_copy(update={
         "ok": True, "detail": f"explained by a rounding flip ({flip.detail}): {c.detail}",
         "data": {**(c.data or {}), "rounding_flip": flip.model_dump()}}) for c in record.checks]
