@@ -82,33 +82,23 @@ def native(tmp_path_factory, committed) -> dict[str, dict]:
     return _run(tmp_path_factory.mktemp("native"), "native", REPRESENTATIVE, committed, None)
 
 
-# Cells the committed baselines are known not to hold on some kind of CPU (docs/decisions.md,
-# 2026-12-03): on which CPUs, and why. There such a cell may be `regressed` where the rounding-flip
-# rule says why not (natively or under a condition); anything else red still fails the test.
-NO_AVX512 = lambda flags: "avx512f" not in flags  # noqa: E731
-KNOWN_GAPS = {
-    "qwen2_5_vl.fp8-dynamic.reference": (
-        NO_AVX512, "torch's AVX2 kernels move Qwen2.5-VL's dynamic-FP8 logprobs past the AMX Xeon's measured noise "
-                   "(0.242 against 0.216 on an AVX2-only EPYC); the first module beyond noise is a residual add"),
-    "llama.online-fp8.reference": (
-        NO_AVX512, "under a scalar torch on an AVX2-only EPYC, 0.44 at prompt p1; the flip rule's first module "
-                   "beyond noise is model.layers.5.mlp.act_fn, a weightless leaf stored 10x finer than its input"),
-}
+def _load_gaps():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("portability_gaps", REPO / "suites" / "matrix" / "portability_gaps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _known_gaps() -> set[str]:
-    return {c for c, (applies, _) in KNOWN_GAPS.items() if applies(cpu.flags())}
+GAPS = _load_gaps()
 
 
 def _gaps_shown(records: dict[str, dict], red: set[str]) -> list[str]:
-    """The known gaps among ``red``, each checked to be one: regressed, the flip rule unconvinced."""
-    gaps = _known_gaps()
-    assert red <= gaps, {c: (records[c]["verdict"], records[c]["verdict_reason"]) for c in red - gaps}
-    for c in red:
-        r = records[c]
-        flip = [(x.get("rounding_flip") or {}).get("detail", "") for x in r["localisation"] if x["against"] == "baseline"]
-        assert r["verdict"] == "regressed" and any(f.startswith("not a rounding flip") for f in flip), (r["verdict_reason"], flip)
-    return [f"{c}: {KNOWN_GAPS[c][1]}" for c in sorted(red)]
+    """The known gaps among ``red``, each checked to be one (suites/matrix/portability_gaps.py)."""
+    shown = {c: GAPS.why_red(records[c]) for c in red}
+    assert all(shown.values()), {c: (records[c]["verdict"], records[c]["verdict_reason"]) for c, w in shown.items() if not w}
+    return sorted(shown.values())
 
 
 def test_the_committed_baselines_pass_on_this_machines_own_kernels(native):
@@ -122,7 +112,7 @@ def test_other_kernels_give_the_native_verdicts(tmp_path, committed, native, con
     other = _run(tmp_path, condition, REPRESENTATIVE, committed, CONDITIONS[condition])
     differ = {c for c, r in other.items() if r["verdict"] != native[c]["verdict"]}
     shown = _gaps_shown(other, {c for c in differ if other[c]["verdict"] not in GOOD})
-    assert not differ - _known_gaps(), {c: other[c]["verdict_reason"] for c in differ}
+    assert not differ - GAPS.known_gaps(), {c: other[c]["verdict_reason"] for c in differ}
     for c, r in other.items():
         state = next((x for x in r["checks"] if x["name"] == "loaded-state:baseline"), None)
         if r["verdict"] == "pass" and c.endswith((".reference", ".transformers")):
