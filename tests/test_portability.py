@@ -225,3 +225,15 @@ def test_static_fp8_fixtures_build_as_the_baselines_recorded_them_under_other_ke
     assert set(committed) == set(STATIC_FIXTURES), sorted(committed)
     both = {**CONDITIONS["aten-default"], **CONDITIONS["libraries-avx2"]}
     assert _identities(tmp_path / "other", both) == committed
+
+
+def test_a_known_gap_excuses_only_its_cell_on_its_cpu_and_only_an_unexplained_regression(monkeypatch):
+    flip = {"against": "baseline", "rounding_flip": {"detail": "not a rounding flip: prompt p0: ..."}}
+    rec = {"cell": "qwen2_5_vl.fp8-dynamic.reference", "verdict": "regressed", "localisation": [flip]}
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2"}))
+    assert GAPS.why_red(rec).startswith("qwen2_5_vl.fp8-dynamic.reference: torch's AVX2 kernels")
+    assert GAPS.why_red({**rec, "cell": "llama.fp8-dynamic.reference"}) is None
+    assert GAPS.why_red({**rec, "verdict": "failed"}) is None
+    assert GAPS.why_red({**rec, "localisation": []}) is None  # the flip rule never ran
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert GAPS.why_red(rec) is None
