@@ -13,7 +13,7 @@ from typing import Any
 
 from harness import architectures
 from harness.matrix import ENGINES, Cell, Matrix, MatrixError
-from harness.registry import FORMATS
+from harness.registry import FORMATS, VLLM_QUANTIZATION
 
 Selector = Callable[[Cell], bool]
 ALL: Selector = lambda c: True  # noqa: E731
@@ -81,7 +81,6 @@ PROJECT_RULES: tuple[Rule, ...] = (
         lambda c: Path(path).name == f"{c.id}.json" and Path(path).parent.name == c.tier)),
 )
 
-_VQ = "vllm/model_executor/layers/quantization"
 # Paths in an engine's own source tree (a vLLM or transformers checkout), first match wins.
 # Unmatched files select every cell of that engine.
 ENGINE_RULES: dict[str, tuple[Rule, ...]] = {
@@ -95,10 +94,10 @@ ENGINE_RULES: dict[str, tuple[Rule, ...]] = {
         Rule("vllm/model_executor/models/*.py", "cells of that architecture",
              per_path=lambda path: _arch_in("vllm", Path(path).stem)),
         *_format_rules("vllm"),
-        Rule(f"{_VQ}/__init__.py", "all vllm cells", ALL),
-        Rule(f"{_VQ}/base_config.py", "all vllm cells", ALL),
-        Rule(f"{_VQ}/utils/*", "all vllm cells", ALL),
-        Rule(f"{_VQ}/*", "other quantization methods (no cell)", NONE),
+        Rule(f"{VLLM_QUANTIZATION}/__init__.py", "all vllm cells", ALL),
+        Rule(f"{VLLM_QUANTIZATION}/base_config.py", "all vllm cells", ALL),
+        Rule(f"{VLLM_QUANTIZATION}/utils/*", "all vllm cells", ALL),
+        Rule(f"{VLLM_QUANTIZATION}/*", "other quantization methods (no cell)", NONE),
         Rule("csrc/cpu/*", "vllm cells on CPU", lambda c: (c.hardware.gpus or 0) == 0),
         Rule("csrc/*", "vllm cells on GPU", lambda c: (c.hardware.gpus or 0) > 0),
     ),

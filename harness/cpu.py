@@ -62,6 +62,19 @@ def torch_capability() -> str | None:
 # The other kernels a machine can select for itself beside a lowered torch capability: MKL's and
 # oneDNN's AVX2 code paths, which an AVX-512 Xeon takes as an AVX2-only EPYC does.
 LIBRARIES_AVX2 = {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# The kernel conditions one machine (CI's among them) can set for itself, as environment overlays
+# for a fresh interpreter: a lowered torch capability, and the libraries' AVX2 paths.
+KERNEL_CONDITIONS: dict[str, dict[str, str]] = {
+    "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
+    "libraries-avx2": LIBRARIES_AVX2,
+}
+
+
+def condition_env(overlay: dict[str, str] | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (this process's environment) under a kernel condition (None: the native one). Only
+    the variables the conditions set are replaced: OPENBLAS_CORETYPE, where the machine sets it, stays."""
+    chosen = {k for c in KERNEL_CONDITIONS.values() for k in c}
+    return {**{k: v for k, v in (os.environ if base is None else base).items() if k not in chosen}, **(overlay or {})}
 
 
 def kernel_env() -> dict[str, str]:

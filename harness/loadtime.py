@@ -59,7 +59,7 @@ STATISTIC = "min"
 CONFIRMATIONS = 2
 # The children a gated baseline is the median of (the detection bench takes its baseline the same way).
 BASELINE_CHILDREN = 5
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def calibration_path() -> Path:

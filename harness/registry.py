@@ -117,7 +117,8 @@ class FormatSpec:
         return self.module.replace(".", "/") + ".py"
 
 
-_VQ = "vllm/model_executor/layers/quantization"
+# vLLM's quantization sources in its own tree (its engine_sources, and harness.changes' rules).
+VLLM_QUANTIZATION = "vllm/model_executor/layers/quantization"
 _TQ = "src/transformers"
 
 # In the order decode_weight asks them (harness.quant.formats); their layouts do not overlap.
@@ -138,7 +139,7 @@ FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
             "load_in_4bit": True, "load_in_8bit": False,
         }},
         engine_sources={
-            "vllm": (f"{_VQ}/bitsandbytes.py", "vllm/model_executor/model_loader/bitsandbytes_loader.py"),
+            "vllm": (f"{VLLM_QUANTIZATION}/bitsandbytes.py", "vllm/model_executor/model_loader/bitsandbytes_loader.py"),
             "transformers": (f"{_TQ}/quantizers/quantizer_bnb_4bit.py", f"{_TQ}/integrations/bitsandbytes.py"),
         },
     ),
@@ -159,7 +160,7 @@ FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
             "modules_to_not_convert": None, "include_input_output_embeddings": False, "untie_embedding_weights": False,
         }},
         engine_sources={
-            "vllm": (f"{_VQ}/torchao.py",),
+            "vllm": (f"{VLLM_QUANTIZATION}/torchao.py",),
             "transformers": (f"{_TQ}/quantizers/quantizer_torchao.py", f"{_TQ}/integrations/torchao.py"),
         },
     ),
@@ -173,8 +174,8 @@ FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
          MethodSpec("fp8", "harness.quant.schema:Fp8Config")),
         presets={"online-fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": []}},
         engine_sources={
-            "vllm": (f"{_VQ}/fp8.py", f"{_VQ}/kv_cache.py", f"{_VQ}/compressed_tensors/*", f"{_VQ}/utils/*fp8*",
-                     f"{_VQ}/utils/w8a8_utils.py"),
+            "vllm": (f"{VLLM_QUANTIZATION}/fp8.py", f"{VLLM_QUANTIZATION}/kv_cache.py", f"{VLLM_QUANTIZATION}/compressed_tensors/*", f"{VLLM_QUANTIZATION}/utils/*fp8*",
+                     f"{VLLM_QUANTIZATION}/utils/w8a8_utils.py"),
             "transformers": (f"{_TQ}/quantizers/quantizer_compressed_tensors.py",
                              f"{_TQ}/quantizers/quantizer_finegrained_fp8.py", f"{_TQ}/integrations/finegrained_fp8.py"),
         },

@@ -64,7 +64,7 @@ from harness.accuracy import store as accuracy_store
 from harness.files import Written
 from harness.fixtures import benchmark, cache
 from harness.layout import Layout, default_results_dir, group_key
-from harness.matrix import ENGINES, Cell, Matrix, expand
+from harness.matrix import CPU_TIERS, ENGINES, Cell, Matrix, expand
 from harness.registry import fuses_shards
 from harness.sequences import ScoredSequences
 from harness.traces.jobs import Tracer
@@ -493,7 +493,7 @@ class Runner:
                             progress(len(done), total, r)
             return rs
 
-        keys = list(self.groups)
+        keys, timed = untimed_and_timed(self.groups)
         self.start_fork_servers()
         if jobs <= 1:
             for k in keys:
@@ -508,8 +508,18 @@ class Runner:
                 self.supervisor.kill_all()
                 raise
             ex.shutdown()
+        for k in timed:
+            work(k)
         order = {c.id: i for i, c in enumerate(self.cells)}
         return sorted(done, key=lambda r: (order[r.cell.id], r.record.candidate is not None))
+
+
+def untimed_and_timed(groups: dict[str, list[Cell]]) -> tuple[list[str], list[str]]:
+    """The group keys run ``jobs`` at a time, and those run after them one at a time with nothing
+    beside them: the groups whose CPU load time is gated (cpu-load), as harness bench's detection
+    timed them when it chose their rule."""
+    timed = [k for k, cells in groups.items() if any(c.gate_load_time and c.tier in CPU_TIERS for c in cells)]
+    return [k for k in groups if k not in timed], timed
 
 
 # --------------------------------------------------------------------------------- reporting

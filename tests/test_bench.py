@@ -10,7 +10,7 @@ import pytest
 from harness import cli, cpu, loadtime
 from harness import matrix as M
 from harness import records as R
-from harness.bench import decode, detection, report
+from harness.bench import decode, detection, portability, report
 from harness.fixtures import benchmark
 from harness.hooks import slowdown
 from harness.bench.detection import CellRun
@@ -338,7 +338,7 @@ def _figures(**over):
 
 def test_targets_pass_miss_and_not_measured():
     marks = {t["target"][:2]: t["ok"] for t in report.targets(_figures())}
-    assert marks == {"1a": True, "1b": True, "1c": True, "1d": True, "2 ": True, "3 ": None, "4 ": None}
+    assert marks == {"1a": True, "1b": True, "1c": True, "1d": True, "2 ": True, "3 ": None, "4 ": None, "5 ": None}
     slow = _figures(matrix={"before_s": 100.0, "after_s": 80.0, "before": "x", "after": "y"},
                     decode=[{"format": "fp8", "shape": [1, 1], "decode_s": 0.04, "fill_s": 0.01, "ratio": 4.0}])
     marks = {t["target"][:2]: t["ok"] for t in report.targets(slow)}
@@ -453,3 +453,43 @@ def test_a_bench_run_keeps_the_hand_written_section_of_benchmarks_md():
     assert report.kept_by_hand("# Benchmarks\n\nno such section\n") == ""
     assert report.kept_by_hand((Path(__file__).parent.parent / "BENCHMARKS.md").read_text()).startswith(
         "\n---\n\n## Measured by hand")
+
+
+def _portable_cells(*bounds: float):
+    return [types.SimpleNamespace(id=f"c{i}", bounds=types.SimpleNamespace(load_time=b)) for i, b in enumerate(bounds)]
+
+
+def test_a_portability_run_is_a_false_alarm_only_when_a_cells_fastest_child_is_over_its_bound():
+    cells = _portable_cells(1.1, 1.2)
+    by_cell = {"c0": {"runs": [[1.0], [1.15, 1.12], [1.15, 1.05], [0.85]], "error": None},
+               "c1": {"runs": [[1.0], [1.0], [1.0], [1.0]], "error": None}}
+    s = portability.summarize(cells, by_cell, runs=4)
+    assert s["cells"]["c0"]["reported"] == [1.0, 1.12, 1.05, 0.85]
+    assert (s["complete_runs"], s["false_alarm_runs"], s["improved_runs"]) == (4, 1, 1)
+    assert (s["cells"]["c0"]["regressed"], s["cells"]["c0"]["improved"]) == (1, 1)
+
+
+def test_a_cell_that_cannot_load_under_a_condition_is_reported_and_not_judged():
+    cells = _portable_cells(1.1, 1.1)
+    s = portability.summarize(cells, {"c0": {"runs": [], "error": "inductor"},
+                                      "c1": {"runs": [[1.0]] * 20, "error": None}}, runs=20)
+    port = {"aten-default": {"environment": {}, **s}}
+    assert (s["complete_runs"], s["false_alarm_runs"]) == (20, 0)
+    assert report._portability_ok(port) is True
+    assert "1 cell(s) that cannot load" in report._portability_detail(port)
+    assert "| aten-default | c0 | 0 | cannot load: inductor |" in "\n".join(report._portability_lines(port))
+    short = {"native": {"environment": {}, **portability.summarize(cells[1:], {"c1": {"runs": [[1.0]] * 5, "error": None}}, 5)}}
+    assert report._portability_ok(short) is False  # fewer runs than the target asks for
+
+
+def test_bench_reads_slowdowns_and_conditions(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--parts", "detection", "--slowdowns", "0.2,x"])
+    assert e.value.code == 2 and "give fractions" in capsys.readouterr().err
+    assert cli.main(["bench", "--parts", "portability", "--conditions", "avx9"]) == 2
+    assert "unknown condition 'avx9' (known: native, aten-default, libraries-avx2)" in capsys.readouterr().err
+
+
+def test_the_bench_writes_into_this_checkout():
+    """Its default output, baselines and git commands are the checkout's (loadtime.REPO_ROOT)."""
+    assert (loadtime.REPO_ROOT / "pyproject.toml").is_file() and (loadtime.REPO_ROOT / "harness").is_dir()

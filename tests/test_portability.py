@@ -9,7 +9,6 @@ caught against baselines from other kernels, in both directions; and every stati
 builds with one identity.
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,10 +24,7 @@ REPRESENTATIVE = ("llama.fp8-dynamic. or llama.fp8-static-kv. or llama.online-fp
                   "or whisper.fp8-dynamic. or qwen2_5_vl.fp8-dynamic. or llama.bnb-nf4. or llama.torchao-int8wo. "
                   "or mllama.bnb-nf4.")
 GOOD = {"pass", "unsupported", "waived"}
-CONDITIONS = {
-    "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
-    "libraries-avx2": cpu.LIBRARIES_AVX2,
-}
+CONDITIONS = cpu.KERNEL_CONDITIONS
 # Each planted fault on its own cell (the hook's @glob), judged under other kernels than the baseline's.
 FAULTS = {
     "llama.bnb-nf4.reference": "break=harness.quant.bnb:decode",  # a broken decode
@@ -43,18 +39,11 @@ FAULTS = {
 CAUGHT = {"regressed", "failed"}
 
 
-def _env(overlay: dict[str, str] | None) -> dict[str, str]:
-    """This process's environment under a kernel condition (None: the native one). Only the
-    variables the conditions set are replaced: OPENBLAS_CORETYPE, where the machine sets it, stays."""
-    chosen = {"ATEN_CPU_CAPABILITY", *(k for c in CONDITIONS.values() for k in c)}
-    return {**{k: v for k, v in os.environ.items() if k not in chosen}, **(overlay or {})}
-
-
 def _run(tmp: Path, name: str, k: str, baselines: Path, overlay: dict[str, str] | None, *extra: str) -> dict[str, dict]:
     results = tmp / name
     p = subprocess.run([sys.executable, "-m", "harness.cli", "run", "-k", k, "--engine", "reference,transformers",
                         "--baselines", str(baselines), "--results", str(results), *extra],
-                       env=_env(overlay), cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       env=cpu.condition_env(overlay), cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                        timeout=1200)
     records = {}
     for f in results.glob("*.json"):
@@ -143,7 +132,7 @@ def test_the_trace_suites_faults_are_localised_against_fingerprints_from_other_k
     cases = [[case, model, scheme, spec] for case, (model, scheme, spec, _, _) in expected.items()]
     cases += [[f"{model}.{scheme} clean", model, scheme, None] for model, scheme in dict.fromkeys(tuple(c[1:3]) for c in cases)]
     p = subprocess.run([sys.executable, str(REPO / "tests" / "localise_child.py"), json.dumps(cases)],
-                       env=_env(CONDITIONS[condition]), cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
+                       env=cpu.condition_env(CONDITIONS[condition]), cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
                        text=True, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
     found = {d["case"]: d for d in map(json.loads, p.stdout.splitlines())}
@@ -197,7 +186,7 @@ STATIC_FIXTURES = ["llama-fp8-static-kv", "whisper-fp8-static-kv", "mllama-fp8-s
 
 def _identities(cache: Path, overlay: dict[str, str] | None) -> dict[str, str]:
     p = subprocess.run([sys.executable, "-m", "harness.cli", "fixtures", "--build", *STATIC_FIXTURES],
-                       env={**_env(overlay), "HARNESS_FIXTURE_CACHE": str(cache)}, cwd=REPO,
+                       env={**cpu.condition_env(overlay), "HARNESS_FIXTURE_CACHE": str(cache)}, cwd=REPO,
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stderr[-2000:]
     out = {}

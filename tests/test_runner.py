@@ -250,6 +250,27 @@ def test_argparse_errors_are_one_line_too(capsys):
     assert err == "error: harness: unrecognized arguments: --bogus (see harness --help)\n"
 
 
+def test_tiers_are_named_one_or_several_at_once(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["cells", "--tier", "cpu-tiny,cpu-huge"])
+    assert e.value.code == 2 and "'cpu-tiny,cpu-huge': give one of cpu-tiny, cpu-load" in capsys.readouterr().err
+    assert cli.main(["cells", "--tier", "cpu-tiny,cpu-load", "-k", "llama-m-unquantized or llama.unquantized."]) == 0
+    listed = capsys.readouterr().out.split()
+    assert {"llama", "llama-m-unquantized"} <= {c.split(".")[0] for c in listed}
+
+
+def test_the_gated_cpu_load_groups_run_last_and_alone():
+    from harness import matrix
+
+    cells = matrix.select(matrix.load().cells(tier="cpu-tiny,cpu-load"), "llama-m-unquantized or llama.unquantized.")
+    groups: dict = {}
+    for c in cells:
+        groups.setdefault(runner.group_key(c), []).append(c)
+    untimed, timed = runner.untimed_and_timed(groups)
+    assert timed and all(c.tier == "cpu-load" for k in timed for c in groups[k])
+    assert untimed and all(c.tier == "cpu-tiny" for k in untimed for c in groups[k])
+
+
 def test_bad_matrix_is_exit_2(tmp_path, capsys):
     bad = tmp_path / "models.yaml"
     bad.write_text(MATRIX.replace("TIMEOUT", "-1"))

@@ -326,3 +326,25 @@ def test_known_failures_of_vllm_carry_evidence():
             assert k.engine == "vllm" and k.evidence and len(k.reason) > 80, c.id
             assert any(k.applies_to("vllm", v) for v in bisected) and not k.applies_to("vllm", "0.33.0"), (c.id, k.versions)
     assert on_pinned >= 10
+
+
+def test_a_load_timed_alone_ends_the_engine_after_the_model_loading_span(tmp_path):
+    """harness bench's load-time children: vLLM's model loading span is timed, and the LLM's
+    construction ends there (no engine start, no module read)."""
+    script = textwrap.dedent("""
+        import json
+        from harness import matrix
+        from harness.engines import base, vllm, vllm_worker
+        cell = next(c for c in matrix.load().cells(tier="cpu-tiny") if c.id == "llama.unquantized.vllm")
+        engine = vllm.VllmEngine(cell)
+        info = engine.load_timed_only(base.resolve_checkpoint(cell))
+        print(json.dumps({"seconds": info.seconds, "llm": engine.llm is None, "phases": sorted(info.phases),
+                          "stop": vllm_worker.STOP_AFTER_LOAD}))
+    """)
+    env = dict(os.environ, HARNESS_LOCK_DIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
+                         stdin=subprocess.DEVNULL, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["seconds"] > 0 and got["llm"] is True and got["stop"] is False
+    assert "engine_start" in got["phases"] and "log_init_engine" not in got["phases"]  # the engine never started

@@ -3,7 +3,8 @@ docs/bench.md).
 
 Parts, each selectable with ``--parts``: ``load`` (harness.bench.load, on the sizes of
 harness.fixtures.benchmark), ``decode`` (harness.bench.decode), ``detection`` (harness.bench.detection,
-on models.yaml's cpu-load cells) and ``matrix`` (harness.bench.matrix_run, ``--before REF`` vs
+on models.yaml's cpu-load cells), ``portability`` (harness.bench.portability: the committed cpu-load
+baselines under each kernel condition) and ``matrix`` (harness.bench.matrix_run, ``--before REF`` vs
 HEAD). ``--quick`` runs the S size only, and by default the load and decode parts. The figures go
 to BENCHMARKS.md (``--output``) and, with ``--json``, to stdout (harness.bench.report).
 """
@@ -17,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import cpu
-from harness.bench import decode, detection, load, matrix_run, report
+from harness.bench import decode, detection, load, matrix_run, portability, report
 from harness.errors import UsageError
 from harness.fixtures import benchmark
 from harness.loadtime import REPO_ROOT
 
-PARTS = ("load", "decode", "detection", "matrix")
+PARTS = ("load", "decode", "detection", "portability", "matrix")
 QUICK_PARTS = ("load", "decode")
 
 
@@ -42,16 +43,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                        "(a reduced check of the part; target 4 is then not judged)")
     p.add_argument("--choice-runs", type=int, default=9, metavar="N",
                    help="detection: clean runs to choose the rule on (the first BASELINE_CHILDREN make the baseline)")
-    p.add_argument("--detection-k", metavar="EXPR", help="detection: only the cpu-load cells of this -k expression "
-                                                          "(say, vllm); the rule is then chosen on those alone")
+    p.add_argument("--detection-k", metavar="EXPR", help="detection and portability: only the cpu-load cells of this -k "
+                                                          "expression (say, vllm); detection chooses its rule on those alone")
     p.add_argument("--detection-loads", type=int, default=max(detection.REPEATS), metavar="N",
                    help="detection: loads per child of the choice runs; the candidate rules time at most N "
                         f"(default {max(detection.REPEATS)}; 1 for vLLM's cells, each load a whole engine)")
     p.add_argument("--held-out-runs", type=int, default=13, metavar="N", help="detection: held-out clean runs")
     p.add_argument("--slowed-runs", type=int, default=8, metavar="N", help="detection: held-out runs per slowdown")
-    p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (detection's cpu-load cells)")
+    p.add_argument("--slowdowns", type=_fractions, default=detection.SLOWDOWNS, metavar="F[,F]",
+                   help="detection: the slowdowns of the held-out runs (default "
+                        f"{','.join(map(str, detection.SLOWDOWNS))}; {detection.SLOWDOWN_TARGET} is the one the gate must catch)")
+    p.add_argument("--portability-runs", type=int, default=portability.RUNS_WANTED, metavar="N",
+                   help=f"portability: clean runs of the gate per kernel condition (default {portability.RUNS_WANTED})")
+    p.add_argument("--conditions", metavar="C[,C]",
+                   help=f"portability: only these kernel conditions ({', '.join(portability.conditions())}; default: all)")
+    p.add_argument("--baselines", metavar="DIR", default=str(REPO_ROOT / "baselines"),
+                   help="portability: the baselines root whose cpu-load baselines are held (default: baselines/)")
+    p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (the cpu-load cells)")
     p.add_argument("--output", metavar="FILE", default=str(REPO_ROOT / "BENCHMARKS.md"), help="where to write the report")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON on stdout")
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    """``0.1,0.2``: slowdowns, each a fraction in (0, 10]."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give fractions, such as 0.2 or 0.1,0.2,0.5") from None
+    if not all(0 < v <= 10 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: each slowdown must be a fraction in (0, 10], such as 0.2")
+    return values
 
 
 def _parts(args) -> list[str]:
@@ -145,7 +166,8 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
     benchmark.ensure_for_cells(m, cells, echo)
     paths = {c.id: (m._dir / c.path).resolve() for c in cells}
     d = detection.measure(cells, paths, choice_runs=args.choice_runs, held_out_runs=args.held_out_runs,
-                          slowed_runs=args.slowed_runs, echo=echo, loads=args.detection_loads)
+                          slowed_runs=args.slowed_runs, echo=echo, loads=args.detection_loads,
+                          slowdowns=args.slowdowns)
     return {**d.rates, "rule": d.rule.describe(), "repeats": d.rule.repeats, "statistic": d.rule.statistic,
             "confirmations": d.rule.confirmations, "threshold": d.rule.threshold, "injected": d.injected,
             "selected": args.detection_k, "cell_ids": [c.id for c in cells],
@@ -155,6 +177,26 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
             "cell_rates": d.cell_rates, "slowed_runs": d.slowed_runs, "slowed_cell_runs": d.slowed_cell_runs,
             "predicted_false_alarm": d.predicted_false_alarm, "mutations": d.mutations, "candidates": [vars(c) for c in d.candidates],
             "seconds": d.seconds, "raw": d.raw}
+
+
+def portability_part(args, echo: Callable[[str], None]) -> dict:
+    # lazy: yaml, +60 ms (scripts/import-graph --costs)
+    from harness import matrix
+
+    only = [c.strip() for c in args.conditions.split(",")] if args.conditions else None
+    unknown = [c for c in only or [] if c not in portability.conditions()]
+    if unknown:
+        raise UsageError(f"--conditions: unknown condition {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(portability.conditions())})")
+    m = matrix.load(args.matrix)
+    cells = matrix.select(m.cells(tier="cpu-load"), args.detection_k)
+    benchmark.ensure_for_cells(m, cells, echo)
+    paths = {c.id: (m._dir / c.path).resolve() for c in cells}
+    try:
+        return portability.measure(cells, paths, matrix_path=args.matrix, baselines_root=args.baselines,
+                                   runs=args.portability_runs, only=only, echo=echo)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def matrix_part(before: str, select: str | None, echo: Callable[[str], None]) -> tuple[dict, str]:
@@ -175,7 +217,7 @@ def run(args) -> int:
     parts, sizes = _parts(args), _sizes(args)
     echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is for --json
     # native.describe() builds the C decoders (once per machine) before any timed child could pay for it
-    fig: dict = {"load": None, "decode": None, "detection": None, "matrix": None, "machine": cpu.describe(),
+    fig: dict = {"load": None, "decode": None, "detection": None, "portability": None, "matrix": None, "machine": cpu.describe(),
                  "decoders": native.describe(), "cores": os.cpu_count(), "profiles": {}, "notes": []}
     t0 = time.perf_counter()
     if "load" in parts:
@@ -188,6 +230,9 @@ def run(args) -> int:
     if "detection" in parts:
         echo("bench: detection (cpu-load cells)")
         fig["detection"] = detection_part(args, echo)
+    if "portability" in parts:
+        echo("bench: portability (the committed cpu-load baselines, per kernel condition)")
+        fig["portability"] = portability_part(args, echo)
     if "matrix" in parts:
         echo(f"bench: matrix, {args.before} vs HEAD")
         fig["matrix"], slowest = matrix_part(args.before, args.matrix_k, echo)

@@ -355,7 +355,7 @@ def cell_run(cell, path, repeats: int, slow: float = 0.0, mutation: str | None =
             os.environ[worker.HOOK_ENV] = f"slow={slow}"
             worker.apply_hooks(cell.id)
         engine = base.engine_class(cell.engine)(cell)
-        info = engine.load(base.resolve_checkpoint(cell, str(path)))
+        info = engine.load_timed_only(base.resolve_checkpoint(cell, str(path)))
         engine.close()
         return {"samples": info.samples or [info.seconds], "calibration": info.phases["calibration"]}
 
@@ -389,8 +389,10 @@ def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> l
 
 
 def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_runs: int,
-            echo: Callable[[str], None] = print, loads: int = max(REPEATS)) -> Detection:
-    """Choose the rule on clean runs, then evaluate it on held-out runs (module docstring)."""
+            echo: Callable[[str], None] = print, loads: int = max(REPEATS),
+            slowdowns: Sequence[float] = SLOWDOWNS) -> Detection:
+    """Choose the rule on clean runs, then evaluate it on held-out runs (module docstring), slowed
+    by each of ``slowdowns``."""
 
     t0 = time.perf_counter()
     preload(cells, paths)
@@ -407,13 +409,13 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
     rule, candidates = choose(choice, slowed_cells=len(slow_cells), baseline_children=BASELINE_CHILDREN, pairs=pairs)
     echo(f"  detection: rule: {rule.describe()}")
     base = baseline_of(choice, rule.repeats, rule.statistic, BASELINE_CHILDREN)
-    clean, slowed = [], {f: [] for f in SLOWDOWNS}
+    clean, slowed = [], {f: [] for f in slowdowns}
     mutated = {name: [] for name, applies in MUTATIONS.items() if any(map(applies, cells))}
     for i in range(max(held_out_runs, slowed_runs)):
         if i < held_out_runs:
             clean.append([gated(lambda c=c: cell_run(c, paths[c.id], rule.repeats), rule, base) for c in cells])
         if i < slowed_runs:
-            for f in SLOWDOWNS:
+            for f in slowdowns:
                 slowed[f].append([gated(lambda c=c: cell_run(c, paths[c.id], rule.repeats, f), rule, base)
                                   for c in slow_cells])
             for name, runs in mutated.items():

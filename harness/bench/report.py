@@ -7,6 +7,8 @@
                reference_peak_extra_mb, transformers_peak_extra_mb}],
      "decode": [{format, shape, decode_s, fill_s, ratio, decodes}],
      "detection": {slowdown_10, slowdown_20, slowdown_50, false_alarm, ...},
+     "portability": {condition: {environment, runs, complete_runs, false_alarm_runs, improved_runs,
+                                 cells: {cell: {reported, children, error, bound, regressed, improved}}}},
      "matrix": {before_s, after_s, before, after},
      "machine": harness.cpu.describe(), "decoders": harness.quant.native.describe(), "cores", "load_repeats",
      "targets": [...], "profiles": {...}, "notes": [...]}
@@ -28,6 +30,7 @@ DECODE_VS_FILL = 3.0
 DETECT_AT_20 = 0.95
 FALSE_ALARM = 0.01
 MATRIX_SPEEDUP = 0.5
+PORTABLE_RUNS = 20
 
 
 def _all(rows, pred) -> bool | None:
@@ -106,6 +109,8 @@ def targets(fig: dict) -> list[dict]:
          else det["slowdown_20"] >= DETECT_AT_20 and _false_alarm_ok(det),
          _detection_detail(det)),
         (f"4 matrix after <= {MATRIX_SPEEDUP}x before", _matrix_ok(mx), _matrix_detail(mx)),
+        (f"5 committed cpu-load baselines: no false alarm in >= {PORTABLE_RUNS} clean runs under each kernel condition",
+         _portability_ok(fig.get("portability")), _portability_detail(fig.get("portability"))),
     ]
     return [{"target": t, "ok": ok, "detail": d} for t, ok, d in out]
 
@@ -156,6 +161,47 @@ def _detection_detail(det: dict) -> str:
             f"({100 * det['cell_rates']['slowdown_20']:.0f}% of {det['slowed_cell_runs']['slowdown_20']} cell-runs); false alarms: "
             f"{det['false_alarm_runs']} of {det['clean_runs']} runs ({det['clean_cell_false_alarms']} of "
             f"{det['clean_cell_runs']} cell-runs), model-predicted {100 * det['predicted_false_alarm']:.2g}% per run")
+
+
+def _portability_ok(port: dict | None) -> bool | None:
+    """Every condition ran its runs on every cell it could time, with no false alarm; None where
+    nothing was measured. A cell that cannot load under a condition is reported, not judged."""
+    if not port:
+        return None
+    return all(c["complete_runs"] >= PORTABLE_RUNS and c["false_alarm_runs"] == 0 for c in port.values())
+
+
+def _portability_detail(port: dict | None) -> str:
+    if not port:
+        return "not measured"
+    parts = []
+    for name, c in port.items():
+        errors = [cell for cell, v in c["cells"].items() if v["error"]]
+        parts.append(f"{name}: {c['false_alarm_runs']} of {c['complete_runs']} runs with a false alarm"
+                     + (f", {len(errors)} cell(s) that cannot load" if errors else ""))
+    return "; ".join(parts)
+
+
+def _portability_lines(port: dict | None) -> list[str]:
+    if not port:
+        return ["not measured"]
+    lines = ["Clean runs of the gate against the committed baselines, under each kernel condition this machine "
+             "can set (harness.bench.portability): per cell, the calibrated ratio each run reports (its fastest "
+             "child, as the runner reports it) against the bound.", "",
+             "| condition | cell | runs | ratio: min | median | max | bound | regressed | improved |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, c in port.items():
+        for cell, v in c["cells"].items():
+            if v["error"]:
+                lines.append(f"| {name} | {cell} | 0 | cannot load: {v['error'][:120]} | | | {v['bound']:.3f} | | |")
+                continue
+            r = sorted(v["reported"])
+            lines.append(f"| {name} | {cell} | {len(r)} | {_num(r[0] if r else None)} | "
+                         f"{_num(r[(len(r) - 1) // 2] if r else None)} | {_num(r[-1] if r else None)} | "
+                         f"{v['bound']:.3f} | {v['regressed']} | {v['improved']} |")
+    lines += ["", "; ".join(f"{name}: {c['false_alarm_runs']} of {c['complete_runs']} runs with a false alarm, "
+                            f"{c['improved_runs']} reading improved" for name, c in port.items()) + "."]
+    return lines
 
 
 def _mark(ok: bool | None) -> str:
@@ -239,7 +285,7 @@ def markdown(fig: dict) -> str:
              f"Machine: {m.get('model', '?')}; {fig.get('cores', '?')} cores; kernels {', '.join(m.get('flags') or []) or '-'}"
              f"; torch CPU capability {m.get('capability') or '-'}; the reference's decoders: "
              f"{fig.get('decoders') or '-'}.", "",
-             "## Targets (issue 13)", ""]
+             "## Targets (issues 13 and 31)", ""]
     lines += [f"- **{_mark(t['ok'])}**: {t['target']} ({t['detail']})" for t in fig.get("targets") or []]
     lines += ["", "## Load", "", "`floor s`: reading the checkpoint's weight files from the page cache into one "
               "preallocated buffer (no loader reads its bytes faster). Load: the engine's load plus touching every "
@@ -251,6 +297,8 @@ def markdown(fig: dict) -> str:
     lines += _load_table(fig.get("load") or []) if fig.get("load") else ["not measured"]
     lines += ["", "## Decode", ""] + (_decode_table(fig["decode"]) if fig.get("decode") else ["not measured"])
     lines += ["", "## Load-time detection (cpu-load)", ""] + _detection_lines(fig.get("detection") or {})
+    lines += ["", "## Committed load-time baselines across kernel conditions (cpu-load)", ""]
+    lines += _portability_lines(fig.get("portability"))
     mx = fig.get("matrix") or {}
     lines += ["", "## Matrix (`harness run`, cpu-tiny, default options)", ""]
     lines += ([f"Before ({mx['before']}): {mx['before_s']:.0f} s. After ({mx['after']}): {mx['after_s']:.0f} s."]

@@ -196,6 +196,12 @@ class Engine(abc.ABC):
     def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
         ...
 
+    def load_timed_only(self, checkpoint: Checkpoint) -> R.LoadInfo:
+        """The load as a gated cell times it, and nothing of the engine after it: what harness
+        bench's load-time children measure. The engine may be unusable afterwards; only
+        ``close`` follows. An engine whose load is all of it (the in-process ones) just loads."""
+        return self.load(checkpoint)
+
     @abc.abstractmethod
     def greedy(self, prompts: Sequence[EnginePrompt], max_tokens: int, top_k: int,
                stop: Stop | None = None) -> list[R.Greedy]:

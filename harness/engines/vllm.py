@@ -388,7 +388,7 @@ class VllmEngine(Engine):
             return "bfloat16"
         return "float32"
 
-    def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
+    def _timed_build(self, checkpoint: Checkpoint) -> R.LoadInfo:
         self._environment()
         binding = bind_core()
 
@@ -419,8 +419,21 @@ class VllmEngine(Engine):
         # between two calibrations in this process. One LLM is built: LOAD_REPEATS is 1.
         info = loadtime.timed_load(lambda: self._build(LLM, kwargs), gated=self.cell.gate_load_time,
                                    checkpoint_dir=checkpoint.path)
-        self._read_modules(checkpoint)
         return info if info.samples else info.model_copy(update={"samples": [info.seconds]})
+
+    def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
+        info = self._timed_build(checkpoint)
+        self._read_modules(checkpoint)
+        return info
+
+    def load_timed_only(self, checkpoint: Checkpoint) -> R.LoadInfo:
+        """The LLM's construction ends right after vLLM's model loading span (the engine start, a
+        third to two thirds of a child's time on the cpu-load checkpoints, is not built)."""
+        vllm_worker.STOP_AFTER_LOAD = True
+        try:
+            return self._timed_build(checkpoint)
+        finally:
+            vllm_worker.STOP_AFTER_LOAD = False
 
     def _build(self, LLM, kwargs: dict) -> tuple[float, dict[str, float]]:
         """Build the LLM: (vLLM's model loading span, the phases of its start), the span being
@@ -431,6 +444,8 @@ class VllmEngine(Engine):
         t0 = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)
+        except vllm_worker.ModelLoaded:
+            self.llm = None  # ended on purpose after the model loading span (load_timed_only)
         except Exception as e:
             raise EngineStepError(annotate(e, "building the LLM (loading the checkpoint)")) from e
         start = time.perf_counter() - t0

@@ -35,7 +35,14 @@ import time
 from typing import Any
 
 TIMINGS: dict[str, float] = {}
+# Set by VllmEngine.load_timed_only: the LLM's construction ends with ModelLoaded once the model
+# loading span is timed.
+STOP_AFTER_LOAD = False
 _INSTALLED = False
+
+
+class ModelLoaded(Exception):
+    """Ends an LLM's construction right after ``BaseModelLoader.load_model`` (STOP_AFTER_LOAD)."""
 
 
 # ----------------------------------------------------------------------------------- log capture
@@ -138,13 +145,16 @@ def _install_capture() -> None:
         self.load_weights = timed_load_weights
         t0 = time.perf_counter()
         try:
-            return original_load_model(self, *args, **kwargs)
+            model = original_load_model(self, *args, **kwargs)
         finally:
             TIMINGS["load_model"] = time.perf_counter() - t0
             try:
                 del self.load_weights
             except AttributeError:
                 pass
+        if STOP_AFTER_LOAD:
+            raise ModelLoaded
+        return model
 
     base_loader.BaseModelLoader.load_model = load_model
 

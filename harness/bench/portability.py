@@ -1,0 +1,137 @@
+"""Portability: do the committed cpu-load baselines hold here, under every kernel condition this
+machine can set? (issue 31, target 2)
+
+For the native condition and each of harness.cpu.KERNEL_CONDITIONS, a fresh interpreter with the
+condition's environment (a lowered torch capability only takes effect before torch is imported)
+times ``runs`` clean runs of the gate. A *cell-run* is what the runner's gate does for one cell:
+the cell's load in a fresh child (harness.bench.detection.cell_run), its calibrated ratio against
+the cell's committed baseline (harness.compare.load_ratio) over the cell's bound from models.yaml,
+timed again in up to ``loadtime.CONFIRMATIONS`` fresh children while over it
+(``loadtime.retimed``). As the runner reports it, the fastest child counts: over the bound the
+cell-run is a false alarm (``regressed``), under 1/bound it reads ``improved``. A *run* is one
+cell-run of every cell; it is a false alarm when any of its cells is.
+
+The cells of one engine run in an interpreter of their own with that engine's imports preloaded,
+as the runner's fork server has them (vLLM's imports would change the other engines' process). A
+cell whose load fails under a condition is reported with its error once and not timed again there
+(vLLM under ``ATEN_CPU_CAPABILITY=default``: torch's inductor cannot compile for that capability).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from harness import baselines as B
+from harness import cpu, loadtime
+from harness import records as R
+from harness.bench import detection
+from harness.compare import load_ratio
+
+NATIVE = "native"
+# The interpreter of one condition and engine (not ``-m``: harness.bench imports this module first).
+CHILD = "import sys; from harness.bench.portability import main; sys.exit(main(sys.argv[1:]))"
+RUNS_WANTED = 20  # clean runs per condition without a false alarm (issue 31, target 2)
+
+
+def conditions() -> dict[str, dict[str, str]]:
+    return {NATIVE: {}, **cpu.KERNEL_CONDITIONS}
+
+
+def _ratio(cr: detection.CellRun, baseline: R.LoadInfo) -> float:
+    info = R.LoadInfo(seconds=loadtime.load_statistic(list(cr.samples)), phases={"calibration": cr.calibration})
+    return load_ratio(info, baseline)[0]
+
+
+def time_runs(cells, paths: dict, baseline_loads: dict[str, R.LoadInfo], runs: int,
+              echo: Callable[[str], None]) -> dict:
+    """In this interpreter (already under its condition): ``runs`` gated clean runs of ``cells``,
+    one engine's; per cell the ratio of each child of each run, or its error."""
+    detection.preload(cells, paths)
+    out = {c.id: {"runs": [], "error": None} for c in cells}
+    t0 = time.perf_counter()
+    for i in range(runs):
+        for c in cells:
+            if out[c.id]["error"] is not None:
+                continue
+            bound = c.bounds.load_time
+            try:
+                children = loadtime.retimed(
+                    detection.cell_run(c, paths[c.id], loadtime.LOAD_REPEATS),
+                    lambda c=c: detection.cell_run(c, paths[c.id], loadtime.LOAD_REPEATS),
+                    lambda cr, c=c: _ratio(cr, baseline_loads[c.id]) > bound)
+            except RuntimeError as e:
+                out[c.id]["error"] = str(e)
+                echo(f"  portability: {c.id}: {e}")
+                continue
+            out[c.id]["runs"].append([_ratio(cr, baseline_loads[c.id]) for cr in children])
+        echo(f"  portability: run {i + 1}/{runs} ({time.perf_counter() - t0:.0f} s)")
+    return out
+
+
+def summarize(cells, by_cell: dict[str, dict], runs: int) -> dict:
+    """Per cell: each run's reported ratio (its fastest child), regressed and improved counts; per
+    condition: the runs with a false alarm among those every cell finished."""
+    bounds = {c.id: c.bounds.load_time for c in cells}
+    summary = {"cells": {}, "runs": runs}
+    for cell_id, got in by_cell.items():
+        reported = [min(children) for children in got["runs"]]
+        summary["cells"][cell_id] = {
+            "reported": reported, "children": got["runs"], "error": got["error"], "bound": bounds[cell_id],
+            "regressed": sum(r > bounds[cell_id] for r in reported),
+            "improved": sum(r < 1 / bounds[cell_id] for r in reported)}
+    timed = [v for v in summary["cells"].values() if v["error"] is None]
+    complete = min((len(v["reported"]) for v in timed), default=0)
+    summary["complete_runs"] = complete
+    summary["false_alarm_runs"] = sum(any(v["reported"][i] > v["bound"] for v in timed) for i in range(complete))
+    summary["improved_runs"] = sum(any(v["reported"][i] < 1 / v["bound"] for v in timed) for i in range(complete))
+    return summary
+
+
+def measure(cells, paths: dict, *, matrix_path: str, baselines_root: str | Path, runs: int,
+            only: list[str] | None = None, echo: Callable[[str], None] = print) -> dict:
+    """Every condition (or ``only`` those), each engine's cells in a fresh interpreter under it."""
+    missing = [c.id for c in cells if (b := B.read(baselines_root, c.tier, c.id)) is None or b.load is None]
+    if missing:
+        raise ValueError(f"{baselines_root}: no load-time baseline for {', '.join(missing)}; write them with "
+                         "`harness run --tier cpu-load --update-baselines`")
+    out = {}
+    for name, overlay in conditions().items():
+        if only and name not in only:
+            continue
+        by_cell: dict[str, dict] = {}
+        for engine in sorted({c.engine for c in cells}):
+            ids = [c.id for c in cells if c.engine == engine]
+            echo(f"  portability: {name}, {engine}: {len(ids)} cell(s), {runs} run(s)")
+            p = subprocess.run([sys.executable, "-c", CHILD, "--matrix", matrix_path,
+                                "--baselines", str(baselines_root), "--runs", str(runs), *ids],
+                               env=cpu.condition_env(overlay), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               text=True)
+            if p.returncode != 0:
+                raise RuntimeError(f"portability under {name} ({engine}) exited {p.returncode}")
+            by_cell.update(json.loads(p.stdout.strip().splitlines()[-1]))
+        out[name] = {"environment": overlay, **summarize(cells, by_cell, runs)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    # lazy: yaml and pydantic, +300 ms (scripts/import-graph --costs)
+    from harness import matrix
+
+    p = argparse.ArgumentParser(prog="harness.bench.portability")
+    p.add_argument("--matrix", required=True)
+    p.add_argument("--baselines", required=True)
+    p.add_argument("--runs", type=int, required=True)
+    p.add_argument("cells", nargs="+")
+    args = p.parse_args(argv)
+    m = matrix.load(args.matrix)
+    cells = [c for c in m.cells(tier="cpu-load") if c.id in set(args.cells)]
+    paths = {c.id: (m._dir / c.path).resolve() for c in cells}
+    loads = {c.id: B.read(args.baselines, c.tier, c.id).load for c in cells}
+    echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is the parent's JSON
+    print(json.dumps(time_runs(cells, paths, loads, args.runs, echo)))
+    return 0
