@@ -493,3 +493,11 @@ def test_bench_reads_slowdowns_and_conditions(capsys):
 def test_the_bench_writes_into_this_checkout():
     """Its default output, baselines and git commands are the checkout's (loadtime.REPO_ROOT)."""
     assert (loadtime.REPO_ROOT / "pyproject.toml").is_file() and (loadtime.REPO_ROOT / "harness").is_dir()
+
+
+def test_the_portability_part_runs_only_when_named():
+    """It needs cpu-load baselines of this machine, which a fresh clone does not have."""
+    from harness import bench
+
+    assert "portability" in bench.PARTS and "portability" not in bench.DEFAULT_PARTS
+    assert bench._parts(types.SimpleNamespace(parts=None, quick=False)) == list(bench.DEFAULT_PARTS)
