@@ -70,11 +70,11 @@ KERNEL_CONDITIONS: dict[str, dict[str, str]] = {
 }
 
 
-def condition_env(overlay: dict[str, str] | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """``base`` (this process's environment) under a kernel condition (None: the native one). Only
-    the variables the conditions set are replaced: OPENBLAS_CORETYPE, where the machine sets it, stays."""
+def condition_env(overlay: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment under a kernel condition (None: the native one). Only the
+    variables the conditions set are replaced: OPENBLAS_CORETYPE, where the machine sets it, stays."""
     chosen = {k for c in KERNEL_CONDITIONS.values() for k in c}
-    return {**{k: v for k, v in (os.environ if base is None else base).items() if k not in chosen}, **(overlay or {})}
+    return {**{k: v for k, v in os.environ.items() if k not in chosen}, **(overlay or {})}
 
 
 def kernel_env() -> dict[str, str]:

@@ -174,8 +174,8 @@ FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
          MethodSpec("fp8", "harness.quant.schema:Fp8Config")),
         presets={"online-fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": []}},
         engine_sources={
-            "vllm": (f"{VLLM_QUANTIZATION}/fp8.py", f"{VLLM_QUANTIZATION}/kv_cache.py", f"{VLLM_QUANTIZATION}/compressed_tensors/*", f"{VLLM_QUANTIZATION}/utils/*fp8*",
-                     f"{VLLM_QUANTIZATION}/utils/w8a8_utils.py"),
+            "vllm": tuple(f"{VLLM_QUANTIZATION}/{p}" for p in ("fp8.py", "kv_cache.py", "compressed_tensors/*",
+                                                               "utils/*fp8*", "utils/w8a8_utils.py")),
             "transformers": (f"{_TQ}/quantizers/quantizer_compressed_tensors.py",
                              f"{_TQ}/quantizers/quantizer_finegrained_fp8.py", f"{_TQ}/integrations/finegrained_fp8.py"),
         },

@@ -203,3 +203,33 @@ def test_no_import_is_timed_as_load_in_a_fresh_process(cell_id):
     out = subprocess.run([sys.executable, "-c", IMPORT_SPY, cell_id], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_a_load_only_child_times_the_load_alone_with_the_hooks_before_it(monkeypatch, tmp_path):
+    """Worker mode ``load`` (a gated cell's confirmation and baseline children) calls
+    Engine.load_timed_only, after the test hooks a load would get, and writes only the LoadInfo."""
+    from types import SimpleNamespace
+
+    from harness.engines import worker
+
+    calls = []
+    monkeypatch.setattr(worker, "apply_hooks", lambda cell_id: calls.append(("hooks", cell_id)) or [])
+
+    class Engine:
+        cell = SimpleNamespace(id="m.s.vllm")
+
+        def load(self, ckpt):
+            raise AssertionError("a load-only child must not build the whole engine")
+
+        def load_timed_only(self, ckpt):
+            calls.append(("timed", ckpt))
+            return R.LoadInfo(seconds=0.5, phases={"calibration": 0.04})
+
+        def close(self):
+            calls.append(("close",))
+
+    out = tmp_path / "load.json"
+    job = SimpleNamespace(checkpoint=lambda: "ckpt", load_out=out, record=tmp_path / "record.json", cell=Engine.cell)
+    worker._run_load(job, Engine(), None)
+    assert calls == [("hooks", "m.s.vllm"), ("timed", "ckpt"), ("close",)]
+    assert json.loads(out.read_text())["seconds"] == 0.5

@@ -1,11 +1,11 @@
-"""Portability: do the committed cpu-load baselines hold here, under every kernel condition this
-machine can set? (issue 31, target 2)
+"""Portability: do the cpu-load baselines hold here, under every kernel condition this machine can
+set? (issue 31, target 2)
 
 For the native condition and each of harness.cpu.KERNEL_CONDITIONS, a fresh interpreter with the
 condition's environment (a lowered torch capability only takes effect before torch is imported)
 times ``runs`` clean runs of the gate. A *cell-run* is what the runner's gate does for one cell:
 the cell's load in a fresh child (harness.bench.detection.cell_run), its calibrated ratio against
-the cell's committed baseline (harness.compare.load_ratio) over the cell's bound from models.yaml,
+the cell's stored baseline (``--baselines``) (harness.compare.load_ratio) over the cell's bound from models.yaml,
 timed again in up to ``loadtime.CONFIRMATIONS`` fresh children while over it
 (``loadtime.retimed``). As the runner reports it, the fastest child counts: over the bound the
 cell-run is a false alarm (``regressed``), under 1/bound it reads ``improved``. A *run* is one
@@ -13,8 +13,7 @@ cell-run of every cell; it is a false alarm when any of its cells is.
 
 The cells of one engine run in an interpreter of their own with that engine's imports preloaded,
 as the runner's fork server has them (vLLM's imports would change the other engines' process). A
-cell whose load fails under a condition is reported with its error once and not timed again there
-(vLLM under ``ATEN_CPU_CAPABILITY=default``: torch's inductor cannot compile for that capability).
+cell whose load fails under a condition is reported with its error once and not timed again there.
 """
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ from harness.compare import load_ratio
 NATIVE = "native"
 # The interpreter of one condition and engine (not ``-m``: harness.bench imports this module first).
 CHILD = "import sys; from harness.bench.portability import main; sys.exit(main(sys.argv[1:]))"
-RUNS_WANTED = 20  # clean runs per condition without a false alarm (issue 31, target 2)
 
 
 def conditions() -> dict[str, dict[str, str]]:

@@ -109,7 +109,7 @@ def targets(fig: dict) -> list[dict]:
          else det["slowdown_20"] >= DETECT_AT_20 and _false_alarm_ok(det),
          _detection_detail(det)),
         (f"4 matrix after <= {MATRIX_SPEEDUP}x before", _matrix_ok(mx), _matrix_detail(mx)),
-        (f"5 committed cpu-load baselines: no false alarm in >= {PORTABLE_RUNS} clean runs under each kernel condition",
+        (f"5 stored cpu-load baselines: no false alarm in >= {PORTABLE_RUNS} clean runs under each kernel condition",
          _portability_ok(fig.get("portability")), _portability_detail(fig.get("portability"))),
     ]
     return [{"target": t, "ok": ok, "detail": d} for t, ok, d in out]
@@ -185,7 +185,7 @@ def _portability_detail(port: dict | None) -> str:
 def _portability_lines(port: dict | None) -> list[str]:
     if not port:
         return ["not measured"]
-    lines = ["Clean runs of the gate against the committed baselines, under each kernel condition this machine "
+    lines = ["Clean runs of the gate against the stored baselines, under each kernel condition this machine "
              "can set (harness.bench.portability): per cell, the calibrated ratio each run reports (its fastest "
              "child, as the runner reports it) against the bound.", "",
              "| condition | cell | runs | ratio: min | median | max | bound | regressed | improved |",
@@ -297,7 +297,7 @@ def markdown(fig: dict) -> str:
     lines += _load_table(fig.get("load") or []) if fig.get("load") else ["not measured"]
     lines += ["", "## Decode", ""] + (_decode_table(fig["decode"]) if fig.get("decode") else ["not measured"])
     lines += ["", "## Load-time detection (cpu-load)", ""] + _detection_lines(fig.get("detection") or {})
-    lines += ["", "## Committed load-time baselines across kernel conditions (cpu-load)", ""]
+    lines += ["", "## Stored load-time baselines across kernel conditions (cpu-load)", ""]
     lines += _portability_lines(fig.get("portability"))
     mx = fig.get("matrix") or {}
     lines += ["", "## Matrix (`harness run`, cpu-tiny, default options)", ""]

@@ -197,9 +197,10 @@ class Engine(abc.ABC):
         ...
 
     def load_timed_only(self, checkpoint: Checkpoint) -> R.LoadInfo:
-        """The load as a gated cell times it, and nothing of the engine after it: what harness
-        bench's load-time children measure. The engine may be unusable afterwards; only
-        ``close`` follows. An engine whose load is all of it (the in-process ones) just loads."""
+        """The load as a gated cell times it, and nothing of the engine after it: what a gated cell's
+        confirmation and baseline children (worker mode ``load``) and harness bench's children
+        time. The engine may be unusable afterwards; only ``close`` follows. An engine whose load
+        is all of it (the in-process ones) just loads."""
         return self.load(checkpoint)
 
     @abc.abstractmethod

@@ -135,6 +135,11 @@ class _HookedEngine:
             after(self._engine)
         return info
 
+    def load_timed_only(self, checkpoint):
+        # The hooks after a load change the loaded model, which a timed load alone does not keep.
+        apply_hooks(self._engine.cell.id)
+        return self._engine.load_timed_only(checkpoint)
+
 
 def die_with_parent() -> None:
     """Linux: SIGKILL this child when its parent dies (the runner, or harness.engines.forkserver,
@@ -219,10 +224,11 @@ def _run_trace(job: Job, engine, info: R.EngineInfo) -> None:
 
 
 def _run_load(job: Job, engine, info: R.EngineInfo) -> None:
-    """The engine's timed load only (harness.loadtime); a record only on an error."""
+    """The engine's timed load only (harness.loadtime; Engine.load_timed_only: vLLM builds no engine
+    after it); a record only on an error."""
     hooked = _HookedEngine(engine)
     try:
-        load = hooked.load(job.checkpoint())
+        load = hooked.load_timed_only(job.checkpoint())
         hooked.close()
     except Exception as e:
         R.save(job.record, _error_record(job.cell, info, e))
