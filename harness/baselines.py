@@ -14,6 +14,12 @@ environment, torch, platform, date, commit.
   baseline kind): a mismatch writes ``<cell id>.obtained.json`` beside the baseline in the same
   format, so ``diff baselines/cpu-tiny/X.json baselines/cpu-tiny/X.obtained.json`` shows it.
   Obtained files are git-ignored.
+- ``kernels_root(root, record)``: the root of the baselines recorded for one set of kernels,
+  ``<root>/kernels/<kernel set>/``, laid out as ``<root>`` is. A cell whose known failure's
+  behaviour no noise model carries across kernels (bfloat16 matmuls, cascading FP8 rounding flips)
+  is held to its loaded state alone against a baseline from other kernels; ``read_for(root,
+  record)`` gives the baseline recorded for the record's own kernels instead where ``harness run
+  --update-kernel-baselines`` wrote one (docs/design.md, "Verdicts").
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from typing import ClassVar, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from harness import files, store, verdicts
+from harness import cpu, files, store, verdicts
 from harness.noise import Noise, NoiseError
 from harness.records import (
     CpuInfo,
@@ -50,6 +56,7 @@ from harness.validation import one_line, strict_json
 BASELINE_VERSION = 1
 Doc = TypeVar("Doc", bound=BaseModel)
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent / "baselines"
+KERNELS_FOLDER = "kernels"
 
 
 class BaselineError(Exception):
@@ -192,6 +199,22 @@ def path_for(root: str | Path, tier: str, cell_id: str) -> Path:
     return store.path_for(Baseline, root, tier, cell_id)
 
 
+def other_kernels(record: Record, baseline: Baseline) -> bool:
+    """Whether the record ran on other kernels than the baseline (another CPU, another torch
+    capability, a kernel-restricting variable: harness.cpu.same_kernels)."""
+    mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
+    theirs = baseline.provenance.cpu.model_dump() if baseline.provenance.cpu else None
+    return not cpu.same_kernels(mine, theirs)
+
+
+def kernels_root(root: str | Path, record: Record) -> Path | None:
+    """The root of the baselines recorded on the kernels ``record`` ran on (``<root>/kernels/<kernel
+    set>``, harness.cpu.kernel_set), None for a record that does not say its CPU."""
+    if record.engine_info.cpu is None:
+        return None
+    return Path(root, KERNELS_FOLDER, cpu.kernel_set(record.engine_info.cpu.model_dump()))
+
+
 def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
     """The stored baseline of a cell, or None when there is none. A file that cannot be read, is
     not a baseline, or is the baseline of another cell or tier raises BaselineError (the runner
@@ -209,6 +232,18 @@ def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
             raise BaselineError(f"{path}: {key}: {getattr(baseline, key)!r} is not this file's {key} {want!r} "
                                 "(a baseline copied from another cell?)")
     return baseline
+
+
+def read_for(root: str | Path, record: Record) -> tuple[Baseline | None, Path]:
+    """The baseline ``record`` is judged against, and the root it was read from: the one recorded
+    on the record's kernels (:func:`kernels_root`) where the cell's own is from other kernels and
+    such a one exists, else the cell's own. BaselineError as :func:`read`."""
+    baseline = read(root, record.tier, record.cell)
+    kernels = kernels_root(root, record)
+    if baseline is None or kernels is None or not other_kernels(record, baseline):
+        return baseline, Path(root)
+    on_these = read(kernels, record.tier, record.cell)
+    return (on_these, kernels) if on_these is not None else (baseline, Path(root))
 
 
 def parse(text: str, source: str = "<baseline>") -> Baseline:

@@ -128,12 +128,13 @@ def _run(args) -> int:
 
         return dryrun.report(m, cells, matrix_path=args.matrix, baselines_root=args.baselines, tier=args.tier)
     results = Path(args.results or runner.default_results_dir())
-    if args.candidate and args.update_baselines:
-        raise UsageError("--candidate with --update-baselines: a candidate build never writes baselines; run them apart")
+    for flag, on in (("--update-baselines", args.update_baselines), ("--update-kernel-baselines", args.update_kernel_baselines)):
+        if args.candidate and on:
+            raise UsageError(f"--candidate with {flag}: a candidate build never writes baselines; run them apart")
     candidates = _candidates(args.candidate or [], cells)
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
                       matrix_path=args.matrix, trace=args.trace, update_fingerprints=args.update_fingerprints,
-                      candidates=candidates)
+                      candidates=candidates, update_kernel_baselines=args.update_kernel_baselines)
     # every path the run writes, checked before anything is built or run (docs/design.md, "Bad input and faults")
     # lazy: pydantic, +150 ms (scripts/import-graph --costs)
     from harness.report import report_files
@@ -149,7 +150,8 @@ def _run(args) -> int:
     progress = Progress(len(cells))
     r.echo = progress.echo
     r.prepare(fresh=True)
-    mode = " (updating baselines)" if args.update_baselines else ""
+    mode = (" (updating baselines)" if args.update_baselines else
+            " (updating this machine's kernel baselines)" if args.update_kernel_baselines else "")
     progress.echo(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
                   f"jobs {args.jobs}{mode}; results in {results}")
     t0 = time.perf_counter()
@@ -254,7 +256,7 @@ def _finish(args, m, cells, r, results_list, wall: float) -> int:
     changes = [res.outcome.change for res in results_list if res.outcome.change is not None]
     refused = [res for res in results_list if res.outcome.refused]
     lines = ["", table] + ([versus] if versus else [])
-    if args.update_baselines:
+    if args.update_baselines or args.update_kernel_baselines:
         kinds = {k: sum(1 for c in changes if c.kind == k) for k in ("new", "updated", "unchanged")}
         lines.append(f"baselines: {kinds['new']} new, {kinds['updated']} updated, {kinds['unchanged']} unchanged, "
                      f"{len(refused)} refused, in {Path(args.baselines)}")
@@ -314,6 +316,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--results", metavar="DIR", help="results directory (default: results/<UTC timestamp>)")
     run.add_argument("--update-baselines", action="store_true",
                      help="write the baselines of cells that may become one (never failed/error/unsupported)")
+    run.add_argument("--update-kernel-baselines", action="store_true",
+                     help="write a baseline for this machine's kernels of each cell held to its loaded state alone "
+                          "(a known failure's behaviour recorded on other kernels), under <baselines>/kernels/; "
+                          "nothing else is written")
     run.add_argument("--trace", action="store_true",
                      help="record module traces of every cell and localise it against the other engines and its "
                           "baseline's fingerprint (failed and regressed cells are always localised)")

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from harness import cpu
+from harness.baselines import other_kernels
 from harness.accuracy import gates as accuracy_gates
 from harness.registry import fuses_shards
 from harness.records import Check, KnownFailureRef, LoadInfo, Record, SequenceResult, platform_key
@@ -56,6 +56,9 @@ class Judgement:
     reason: str
     checks: list[Check] = field(default_factory=list)
     known_failure: KnownFailureLike | None = None
+    # Held to its baseline's loaded state alone: the baseline records a known failure's behaviour
+    # on other kernels (harness.judging, _Case.known_behaviour_elsewhere).
+    loaded_state_only: bool = False
 
     def apply(self, record: Record) -> Record:
         """A copy of ``record`` carrying this verdict, its reason, checks and known failure."""
@@ -427,14 +430,6 @@ def _waiver(known: list[KnownFailureLike], failing: list[Check]) -> KnownFailure
 
 def _few(names: list[str]) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-
-
-def other_kernels(record: Record, baseline: Baseline) -> bool:
-    """Whether the record ran on other kernels than the baseline (another CPU, another torch
-    capability, a kernel-restricting variable: harness.cpu.same_kernels)."""
-    mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
-    theirs = baseline.provenance.cpu.model_dump() if baseline.provenance.cpu else None
-    return not cpu.same_kernels(mine, theirs)
 
 
 def check_input_sensitivity(record: Record, bound: float, noise: Noise | None = None) -> Check | None:

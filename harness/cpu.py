@@ -9,7 +9,10 @@ whether two descriptions select the same kernels.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import re
 import platform as _platform
 
 # The flags that select different kernels in torch, bitsandbytes or vLLM.
@@ -89,13 +92,29 @@ def describe() -> dict:
             "kernel_env": kernel_env()}
 
 
+def _kernel_key(description: dict) -> dict:
+    """What selects the kernels in a ``describe()`` result."""
+    return {**{k: description.get(k) for k in ("vendor", "model", "flags", "capability")},
+            "kernel_env": description.get("kernel_env") or {}}
+
+
 def same_kernels(a: dict | None, b: dict | None) -> bool:
     """Whether two ``describe()`` results select the same kernels: same vendor, model, kernel flags,
     torch capability and kernel-restricting variables. Unknown (None) is never the same."""
     if not a or not b:
         return False
-    keys = ("vendor", "model", "flags", "capability")
-    return all(a.get(k) == b.get(k) for k in keys) and (a.get("kernel_env") or {}) == (b.get("kernel_env") or {})
+    return _kernel_key(a) == _kernel_key(b)
+
+
+def kernel_set(description: dict) -> str:
+    """A folder name for the kernels a ``describe()`` result selects, the same for two results
+    exactly when :func:`same_kernels` holds: the model, the widest kernel flag and a digest of
+    the rest, e.g. ``amd-epyc-avx2-1f3a9c0d``."""
+    key = _kernel_key(description)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+    model = re.sub(r"[^a-z0-9]+", "-", (key["model"] or "unknown-cpu").lower()).strip("-")[:40]
+    widest = (key["flags"] or ["no-kernel-flags"])[-1].replace("_", "-")
+    return f"{model}-{widest}-{digest}"
 
 
 def platform() -> str:

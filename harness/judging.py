@@ -195,7 +195,8 @@ def _waived(case: _Case) -> Judgement | None:
     if j is None:
         return None
     within = "its loaded state equal to its baseline's (from other kernels)" if case.other_kernels else "within its baseline"
-    return Judgement("waived", f"{j.reason}; {within}", case.checks, j.known_failure)
+    return Judgement("waived", f"{j.reason}; {within}", case.checks, j.known_failure,
+                     loaded_state_only=case.known_behaviour_elsewhere)
 
 
 def _excused(case: _Case) -> str:
@@ -215,7 +216,7 @@ def _unexpected_pass(case: _Case) -> Judgement | None:
     if case.known_behaviour_elsewhere:
         return Judgement("pass", f"agrees with the other engines here, and its loaded state with its baseline's; "
                          f"known failure {k.pattern!r} ({k.engine} {k.versions}) shows in that baseline, recorded on "
-                         "other kernels, not on these", case.checks)
+                         "other kernels, not on these", case.checks, loaded_state_only=True)
     alone = ("" if case.cross_engine_checks else
              " (no other engine of its group ran here: if the known failure is about another engine, run that engine too)")
     return Judgement("unexpected-pass", f"passes, but a known failure covers {record.engine} "

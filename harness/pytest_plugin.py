@@ -63,6 +63,9 @@ def pytest_addoption(parser):
     g.addoption("--engine", default=None, metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
     g.addoption("--update-baselines", action="store_true", default=False,
                 help="write the baselines of cells that may become one (never failed/error/unsupported)")
+    g.addoption("--update-kernel-baselines", action="store_true", default=False,
+                help="write a baseline for this machine's kernels of each cell held to its loaded state alone "
+                     "(harness run --update-kernel-baselines)")
     g.addoption("--harness-trace", action="store_true", default=False,
                 help="record module traces of every cell and localise it (harness run --trace; failed and "
                      "regressed cells are always localised)")
@@ -78,6 +81,7 @@ class _State:
         self.matrix_path = Path(opt.matrix or DEFAULT_PATH)
         self.baselines = Path(opt.baselines) if opt.baselines else baselines.DEFAULT_ROOT
         self.update = bool(opt.update_baselines)
+        self.update_kernels = bool(opt.update_kernel_baselines)
         self.trace = bool(opt.harness_trace)
         self.tier = None if opt.tier == "all" else opt.tier
         self.engines = opt.engine
@@ -163,7 +167,8 @@ def pytest_collection_finish(session):
     from harness.runner import Runner
 
     state.runner = Runner(state.matrix, cells, results=state.results, baselines_root=state.baselines,
-                          update_baselines=state.update, matrix_path=state.matrix_path, trace=state.trace)
+                          update_baselines=state.update, matrix_path=state.matrix_path, trace=state.trace,
+                          update_kernel_baselines=state.update_kernels)
 
 
 @pytest.fixture

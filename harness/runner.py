@@ -115,7 +115,8 @@ class Runner:
                  baselines_root: str | Path = B.DEFAULT_ROOT, update_baselines: bool = False,
                  matrix_path: str | Path | None = None, threads: int | None = None,
                  echo: Callable[[str], None] | None = None, trace: bool = False, update_fingerprints: bool = False,
-                 candidates: Mapping[str, Candidate] | None = None, candidate_dir: str = "candidate"):
+                 candidates: Mapping[str, Candidate] | None = None, candidate_dir: str = "candidate",
+                 update_kernel_baselines: bool = False):
         self.matrix = matrix
         self.cells = sorted(cells, key=lambda c: (group_key(c), _engine_order(c)))
         self.results = Path(results)
@@ -126,6 +127,7 @@ class Runner:
         self.baselines_root = Path(baselines_root)
         self.update_baselines = update_baselines
         self.update_fingerprints = update_fingerprints
+        self.update_kernel_baselines = update_kernel_baselines
         self.tracer = Tracer(self, always=trace)
         self.matrix_dir = Path(matrix_path).resolve().parent if matrix_path else supervise.REPO_ROOT
         self.threads = threads or int(os.environ.get(supervise.THREADS_ENV) or 1)
@@ -184,6 +186,10 @@ class Runner:
         beside_baselines = [w for c in running for w in self._baseline_writes(c)]
         if beside_baselines:
             beside_baselines.insert(0, Written(self.baselines_root, "--baselines"))
+            # the baselines of each set of kernels, and the obtained files beside them
+            kernels = self.baselines_root / B.KERNELS_FOLDER
+            if self.update_kernel_baselines or kernels.is_dir():
+                beside_baselines.insert(1, Written(kernels, "--baselines"))
         return out + beside_baselines + self._cache_writes(running, bool(unbuilt))
 
     def _baseline_writes(self, cell: Cell) -> list[Written]:
@@ -338,7 +344,7 @@ class Runner:
 
     def judge(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> CellResult:
         try:
-            baseline = B.read(self.baselines_root, cell.tier, cell.id)
+            baseline, root = B.read_for(self.baselines_root, record)
             acc_baseline = accuracy_store.read(self.baselines_root, cell.tier, cell.id)
         except B.BaselineError as e:
             checks = self._judge(cell, record, None, raws).checks
@@ -346,13 +352,20 @@ class Runner:
         record, retimed = self._settle_load_time(cell, record, baseline)
         j = self._judge(cell, record, baseline, raws, acc_baseline)
         result = CellResult(cell, j.apply(record), messages=retimed)
+        if root != self.baselines_root:
+            result.messages.append(f"judged against the baseline of these kernels: {B.path_for(root, cell.tier, cell.id)}")
         self._localise(result, raws)
         flip = C.rounding_flip(result.record, baseline) if baseline is not None else None
         if flip is not None:
             result.record = flip.apply(result.record)
+        # --update-kernel-baselines: a cell held to its loaded state alone gets a baseline of its
+        # own kernels, which holds its sequences from the next run on
+        on_these_kernels = self.update_kernel_baselines and j.loaded_state_only and B.kernels_root(self.baselines_root, record)
+        if on_these_kernels:
+            root = on_these_kernels
         try:
-            outcome = B.handle(self.baselines_root, result.record, update_baselines=self.update_baselines,
-                               measure_noise=measure_noise.for_cell(cell))
+            outcome = B.handle(root, result.record, update_baselines=self.update_baselines or bool(on_these_kernels),
+                               measure_noise=None if on_these_kernels else measure_noise.for_cell(cell))
         except OSError as e:  # the cell keeps its verdict and record; the baseline files were not written
             outcome = B.Outcome()
             result.messages.append(f"baseline files not written: {e.filename or self.baselines_root}: {e.strerror or e}")
@@ -364,12 +377,13 @@ class Runner:
             result.messages.append(str(outcome.change))
         result.messages += acc.messages
         if (outcome.change is not None and outcome.change.written) or acc.written:
-            j2 = self._judge(cell, record, B.read(self.baselines_root, cell.tier, cell.id), raws,
+            j2 = self._judge(cell, record, B.read(root, cell.tier, cell.id), raws,
                              accuracy_store.read(self.baselines_root, cell.tier, cell.id))
             was = f"was {j.verdict}: {j.reason}"
+            flag = "--update-kernel-baselines" if on_these_kernels else "--update-baselines"
             kind = outcome.change.kind if outcome.change is not None and outcome.change.written else "accuracy new or updated"
             result.record = j2.apply(record).model_copy(update={
-                "verdict_reason": f"{j2.reason}; baseline {kind} by --update-baselines ({was})"})
+                "verdict_reason": f"{j2.reason}; baseline {kind} by {flag} ({was})"})
         if outcome.obtained is not None:
             result.messages.append(f"obtained result written beside the baseline: {outcome.obtained}")
         if self.update_fingerprints:

@@ -55,6 +55,21 @@ def test_rule_from_quiet_runs_catches_20_percent_and_not_clean_runs():
     assert ev["clean_cell_runs"] == 20 * len(CELLS)
 
 
+def test_the_slowdown_injected_is_measured_against_the_clean_runs_held_out_beside_it():
+    # the held-out phase sits 10% under the baseline (drift): 20% slower there reads 1.08 of the
+    # baseline, which says nothing about the hook
+    rng = random.Random(3)
+    rule = detection.Rule(repeats=1, statistic="min", threshold=1.1, spread=0.001)
+    base = {c: 1.0 for c in CELLS}
+    clean = [_one_child(_run(rng, spread=0.001, level=0.9, loads=1)) for _ in range(5)]
+    slowed = {0.2: [_one_child(_run(rng, spread=0.001, level=0.9, slow=0.2, loads=1)) for _ in range(5)]}
+    ev = detection.evaluate(rule, base, clean, slowed)
+    assert ev["clean_level"] == {c: pytest.approx(0.9, abs=0.01) for c in CELLS}
+    assert ev["injected"]["slowdown_20"] == pytest.approx(0.2, abs=0.01)
+    assert ev["injected_by_cell"]["slowdown_20"] == {c: pytest.approx(0.2, abs=0.01) for c in CELLS}
+    assert ev["cell_rates"]["slowdown_20"] == 0.0  # 1.08 of the baseline, under the threshold
+
+
 def test_rule_threshold_follows_the_noise_and_counts_a_false_alarm():
     rng = random.Random(2)
     quiet, quiet_all = _choose([_run(rng, spread=0.01) for _ in range(8)])

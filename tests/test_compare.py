@@ -180,7 +180,7 @@ def test_a_known_failure_excuses_a_deviation_only_as_far_as_the_cells_recorded_b
     j = judging.verdict(known, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "missing-baseline" and "only as far as this engine's recorded behaviour" in j.reason
     j = judging.verdict(known, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
-    assert j.verdict == "waived" and j.reason.endswith("; within its baseline")
+    assert j.verdict == "waived" and j.reason.endswith("; within its baseline") and not j.loaded_state_only
     # a second bug in the same cell: the deviation grows, and the cell leaves its recorded behaviour
     second = known.model_copy(update={"sequences": [seq(lps=(-1.0, -2.56, -0.5))]})
     j = judging.verdict(second, baseline(known), bounds=BOUNDS, cross_engine_checks=C.cross_engine(second, [ref], BOUNDS),
@@ -199,6 +199,7 @@ def test_against_recorded_behaviour_from_other_kernels_a_waived_cell_is_held_to_
     cross = C.cross_engine(elsewhere, [ref], BOUNDS)
     j = judging.verdict(elsewhere, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "waived" and j.reason.endswith("; its loaded state equal to its baseline's (from other kernels)")
+    assert j.loaded_state_only  # what harness run --update-kernel-baselines records a baseline of these kernels for
     loaded_other = elsewhere.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})
     j = judging.verdict(loaded_other, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "failed" and "loaded-state:baseline" in j.reason and "teacher-forced:baseline" not in j.reason
@@ -215,6 +216,7 @@ def test_a_known_failure_that_does_not_show_on_other_kernels_is_a_pass_held_to_t
     assert all(c.ok for c in cross)
     j = judging.verdict(agreeing, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "pass" and "shows in that baseline, recorded on other kernels, not on these" in j.reason
+    assert j.loaded_state_only
     assert any(c.name == "teacher-forced:baseline" and not c.ok for c in j.checks)
     # the loaded state still holds it
     moved = agreeing.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})

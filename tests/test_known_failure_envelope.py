@@ -5,10 +5,15 @@ the excess against the cell's own baseline, its recorded known behaviour, writte
 by the test's first run. The control against the committed baselines is the matrix's own run
 (suites/matrix): waived.
 
-Two runs of the reference and vLLM cells of one scheme (~2 min here)."""
+Against a baseline from other kernels the same cell is held to its loaded state alone, which
+the error leaves as it was; ``harness run --update-kernel-baselines`` records the cell's behaviour
+on this machine's kernels, and from then on the error is ``failed`` there too.
+
+Two and three runs of the reference and vLLM cells of one scheme (~2 and ~3 min here)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,8 @@ if importlib.util.find_spec("vllm") is None:  # not imported here: the engine ch
 
 ROOT = Path(__file__).resolve().parent.parent
 CELLS = ("llama.bnb-nf4.reference", "llama.bnb-nf4.vllm")
+SELECTION = "(llama.bnb-nf4.reference or llama.bnb-nf4.vllm) and not mllama"
+FAULT = "fault=output-scaled:model.layers.1.mlp.down_proj:1.02@llama.bnb-nf4.vllm"
 
 
 def test_a_second_bug_in_a_waived_vllm_cell_is_failed(tmp_path, monkeypatch, capsys):
@@ -29,11 +36,11 @@ def test_a_second_bug_in_a_waived_vllm_cell_is_failed(tmp_path, monkeypatch, cap
     # is held (docs/design.md, "Verdicts"), which a 2% error in one output does not change.
     baselines = tmp_path / "baselines"
     (baselines / "cpu-tiny" / "accuracy").mkdir(parents=True)
-    k = "(llama.bnb-nf4.reference or llama.bnb-nf4.vllm) and not mllama"
+    k = SELECTION
     cli.main(["run", "--baselines", str(baselines), "--results", str(tmp_path / "recorded"), "-k", k, "--update-baselines"])
     recorded = R.load(tmp_path / "recorded" / f"{CELLS[1]}.json")
     assert recorded.verdict == "waived" and (baselines / "cpu-tiny" / f"{CELLS[1]}.json").is_file(), recorded.verdict_reason
-    monkeypatch.setenv("HARNESS_TEST_HOOK", "fault=output-scaled:model.layers.1.mlp.down_proj:1.02@llama.bnb-nf4.vllm")
+    monkeypatch.setenv("HARNESS_TEST_HOOK", FAULT)
     results = tmp_path / "results"
     cli.main(["run", "--baselines", str(baselines), "--results", str(results), "-k", k])
     capsys.readouterr()
@@ -43,4 +50,34 @@ def test_a_second_bug_in_a_waived_vllm_cell_is_failed(tmp_path, monkeypatch, cap
     assert rec.known_failure is not None and "bfloat16" in rec.known_failure.reason
     assert rec.verdict_reason.startswith(f"known failure '^(teacher-forced|greedy):reference' (vllm "
                                          f"{rec.known_failure.versions}) excuses teacher-forced:reference")
+    assert "but this run left its recorded behaviour: teacher-forced:baseline: exceeds bound" in rec.verdict_reason
+
+
+def _recorded_elsewhere(path: Path) -> None:
+    """Make the baseline at ``path`` one recorded on other kernels: an AMX Xeon's."""
+    data = json.loads(path.read_text())
+    data["provenance"]["cpu"] = {"vendor": "GenuineIntel", "model": "Intel(R) Xeon(R) Platinum", "capability": "avx512",
+                                 "flags": ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], "kernel_env": {}}
+    path.write_text(json.dumps(data, indent=2))
+
+
+def test_a_baseline_of_this_machines_kernels_holds_a_waived_cell_whose_own_is_from_other_kernels(
+        tmp_path, monkeypatch, capsys):
+    baselines = tmp_path / "baselines"
+    (baselines / "cpu-tiny" / "accuracy").mkdir(parents=True)
+    run = ["run", "--baselines", str(baselines), "-k", SELECTION]
+    cli.main([*run, "--results", str(tmp_path / "recorded"), "--update-baselines"])
+    _recorded_elsewhere(baselines / "cpu-tiny" / f"{CELLS[1]}.json")
+    # the kernels' baseline is recorded from a clean run, and only for the cell held to its loaded state
+    cli.main([*run, "--results", str(tmp_path / "kernels"), "--update-kernel-baselines"])
+    recorded = R.load(tmp_path / "kernels" / f"{CELLS[1]}.json")
+    assert recorded.verdict == "waived" and "by --update-kernel-baselines" in recorded.verdict_reason, recorded.verdict_reason
+    [kernels] = (baselines / "kernels").iterdir()
+    assert sorted(p.name for p in (kernels / "cpu-tiny").iterdir()) == [f"{CELLS[1]}.json"]
+    monkeypatch.setenv("HARNESS_TEST_HOOK", FAULT)
+    results = tmp_path / "results"
+    assert cli.main([*run, "--results", str(results)]) == 1
+    capsys.readouterr()
+    rec = R.load(results / f"{CELLS[1]}.json")
+    assert rec.verdict == "failed", rec.verdict_reason
     assert "but this run left its recorded behaviour: teacher-forced:baseline: exceeds bound" in rec.verdict_reason

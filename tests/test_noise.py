@@ -92,6 +92,18 @@ def test_the_same_kernels_loosen_nothing():
     assert judging.verdict(_obtained(lowered, 6, 0.3), _noisy_baseline(), bounds=BOUNDS).verdict == "pass"
 
 
+def test_a_kernel_set_is_named_alike_exactly_where_the_kernels_are_the_same():
+    from harness import cpu
+
+    a = CPU_A.model_dump()
+    others = [CPU_B.model_dump(), {**a, "capability": "default"}, {**a, "kernel_env": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}},
+              {**a, "flags": ["avx2"]}]
+    assert cpu.kernel_set(a) == cpu.kernel_set(CPU_A.model_copy().model_dump()) and cpu.same_kernels(a, dict(a))
+    for other in others:
+        assert not cpu.same_kernels(a, other) and cpu.kernel_set(a) != cpu.kernel_set(other), other
+    assert cpu.kernel_set(a).startswith("amd-epyc-avx512-bf16-")
+
+
 def test_a_baseline_without_measured_noise_is_judged_by_the_family_bound():
     b = _noisy_baseline()
     b.noise = None

@@ -173,6 +173,7 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
                           slowdowns=args.slowdowns)
     return {**d.rates, "rule": d.rule.describe(), "repeats": d.rule.repeats, "statistic": d.rule.statistic,
             "confirmations": d.rule.confirmations, "threshold": d.rule.threshold, "injected": d.injected,
+            "injected_by_cell": d.injected_by_cell, "clean_level": d.clean_level,
             "selected": args.detection_k, "cell_ids": [c.id for c in cells],
             "confirmation_children": d.confirmation_children, "cells": len(cells), "clean_runs": d.clean_runs,
             "false_alarm_runs": round((d.rates["false_alarm"] or 0) * d.clean_runs),

@@ -31,8 +31,10 @@ the median child of ``BASELINE_CHILDREN`` (harness.loadtime.baseline_load).
    20% and 50% (``HARNESS_TEST_HOOK=slow=F``, harness.hooks.slowdown: the reference loader's own
    reading repeated, vLLM's weight copies repeated; transformers' loader has no such hook; a slowed
    run is the cells of the engines with one slowed), each cell-run with its real confirmation children. Reported: the
-   fraction of slowed runs flagged and of slowed cell-runs, the slowdown actually injected (the
-   median calibrated ratio of the slowed runs' first children), the fraction of clean runs with a
+   fraction of slowed runs flagged and of slowed cell-runs, the slowdown actually injected (per
+   cell, the median calibrated ratio of the slowed runs' first children over that of the clean
+   held-out runs', and its median over the cells), where the clean held-out runs sit against the
+   baseline (``clean_level``, per cell: the drift the gate has to bear), the fraction of clean runs with a
    false alarm and of clean cell-runs, and the false-alarm rate per run the normal model predicts
    from the held-out spread (the statistical argument when the clean runs are fewer than 1 / rate).
    Every child's samples are kept (``raw``), so that another rule can be judged on the same
@@ -116,7 +118,9 @@ class Detection:
     candidates: list[Rule]
     rates: dict[str, float | None]  # slowdown_10/20/50 (runs flagged), false_alarm (runs)
     cell_rates: dict[str, float | None]  # slowdown_10/20/50: the slowed cell-runs flagged
-    injected: dict[str, float | None]  # slowdown_10/20/50: the slowdown measured
+    injected: dict[str, float | None]  # slowdown_10/20/50: the slowdown measured (median over the cells)
+    injected_by_cell: dict[str, dict[str, float]]  # slowdown_10/20/50: cell -> the slowdown measured
+    clean_level: dict[str, float]  # cell -> the clean held-out runs' median calibrated ratio to the baseline
     clean_runs: int
     clean_cell_runs: int
     clean_cell_false_alarms: int
@@ -280,15 +284,30 @@ def evaluate(rule: Rule, base: dict[str, float], clean: Sequence[Sequence[Childr
     out = {"false_alarm": _share(any(f) for f in clean_flags), "clean_cell_runs": sum(map(len, clean_flags)),
            "clean_cell_false_alarms": sum(map(sum, clean_flags)),
            "confirmation_children": sum(len(ch) - 1 for runs in [clean, *slowed.values()] for run in runs for ch in run),
-           "rates": {}, "cell_rates": {}, "injected": {}, "slowed_runs": {}, "slowed_cell_runs": {}}
+           "rates": {}, "cell_rates": {}, "injected": {}, "injected_by_cell": {}, "slowed_runs": {},
+           "slowed_cell_runs": {}, "clean_level": _levels(rule, base, clean)}
     for fraction, runs in sorted(slowed.items()):
         key = slowdown_key(fraction)
         cells = caught(rule, base, runs)
         out["rates"][key] = _share(any(f) for f in flags(runs))
         out["cell_rates"][key] = cells["flagged"]
-        out["injected"][key] = cells["ratio"] - 1 if cells["ratio"] is not None else None
+        # against the clean runs held out beside them, not the baseline: the level of a whole
+        # held-out phase can sit apart from the choice runs' (drift), which is the gate's noise
+        by_cell = {cell: level / out["clean_level"][cell] - 1 for cell, level in _levels(rule, base, runs).items()
+                   if out["clean_level"].get(cell)}
+        out["injected_by_cell"][key] = by_cell
+        out["injected"][key] = statistics.median(by_cell.values()) if by_cell else None
         out["slowed_runs"][key], out["slowed_cell_runs"][key] = len(runs), cells["cell_runs"]
     return out
+
+
+def _levels(rule: Rule, base: dict[str, float], runs: Sequence[Sequence[Children]]) -> dict[str, float]:
+    """Each cell's median calibrated ratio to its baseline over the first children of ``runs``."""
+    ratios: dict[str, list[float]] = {}
+    for run in runs:
+        for ch in run:
+            ratios.setdefault(ch[0].cell, []).append(ch[0].value(rule.repeats, rule.statistic) / base[ch[0].cell])
+    return {cell: statistics.median(r) for cell, r in ratios.items()}
 
 
 def caught(rule: Rule, base: dict[str, float], runs: Sequence[Sequence[Children]]) -> dict:
@@ -424,7 +443,8 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
         echo(f"  detection: held-out run {i + 1}/{max(held_out_runs, slowed_runs)} ({time.perf_counter() - t0:.0f} s)")
     ev = evaluate(rule, base, clean, slowed)
     return Detection(rule=rule, candidates=candidates, rates={**ev["rates"], "false_alarm": ev["false_alarm"]},
-                     cell_rates=ev["cell_rates"], injected=ev["injected"], clean_runs=len(clean),
+                     cell_rates=ev["cell_rates"], injected=ev["injected"], injected_by_cell=ev["injected_by_cell"],
+                     clean_level=ev["clean_level"], clean_runs=len(clean),
                      clean_cell_runs=ev["clean_cell_runs"], clean_cell_false_alarms=ev["clean_cell_false_alarms"],
                      confirmation_children=ev["confirmation_children"],
                      slowed_runs=ev["slowed_runs"], slowed_cell_runs=ev["slowed_cell_runs"],

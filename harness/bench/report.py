@@ -249,12 +249,19 @@ def _detection_lines(det: dict) -> list[str]:
              "the confirmations; the slowdown slows the cells of the engines with a slowdown hook (the reference's "
              "reading, vLLM's weight copies). A run is flagged when any of its cells is. The baseline is each cell's "
              "median child of the first choice runs." + (f" Cells: {', '.join(det['cell_ids'])}." if det.get("selected") else ""), "",
-             "| slowdown injected (nominal) | measured | runs | runs flagged | cell-runs | cell-runs flagged |",
+             "| slowdown injected (nominal) | measured (against the clean held-out runs) | runs | runs flagged | cell-runs | cell-runs flagged |",
              "|---:|---:|---:|---:|---:|---:|"]
     for key in ("slowdown_10", "slowdown_20", "slowdown_50"):
         lines.append(f"| {key.split('_')[1]}% | {_num(det['injected'].get(key), '+.1%')} | "
                      f"{det['slowed_runs'].get(key, 0)} | {_num(det.get(key), '.0%')} | "
                      f"{det['slowed_cell_runs'].get(key, 0)} | {_num(det['cell_rates'].get(key), '.0%')} |")
+    if det.get("clean_level"):
+        lines += ["", "Per cell: where the clean held-out runs sat against the baseline (the drift the gate bears), "
+                      "and the slowdown injected at each nominal one: " + "; ".join(
+                          f"{cell} {level:.3f}" + "".join(
+                              f", {key.split('_')[1]}% {_num(det['injected_by_cell'].get(key, {}).get(cell), '+.1%')}"
+                              for key in sorted(det.get("injected_by_cell", {}), key=lambda k: int(k.split('_')[1])))
+                          for cell, level in sorted(det["clean_level"].items())) + "."]
     lines += ["", f"Clean held-out runs: {det['clean_runs']} (of {det['cells']} cells each), "
                   f"{det['false_alarm_runs']} with a false alarm ({_num(det['false_alarm'], '.1%')}); "
                   f"{det['clean_cell_false_alarms']} of {det['clean_cell_runs']} clean cell-runs flagged; the normal "

@@ -262,7 +262,8 @@ def _panel(slot: _Slot, merged: Merged, baselines) -> dict:
 
 
 class _Baselines:
-    """Stored baselines by cell, read once each; None where there is none or it cannot be read."""
+    """The stored baseline each record was judged against (baselines.read_for), read once per cell;
+    None where there is none or it cannot be read."""
 
     def __init__(self, root):
         self.root = Path(root)
@@ -274,7 +275,7 @@ class _Baselines:
 
         if record.cell not in self._cache:
             try:
-                self._cache[record.cell] = B.read(self.root, record.tier, record.cell)
+                self._cache[record.cell] = B.read_for(self.root, record)[0]
             except B.BaselineError:
                 self._cache[record.cell] = None
         return self._cache[record.cell]
