@@ -565,3 +565,25 @@ def test_the_write_check_decides_no_cell_whose_checkpoint_is_built_after_it(tmp_
     assert tmp_path / "bench" in written  # the checkpoint is built there
     (tmp_path / "bench" / "llama-M-unquantized").mkdir(parents=True)  # as benchmark.ensure_for_cells would
     assert r.decided(cell) is None
+
+
+def test_the_write_check_covers_the_kernel_baselines_a_run_may_write(tmp_path, monkeypatch):
+    """--update-kernel-baselines writes under <baselines>/kernels/, and a run judged against such a
+    baseline writes its obtained file there: both are checked before anything runs."""
+    from harness import matrix
+
+    monkeypatch.setenv("HARNESS_BENCH_CACHE", str(tmp_path / "bench"))  # the cell's checkpoint is built later
+
+    (tmp_path / "m.yaml").write_text(PATH_MATRIX)
+    m = matrix.load(tmp_path / "m.yaml")
+    [cell] = m.cells(tier="cpu-tiny")
+    kernels = tmp_path / "b" / "kernels"
+
+    def written(**kw):
+        r = runner.Runner(m, [cell], results=tmp_path / "r", baselines_root=tmp_path / "b", matrix_path=tmp_path / "m.yaml", **kw)
+        return {w.path for w in r.writes()}
+
+    assert kernels not in written()
+    assert kernels in written(update_kernel_baselines=True)
+    (kernels / "amd-epyc-avx2-0000000" / "cpu-tiny").mkdir(parents=True)
+    assert kernels in written()
