@@ -363,6 +363,9 @@ class Runner:
         on_these_kernels = self.update_kernel_baselines and j.loaded_state_only and B.kernels_root(self.baselines_root, record)
         if on_these_kernels:
             root = on_these_kernels
+        elif j.loaded_state_only:
+            result.messages.append("held to its loaded state alone: its baseline records a known failure's behaviour on "
+                                   "other kernels; harness run --update-kernel-baselines records these kernels' once")
         try:
             outcome = B.handle(root, result.record, update_baselines=self.update_baselines or bool(on_these_kernels),
                                measure_noise=None if on_these_kernels else measure_noise.for_cell(cell))
