@@ -501,6 +501,8 @@ def test_bench_reads_slowdowns_and_conditions(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "--parts", "detection", "--slowdowns", "0.2,x"])
     assert e.value.code == 2 and "give fractions" in capsys.readouterr().err
+    assert cli.main(["bench", "--parts", "detection", "--baseline-children", "15"]) == 2  # with 9 choice runs
+    assert "--choice-runs 9: the detection part needs at least --baseline-children + 2 = 17" in capsys.readouterr().err
     assert cli.main(["bench", "--parts", "portability", "--conditions", "avx9"]) == 2
     assert "unknown condition 'avx9' (known: native, aten-default, libraries-avx2)" in capsys.readouterr().err
 

@@ -21,7 +21,7 @@ from harness import cpu
 from harness.bench import decode, detection, load, matrix_run, portability, report
 from harness.errors import UsageError
 from harness.fixtures import benchmark
-from harness.loadtime import REPO_ROOT
+from harness.loadtime import BASELINE_CHILDREN, REPO_ROOT
 
 PARTS = ("load", "decode", "detection", "portability", "matrix")
 QUICK_PARTS = ("load", "decode")
@@ -44,7 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix-k", metavar="EXPR", help="matrix: only the cells of this -k expression on both sides "
                                                        "(a reduced check of the part; target 4 is then not judged)")
     p.add_argument("--choice-runs", type=int, default=9, metavar="N",
-                   help="detection: clean runs to choose the rule on (the first BASELINE_CHILDREN make the baseline)")
+                   help="detection: clean runs to choose the rule on (the first --baseline-children make the baseline)")
+    p.add_argument("--baseline-children", type=int, default=BASELINE_CHILDREN, metavar="N",
+                   help=f"detection: the choice runs whose median child is each cell's baseline, as --update-baselines "
+                        f"records one (default {BASELINE_CHILDREN}, harness.loadtime.BASELINE_CHILDREN)")
     p.add_argument("--detection-k", metavar="EXPR", help="detection and portability: only the cpu-load cells of this -k "
                                                           "expression (say, vllm); detection chooses its rule on those alone")
     p.add_argument("--detection-loads", type=int, default=max(detection.REPEATS), metavar="N",
@@ -83,6 +86,9 @@ def _parts(args) -> list[str]:
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise UsageError(f"--parts: unknown part {', '.join(map(repr, bad))} (known: {', '.join(PARTS)})")
+    if "detection" in parts and args.choice_runs < args.baseline_children + 2:
+        raise UsageError(f"--choice-runs {args.choice_runs}: the detection part needs at least --baseline-children + 2 "
+                         f"= {args.baseline_children + 2} (the baseline, and two runs to measure the spread on)")
     return parts
 
 
@@ -170,8 +176,8 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
     paths = {c.id: (m._dir / c.path).resolve() for c in cells}
     d = detection.measure(cells, paths, choice_runs=args.choice_runs, held_out_runs=args.held_out_runs,
                           slowed_runs=args.slowed_runs, echo=echo, loads=args.detection_loads,
-                          slowdowns=args.slowdowns)
-    return {**d.rates, "rule": d.rule.describe(), "repeats": d.rule.repeats, "statistic": d.rule.statistic,
+                          slowdowns=args.slowdowns, baseline_children=args.baseline_children)
+    return {**d.rates, "rule": d.rule.describe(), "baseline_children": args.baseline_children, "repeats": d.rule.repeats, "statistic": d.rule.statistic,
             "confirmations": d.rule.confirmations, "threshold": d.rule.threshold, "injected": d.injected,
             "injected_by_cell": d.injected_by_cell, "clean_level": d.clean_level,
             "selected": args.detection_k, "cell_ids": [c.id for c in cells],

@@ -409,7 +409,7 @@ def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> l
 
 def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_runs: int,
             echo: Callable[[str], None] = print, loads: int = max(REPEATS),
-            slowdowns: Sequence[float] = SLOWDOWNS) -> Detection:
+            slowdowns: Sequence[float] = SLOWDOWNS, baseline_children: int = BASELINE_CHILDREN) -> Detection:
     """Choose the rule on clean runs, then evaluate it on held-out runs (module docstring), slowed
     by each of ``slowdowns``."""
 
@@ -425,9 +425,9 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
             pairs.append((run[-1], cell_run(c, paths[c.id], most)))
         choice.append(run)
         echo(f"  detection: choice run {i + 1}/{choice_runs} ({time.perf_counter() - t0:.0f} s)")
-    rule, candidates = choose(choice, slowed_cells=len(slow_cells), baseline_children=BASELINE_CHILDREN, pairs=pairs)
+    rule, candidates = choose(choice, slowed_cells=len(slow_cells), baseline_children=baseline_children, pairs=pairs)
     echo(f"  detection: rule: {rule.describe()}")
-    base = baseline_of(choice, rule.repeats, rule.statistic, BASELINE_CHILDREN)
+    base = baseline_of(choice, rule.repeats, rule.statistic, baseline_children)
     clean, slowed = [], {f: [] for f in slowdowns}
     mutated = {name: [] for name, applies in MUTATIONS.items() if any(map(applies, cells))}
     for i in range(max(held_out_runs, slowed_runs)):
