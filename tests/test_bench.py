@@ -1,4 +1,5 @@
 """harness bench's pieces on a TINY size or fake measurements (the real figures come from `harness bench`)."""
+import argparse
 import math
 import random
 import sys
@@ -517,4 +518,6 @@ def test_the_portability_part_runs_only_when_named():
     from harness import bench
 
     assert "portability" in bench.PARTS and "portability" not in bench.DEFAULT_PARTS
-    assert bench._parts(types.SimpleNamespace(parts=None, quick=False)) == list(bench.DEFAULT_PARTS)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench._parts(parser.parse_args([])) == list(bench.DEFAULT_PARTS)
