@@ -171,56 +171,96 @@ def check_teacher_forced(expected: Sequence[SequenceResult], obtained: Sequence[
     checks = [_scored_tokens_check(differing, against)] if differing else []
     if not same:
         return checks
-    per_position, topk_per_position, judged, noise_bound = {}, {}, {}, {}
-    worst = {"delta": 0.0, "prompt": None, "position": None, "what": None}
-    excess = []  # (|Δ| / bound, prompt, position, what) where a position exceeds its bound
+    positions = _judge_positions(same, noise, logprob_bound, topk_bound)
+    detail = _teacher_forced_detail(positions, against, logprob_bound, topk_bound, noise)
+    checks.append(Check(
+        name=f"teacher-forced:{against}",
+        ok=not positions.excess,
+        detail=detail if not positions.excess else "exceeds bound: " + detail,
+        data=_teacher_forced_data(positions, same, noise, logprob_bound, topk_bound),
+    ))
+    return checks
+
+
+@dataclass
+class _JudgedPositions:
+    """The teacher-forced |Δ|s of the sequences that scored the same tokens, position by position,
+    and the bound each position was held to."""
+
+    per_position: dict[str, list[float]] = field(default_factory=dict)
+    topk_per_position: dict[str, list[float]] = field(default_factory=dict)
+    judged: dict[str, list[str]] = field(default_factory=dict)
+    noise_bound: dict[str, list[float | None]] = field(default_factory=dict)
+    worst: dict = field(default_factory=lambda: {"delta": 0.0, "prompt": None, "position": None, "what": None})
+    # (|Δ| / bound, prompt, position, what) where a position exceeds its bound
+    excess: list[tuple[float, str, int, str]] = field(default_factory=list)
+
+    @property
+    def worst_tok(self) -> float:
+        return max((x for deltas in self.per_position.values() for x in deltas), default=0.0)
+
+    @property
+    def worst_topk(self) -> float:
+        return max((x for deltas in self.topk_per_position.values() for x in deltas), default=0.0)
+
+    @property
+    def family_share(self) -> float:
+        positions = [j for labels in self.judged.values() for j in labels]
+        return positions.count("family") / len(positions) if positions else 1.0
+
+
+def _judge_positions(same: list[tuple[str, SequenceResult, SequenceResult]], noise: Noise | None,
+                     logprob_bound: float, topk_bound: float) -> _JudgedPositions:
+    out = _JudgedPositions()
     for pid, e, o in same:
         tokens, topk = _deltas(e, o)
         labels, tok_bounds, topk_bounds = _position_bounds(noise, pid, len(tokens), logprob_bound, topk_bound)
-        judged[pid] = labels
-        noise_bound[pid] = [b if j == "noise" else None for j, b in zip(labels, tok_bounds)]
-        per_position[pid], topk_per_position[pid] = tokens, topk
+        out.judged[pid] = labels
+        out.noise_bound[pid] = [b if j == "noise" else None for j, b in zip(labels, tok_bounds)]
+        out.per_position[pid], out.topk_per_position[pid] = tokens, topk
         for i, cases in enumerate(zip((("token", d) for d in tokens), (("topk", d) for d in topk))):
             pos = i + 1  # logprobs[i] scores tokens[i + 1]
             for (what, d), bound in zip(cases, (tok_bounds[i], topk_bounds[i])):
-                if d > worst["delta"]:
-                    worst = {"delta": d, "prompt": pid, "position": pos, "what": what}
+                if d > out.worst["delta"]:
+                    out.worst = {"delta": d, "prompt": pid, "position": pos, "what": what}
                 if not d <= bound:
-                    excess.append((d / bound, pid, pos, what))
-    worst_tok = max((x for deltas in per_position.values() for x in deltas), default=0.0)
-    worst_topk = max((x for deltas in topk_per_position.values() for x in deltas), default=0.0)
-    positions = [j for labels in judged.values() for j in labels]
-    family_share = positions.count("family") / len(positions) if positions else 1.0
+                    out.excess.append((d / bound, pid, pos, what))
+    return out
+
+
+def _teacher_forced_detail(positions: _JudgedPositions, against: str, logprob_bound: float, topk_bound: float,
+                           noise: Noise | None) -> str:
+    worst = positions.worst
     where = f" at prompt {worst['prompt']} position {worst['position']} ({worst['what']})" if worst["prompt"] is not None else ""
-    detail = (f"max |Δlogprob| vs {against} {_fmt(worst['delta'])}{where}; scored tokens {_fmt(worst_tok)} "
-              f"(bound {_fmt(logprob_bound)}), shared top-k {_fmt(worst_topk)} (bound {_fmt(topk_bound)})")
+    detail = (f"max |Δlogprob| vs {against} {_fmt(worst['delta'])}{where}; scored tokens {_fmt(positions.worst_tok)} "
+              f"(bound {_fmt(logprob_bound)}), shared top-k {_fmt(positions.worst_topk)} (bound {_fmt(topk_bound)})")
     if noise is not None:
-        detail += (f"; {against} from other kernels: family bound on {family_share:.0%} of positions, "
+        detail += (f"; {against} from other kernels: family bound on {positions.family_share:.0%} of positions, "
                    "the measured noise bound past each fragile onset")
-        if excess:
-            _, pid, pos, what = max(excess)
+        if positions.excess:
+            _, pid, pos, what = max(positions.excess)
             detail += f"; worst against its position's bound: prompt {pid} position {pos} ({what})"
-    checks.append(Check(
-        name=f"teacher-forced:{against}",
-        ok=not excess,
-        detail=detail if not excess else "exceeds bound: " + detail,
-        data={
-            "max_abs_delta": _safe(worst["delta"]),
-            "max_abs_delta_tokens": _safe(worst_tok),
-            "max_abs_delta_topk": _safe(worst_topk),
-            "worst": {**worst, "delta": _safe(worst["delta"])},
-            "bound": {"logprob": logprob_bound, "topk": topk_bound},
-            "per_position": _safe_lists(per_position),  # |Δ| of the scored token, index i = position i + 1
-            "topk_per_position": _safe_lists(topk_per_position),
-            "prompt_len": {pid: len(e.prompt_tokens) for pid, e, _ in same},  # positions >= it are generated
-            "judged": judged,  # per prompt and index: "family" or "noise" (the bound that applied)
-            "onsets": {pid: _onset_data(noise, pid) for pid in judged},
-            "noise_bound": noise_bound,  # the bound applied where judged "noise", else null
-            "family_share": family_share,
-            "exceeding_prompts": sorted({pid for _, pid, _, _ in excess}),
-        },
-    ))
-    return checks
+    return detail
+
+
+def _teacher_forced_data(positions: _JudgedPositions, same: list[tuple[str, SequenceResult, SequenceResult]],
+                         noise: Noise | None, logprob_bound: float, topk_bound: float) -> dict:
+    worst = positions.worst
+    return {
+        "max_abs_delta": _safe(worst["delta"]),
+        "max_abs_delta_tokens": _safe(positions.worst_tok),
+        "max_abs_delta_topk": _safe(positions.worst_topk),
+        "worst": {**worst, "delta": _safe(worst["delta"])},
+        "bound": {"logprob": logprob_bound, "topk": topk_bound},
+        "per_position": _safe_lists(positions.per_position),  # |Δ| of the scored token, index i = position i + 1
+        "topk_per_position": _safe_lists(positions.topk_per_position),
+        "prompt_len": {pid: len(e.prompt_tokens) for pid, e, _ in same},  # positions >= it are generated
+        "judged": positions.judged,  # per prompt and index: "family" or "noise" (the bound that applied)
+        "onsets": {pid: _onset_data(noise, pid) for pid in positions.judged},
+        "noise_bound": positions.noise_bound,  # the bound applied where judged "noise", else null
+        "family_share": positions.family_share,
+        "exceeding_prompts": sorted({pid for _, pid, _, _ in positions.excess}),
+    }
 
 
 def _safe_lists(values: dict[str, list[float]]) -> dict[str, list[float | None]]:

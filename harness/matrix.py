@@ -470,63 +470,88 @@ def expand(matrix: Matrix, tier: str | Iterable[str] | None = None, engines: str
     if tiers is None:
         tiers = set(TIERS) - ON_DEMAND_TIERS
     engine_set = _as_set(engines, ENGINES, "engine")
-    d = matrix.defaults
     cells: list[Cell] = []
     for mname, model in matrix.models.items():
         for sname, scheme in model.schemes.items():
             s = scheme or Scheme()
             cell_tier = s.tier or model.tier
-            if tiers is not None and cell_tier not in tiers:
-                continue
-            family = s.family or _family(sname)
-            bounds = matrix.defaults.bounds[family].model_dump()
-            for layer in (model.bounds, s.bounds):
-                if layer is not None:
-                    bounds.update({k: v for k, v in layer.model_dump().items() if v is not None})
-            hw = _merge_hardware(model.hardware, s.hardware)
-            if hw.gpus is None:
-                hw = hw.model_copy(update={"gpus": 0 if cell_tier in CPU_TIERS else 1})
-            engine_envs = s.engines if s.engines is not None else model.engines
-            task_names = s.accuracy if s.accuracy is not None else model.accuracy or []
-            accuracy_engines = s.accuracy_engines if s.accuracy_engines is not None else model.accuracy_engines
-            accuracy = tuple(
-                CellAccuracyTask(**matrix.accuracy_tasks[t].model_dump(), name=t,
-                                 path=str((matrix._dir / matrix.accuracy_tasks[t].task).resolve())
-                                 if matrix.accuracy_tasks[t].local else None)
-                for t in task_names)
-            for engine, env in (engine_envs or {}).items():
-                if engine_set is not None and engine not in engine_set:
-                    continue
-                cells.append(
-                    Cell(
-                        id=f"{mname}.{sname}.{engine}",
-                        model=mname,
-                        scheme=sname,
-                        engine=engine,
-                        tier=cell_tier,
-                        arch=model.arch,
-                        description=s.description or model.description,
-                        environment=env,
-                        engine_version=matrix.environments[env].engines[engine],
-                        source_kind="fixture" if model.fixture else "path" if model.path else "hub",
-                        fixture=model.fixture,
-                        fixture_scheme=s.fixture_scheme,
-                        path=model.path,
-                        hub=model.hub,
-                        prompt_set=model.prompts,
-                        prompts=tuple(matrix.prompt_sets.get(model.prompts, ())) if model.prompts != "fixture" else (),
-                        family=family,
-                        max_tokens=s.max_tokens or model.max_tokens or d.max_tokens,
-                        top_k=s.top_k or model.top_k or d.top_k,
-                        timeout_s=s.timeout_s or model.timeout_s or d.timeout_s,
-                        bounds=Bounds(**bounds),
-                        hardware=hw,
-                        known_failures=tuple(k for k in s.known_failures if k.engine == engine),
-                        accuracy=accuracy if accuracy_engines is None or engine in accuracy_engines else (),
-                    )
-                )
+            if cell_tier in tiers:
+                cells += _scheme_cells(matrix, mname, model, sname, s, cell_tier, engine_set)
     cells.sort(key=lambda c: c.id)
     return cells
+
+
+def _scheme_cells(matrix: Matrix, mname: str, model: Model, sname: str, s: Scheme, cell_tier: str,
+                  engine_set: set[str] | None) -> list[Cell]:
+    """One scheme's cells, one per engine it runs on (of ``engine_set``; None: all), each setting
+    resolved scheme > model > defaults."""
+    d = matrix.defaults
+    family = s.family or _family(sname)
+    bounds = _resolved_bounds(d.bounds[family], model.bounds, s.bounds)
+    hw = _cell_hardware(model, s, cell_tier)
+    engine_envs = s.engines if s.engines is not None else model.engines
+    accuracy_engines = s.accuracy_engines if s.accuracy_engines is not None else model.accuracy_engines
+    accuracy = _cell_accuracy(matrix, s.accuracy if s.accuracy is not None else model.accuracy or [])
+    cells = []
+    for engine, env in (engine_envs or {}).items():
+        if engine_set is not None and engine not in engine_set:
+            continue
+        cells.append(
+            Cell(
+                id=f"{mname}.{sname}.{engine}",
+                model=mname,
+                scheme=sname,
+                engine=engine,
+                tier=cell_tier,
+                arch=model.arch,
+                description=s.description or model.description,
+                environment=env,
+                engine_version=matrix.environments[env].engines[engine],
+                source_kind="fixture" if model.fixture else "path" if model.path else "hub",
+                fixture=model.fixture,
+                fixture_scheme=s.fixture_scheme,
+                path=model.path,
+                hub=model.hub,
+                prompt_set=model.prompts,
+                prompts=tuple(matrix.prompt_sets.get(model.prompts, ())) if model.prompts != "fixture" else (),
+                family=family,
+                max_tokens=s.max_tokens or model.max_tokens or d.max_tokens,
+                top_k=s.top_k or model.top_k or d.top_k,
+                timeout_s=s.timeout_s or model.timeout_s or d.timeout_s,
+                bounds=Bounds(**bounds),
+                hardware=hw,
+                known_failures=tuple(k for k in s.known_failures if k.engine == engine),
+                accuracy=accuracy if accuracy_engines is None or engine in accuracy_engines else (),
+            )
+        )
+    return cells
+
+
+def _resolved_bounds(family_bounds: Bounds, *overrides: BoundsOverride | None) -> dict[str, float]:
+    """The family's bounds, each override's values on top in turn (a later one wins)."""
+    bounds = family_bounds.model_dump()
+    for layer in overrides:
+        if layer is not None:
+            bounds.update({k: v for k, v in layer.model_dump().items() if v is not None})
+    return bounds
+
+
+def _cell_hardware(model: Model, s: Scheme, cell_tier: str) -> Hardware:
+    """The scheme's hardware over the model's; a GPU count neither sets is none on a CPU tier, one elsewhere."""
+    hw = _merge_hardware(model.hardware, s.hardware)
+    if hw.gpus is None:
+        hw = hw.model_copy(update={"gpus": 0 if cell_tier in CPU_TIERS else 1})
+    return hw
+
+
+def _cell_accuracy(matrix: Matrix, task_names: Iterable[str]) -> tuple[CellAccuracyTask, ...]:
+    """The named accuracy tasks as a cell carries them: a task YAML in the repo (``local``) by its
+    absolute path, resolved against the matrix file's folder."""
+    return tuple(
+        CellAccuracyTask(**matrix.accuracy_tasks[t].model_dump(), name=t,
+                         path=str((matrix._dir / matrix.accuracy_tasks[t].task).resolve())
+                         if matrix.accuracy_tasks[t].local else None)
+        for t in task_names)
 
 
 def select(cells: Iterable[Cell], k_expr: str | None) -> list[Cell]:

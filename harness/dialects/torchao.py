@@ -62,6 +62,76 @@ def torchao_fqn_matches(fqn: str, fqn_to_config: Mapping[str, Any]) -> bool:
     return any(p.startswith("re:") and patterns.fullmatch(p[3:], fqn) for p in fqn_to_config)
 
 
+def _param_fqn(module_fqn: str, param: str) -> str:
+    return f"{module_fqn}.{param}" if module_fqn else param
+
+
+def _torchao_gated(fqn_to_config: Mapping[str, Any], module_fqn: str, param_names: Sequence[str], is_linear: bool) -> bool:
+    """The gate in ``quantize_``: an entry for the module or one of its top-level parameters, or
+    ``_default`` on a linear. A module that fails it is never handed to the handler."""
+    return (
+        torchao_fqn_matches(module_fqn, fqn_to_config)
+        or any(torchao_fqn_matches(_param_fqn(module_fqn, p), fqn_to_config) for p in param_names)
+        or ("_default" in fqn_to_config and is_linear)
+    )
+
+
+@dataclass
+class _ParamMatches:
+    """The parameter entries (steps 1 and 3 of ``torchao_resolve``) that match each of one module's
+    parameters, as ``(key, how)`` in the order torchao applies them: ``applied`` the keys with a
+    config, ``none_keys`` those whose value is ``None``. ``found``: some parameter entry matched,
+    which rules out the module entries and ``_default`` for the whole module."""
+
+    applied: dict[str, list[tuple[str, str]]]
+    none_keys: dict[str, list[tuple[str, str]]]
+    found: bool = False
+
+    @classmethod
+    def empty(cls, param_names: Sequence[str]) -> _ParamMatches:
+        return cls({p: [] for p in param_names}, {p: [] for p in param_names})
+
+    def add(self, param: str, key: str, how: str, config: Any) -> None:
+        self.found = True
+        (self.applied if config is not None else self.none_keys)[param].append((key, how))
+
+    def resolution(self, fqn_to_config: Mapping[str, Any], param: str) -> FqnResolution:
+        """What the matched parameter entries make of ``param``: the first applied key (the later
+        ones in ``also``), else the first ``None`` key, else untouched."""
+        if param not in self.applied:  # another of the module's parameters matched
+            return FqnResolution(None, None, "untouched")
+        if self.applied[param]:
+            (key, how), *rest = self.applied[param]
+            return FqnResolution(key, fqn_to_config[key], how, tuple(k for k, _ in rest))
+        if self.none_keys[param]:
+            key, how = self.none_keys[param][0]
+            return FqnResolution(key, None, how)
+        return FqnResolution(None, None, "untouched")
+
+
+def _match_exact_params(fqn_to_config: Mapping[str, Any], module_fqn: str, param_names: Sequence[str],
+                        matches: _ParamMatches) -> list[str]:
+    """Step 1 of ``torchao_resolve``; returns the parameters left for the regex pass."""
+    remaining = list(param_names)
+    for p in param_names:
+        key = _param_fqn(module_fqn, p)
+        if key in fqn_to_config:
+            config = fqn_to_config[key]
+            if config is None:
+                remaining.remove(p)
+            matches.add(p, key, "param", config)
+    return remaining
+
+
+def _match_param_regexes(fqn_to_config: Mapping[str, Any], module_fqn: str, remaining: Sequence[str],
+                         matches: _ParamMatches) -> None:
+    """Step 3 of ``torchao_resolve``: every matching ``re:`` key, in dict order."""
+    for p in remaining:
+        for pattern in fqn_to_config:
+            if pattern.startswith("re:") and patterns.fullmatch(pattern[3:], _param_fqn(module_fqn, p)):
+                matches.add(p, pattern, "param-regex", fqn_to_config[pattern])
+
+
 def torchao_resolve(
     fqn_to_config: Mapping[str, Any],
     module_fqn: str,
@@ -89,56 +159,16 @@ def torchao_resolve(
     Dict order matters (steps 3, 4). transformers writes ``config.json`` with ``sort_keys=True``, so
     after a save/load the order of ``re:`` keys is alphabetical, not the order the producer wrote.
     """
-    cfg = fqn_to_config
-
-    def pfqn(p: str) -> str:
-        return f"{module_fqn}.{p}" if module_fqn else p
-
-    gated = (
-        torchao_fqn_matches(module_fqn, cfg)
-        or any(torchao_fqn_matches(pfqn(p), cfg) for p in param_names)
-        or ("_default" in cfg and is_linear)
-    )
-    if not gated:
+    if not _torchao_gated(fqn_to_config, module_fqn, param_names, is_linear):
         return FqnResolution(None, None, "unmatched")
-
-    param_found = False
-    applied: dict[str, list[tuple[str, str]]] = {p: [] for p in param_names}
-    none_keys: dict[str, list[tuple[str, str]]] = {p: [] for p in param_names}
-    remaining = list(param_names)
-    for p in param_names:
-        if pfqn(p) in cfg:
-            param_found = True
-            if cfg[pfqn(p)] is None:
-                remaining.remove(p)
-                none_keys[p].append((pfqn(p), "param"))
-            else:
-                applied[p].append((pfqn(p), "param"))
-
-    if not param_found and module_fqn in cfg:
-        return FqnResolution(module_fqn, cfg[module_fqn], "module")
-
-    for p in remaining:
-        for pattern in cfg:
-            if pattern.startswith("re:") and patterns.fullmatch(pattern[3:], pfqn(p)):
-                param_found = True
-                if cfg[pattern] is not None:
-                    applied[p].append((pattern, "param-regex"))
-                else:
-                    none_keys[p].append((pattern, "param-regex"))
-
-    if not param_found:
-        return regex_or_default(cfg, module_fqn)
-
-    if param not in applied:
-        return FqnResolution(None, None, "untouched")
-    if applied[param]:
-        (key, how), *rest = applied[param]
-        return FqnResolution(key, cfg[key], how, tuple(k for k, _ in rest))
-    if none_keys[param]:
-        key, how = none_keys[param][0]
-        return FqnResolution(key, None, how)
-    return FqnResolution(None, None, "untouched")
+    matches = _ParamMatches.empty(param_names)
+    remaining = _match_exact_params(fqn_to_config, module_fqn, param_names, matches)
+    if not matches.found and module_fqn in fqn_to_config:
+        return FqnResolution(module_fqn, fqn_to_config[module_fqn], "module")
+    _match_param_regexes(fqn_to_config, module_fqn, remaining, matches)
+    if not matches.found:
+        return regex_or_default(fqn_to_config, module_fqn)
+    return matches.resolution(fqn_to_config, param)
 
 
 def torchao_quant_type(quantization_config: Mapping[str, Any]) -> tuple[str | None, dict | None]:
