@@ -6,7 +6,8 @@ right after the load, and records it as the load phase ``calibration``; the comp
 calibrated ratio (load / calibration, obtained, over the same of the baseline; harness.compare,
 ``check_load_time``). The workload resembles a load, in two parts whose times enter as their
 geometric mean: a memory pass reads a fixed file through the page cache (a checkpoint's bytes),
-converts its half-precision values to float32 (a decode) and reduces them (memory bandwidth); a
+converts its half-precision values to float32 (a decode) and reduces them (memory bandwidth), into
+buffers allocated once per process (fresh memory's page faults cost what the process freed before); a
 dispatch pass makes many small tensors and operations on them (the interpreter and torch's
 dispatcher and allocator, where a loader's many small tensors spend their time: the gated loads take
 tens of milliseconds and are bound by both). Their sizes are fixed, so a slower loader is never
@@ -81,13 +82,31 @@ def calibration_file() -> Path:
     return path
 
 
-def memory_pass(path: Path) -> float:
-    """One memory pass: read the file, float16 -> float32, sum. Returns its seconds."""
+# The memory pass's two buffers, allocated once per process and reused: a pass that allocated its
+# own would time the page faults of fresh memory, which depend on what the process had freed before
+# (in a vLLM child a pass after the load ran 0.6-0.95 of one before it, docs/decisions.md, 2026-12-04).
+_MEMORY_BUFFERS: dict[int, tuple[bytearray, object]] = {}
+
+
+def memory_buffers(size: int) -> tuple[bytearray, object]:
+    """The memory pass's buffers for a file of ``size`` bytes: its bytes, and them as float32."""
     import torch
 
+    if size not in _MEMORY_BUFFERS:
+        _MEMORY_BUFFERS[size] = (bytearray(size), torch.empty(size // 2, dtype=torch.float32))
+    return _MEMORY_BUFFERS[size]
+
+
+def memory_pass(path: Path) -> float:
+    """One memory pass: read the file into its buffer, float16 -> float32 into the other, sum.
+    Returns its seconds."""
+    import torch
+
+    raw, wide = memory_buffers(path.stat().st_size)
     t0 = time.perf_counter()
-    data = bytearray(path.read_bytes())
-    total = torch.frombuffer(data, dtype=torch.float16).to(torch.float32).sum()
+    with open(path, "rb", buffering=0) as stream:
+        stream.readinto(raw)
+    total = wide.copy_(torch.frombuffer(raw, dtype=torch.float16)).sum()
     seconds = time.perf_counter() - t0
     del total
     return seconds

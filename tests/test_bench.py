@@ -521,3 +521,16 @@ def test_the_portability_part_runs_only_when_named():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert bench._parts(parser.parse_args([])) == list(bench.DEFAULT_PARTS)
+
+
+def test_the_memory_pass_reads_the_file_into_buffers_it_reuses(small_calibration):
+    """Fresh buffers would time their page faults, which depend on what the process freed before."""
+    import numpy as np
+
+    path = loadtime.calibration_file()
+    loadtime.memory_pass(path)
+    raw, wide = loadtime.memory_buffers(path.stat().st_size)
+    wide.fill_(0)
+    loadtime.memory_pass(path)
+    assert loadtime.memory_buffers(path.stat().st_size)[1] is wide
+    assert np.array_equal(wide.numpy(), np.fromfile(path, dtype=np.float16).astype(np.float32))
