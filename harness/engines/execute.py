@@ -31,57 +31,81 @@ def execute(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], *
     with the same prompts and sequences (the reference's unfused variant). With ``accuracy``, the
     cell's accuracy tasks then run on the same loaded engine (harness.accuracy; docs/design.md,
     "Accuracy"). ``close=False`` leaves the engine open, for a process that ends right after."""
-    cell = engine.cell
-    started = R.utc_now()
-    t0 = time.perf_counter()
-    fixture_identity = None
-    info = R.EngineInfo(name=cell.engine, environment=cell.environment, platform=R.cpu_platform())
+    run = _CellRun(engine.cell)
     try:
-        info = engine.info()
-        log(f"engine: {info.name} {info.version} on {info.platform} (torch {info.torch})")
-        ckpt = checkpoint() if callable(checkpoint) else checkpoint
-        fixture_identity = ckpt.identity
-        log(f"checkpoint: {ckpt.path}")
-        reason = engine.probe(ckpt)
-        if reason:
-            log(f"probe: unsupported: {reason}")
-            return R.Record.for_cell(cell, engine_info=info, status="unsupported", unsupported_reason=reason,
-                                     fixture_identity=fixture_identity, started_at=started,
-                                     duration_s=time.perf_counter() - t0)
-        load = engine.load(ckpt)
-        log(f"load: {load.seconds:.4f} s " + ", ".join(f"{k}={v:.4f}" for k, v in load.phases.items()))
-        loaded_state = engine.loaded_state()
-        prompts = prompts_for(cell, ckpt)
-        greedy = engine.greedy(prompts, cell.max_tokens, cell.top_k)
-        scored_seqs = _sequences_to_score(prompts, greedy, sequences, log)
-        scored = engine.teacher_forced(prompts, scored_seqs, cell.top_k)
-        sensitivity = input_sensitivity(engine, prompts, scored_seqs, scored, log)
-        diff = engine.module_diff(ckpt)
-        acc = []
-        if accuracy and cell.accuracy:
-            acc = lmeval.evaluate(engine, ckpt, cell.accuracy, log=log)
-        record = R.Record.for_cell(cell, engine_info=info, status="ok", fixture_identity=fixture_identity,
-                                   sequences=_sequence_results(prompts, scored, greedy), load=load,
-                                   module_diff=diff, loaded_state=loaded_state, accuracy=acc,
-                                   input_sensitivity=sensitivity, started_at=started,
-                                   duration_s=time.perf_counter() - t0)
-        if on_sequences is not None:
-            on_sequences({p.id: s for p, s in zip(prompts, scored_seqs)})
-        if witness is not None:
-            _run_witness(witness, engine, ckpt, prompts, scored_seqs, log)
-        return record
+        return _run_cell(engine, checkpoint, run, sequences=sequences, on_sequences=on_sequences, witness=witness,
+                         log=log, accuracy=accuracy)
     except Exception as e:  # the engine's failure is the result
         tb = traceback.format_exc()
         log(tb)
-        return R.Record.for_cell(cell, engine_info=info, status="error", fixture_identity=fixture_identity,
-                                 error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__, log_tail=tb),
-                                 started_at=started, duration_s=time.perf_counter() - t0)
+        return run.record("error", error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__,
+                                                     log_tail=tb))
     finally:
         if close:
             try:
                 engine.close()
             except Exception:
                 pass
+
+
+class _CellRun:
+    """One cell's run as far as it got: what its record says however the run ends (the engine's
+    info once the engine answered, the fixture's identity once the checkpoint was built)."""
+
+    def __init__(self, cell):
+        self.cell = cell
+        self.started = R.utc_now()
+        self.t0 = time.perf_counter()
+        self.fixture_identity = None
+        self.info = R.EngineInfo(name=cell.engine, environment=cell.environment, platform=R.cpu_platform())
+
+    def record(self, status: R.Status, **fields) -> R.Record:
+        return R.Record.for_cell(self.cell, engine_info=self.info, status=status,
+                                 fixture_identity=self.fixture_identity, **fields, started_at=self.started,
+                                 duration_s=time.perf_counter() - self.t0)
+
+
+def _run_cell(engine: Engine, checkpoint: Checkpoint | Callable[[], Checkpoint], run: _CellRun, *,
+              sequences: dict[str, list[int]] | None, on_sequences: Callable[[dict[str, list[int]]], None] | None,
+              witness: Callable[[Engine, Checkpoint, list[EnginePrompt], dict[str, list[int]]], None] | None,
+              log: Callable[[str], None], accuracy: bool) -> R.Record:
+    """:func:`execute` up to its record, raising for the engine's failures."""
+    run.info = engine.info()
+    log(f"engine: {run.info.name} {run.info.version} on {run.info.platform} (torch {run.info.torch})")
+    ckpt = checkpoint() if callable(checkpoint) else checkpoint
+    run.fixture_identity = ckpt.identity
+    log(f"checkpoint: {ckpt.path}")
+    reason = engine.probe(ckpt)
+    if reason:
+        log(f"probe: unsupported: {reason}")
+        return run.record("unsupported", unsupported_reason=reason)
+    record, prompts, scored_seqs = _measure(engine, ckpt, run, sequences, log, accuracy)
+    if on_sequences is not None:
+        on_sequences({p.id: s for p, s in zip(prompts, scored_seqs)})
+    if witness is not None:
+        _run_witness(witness, engine, ckpt, prompts, scored_seqs, log)
+    return record
+
+
+def _measure(engine: Engine, ckpt: Checkpoint, run: _CellRun, sequences: dict[str, list[int]] | None,
+             log: Callable[[str], None], accuracy: bool) -> tuple[R.Record, list[EnginePrompt], list[list[int]]]:
+    """The ``ok`` record of a supported cell, with its prompts and the sequences it scored."""
+    cell = run.cell
+    load = engine.load(ckpt)
+    log(f"load: {load.seconds:.4f} s " + ", ".join(f"{k}={v:.4f}" for k, v in load.phases.items()))
+    loaded_state = engine.loaded_state()
+    prompts = prompts_for(cell, ckpt)
+    greedy = engine.greedy(prompts, cell.max_tokens, cell.top_k)
+    scored_seqs = _sequences_to_score(prompts, greedy, sequences, log)
+    scored = engine.teacher_forced(prompts, scored_seqs, cell.top_k)
+    sensitivity = input_sensitivity(engine, prompts, scored_seqs, scored, log)
+    diff = engine.module_diff(ckpt)
+    acc = []
+    if accuracy and cell.accuracy:
+        acc = lmeval.evaluate(engine, ckpt, cell.accuracy, log=log)
+    record = run.record("ok", sequences=_sequence_results(prompts, scored, greedy), load=load, module_diff=diff,
+                        loaded_state=loaded_state, accuracy=acc, input_sensitivity=sensitivity)
+    return record, prompts, scored_seqs
 
 
 def trace_cell(engine: Engine, checkpoint: Callable[[], Checkpoint], sequences: dict[str, list[int]], out: str, *,

@@ -156,6 +156,25 @@ def granularity(block: tuple[int, int], shape: tuple[int, int]) -> str:
 
 
 def decode(src: TensorSource, weight: str) -> Decoded:
+    kind, data = _weight_only_subclass(src, weight)
+    dtype = _attr_dtype(weight, data)
+    qname, sname, zname = (part_name(weight, p) for p in ("qdata", "scale", "zero_point"))
+    q = _read_qdata(src, kind, qname, sname)
+    shape = tuple(q.shape)
+    block = _block_size(weight, data.get("block_size"), shape)
+    nblocks = (shape[0] // block[0], shape[1] // block[1])
+    scale = _read_scale(src, sname, shape, block, nblocks)
+    zero_point = _read_zero_point(src, zname, kind, scale, nblocks)
+    asymmetric = zero_point is not None and bool((zero_point != 0).any())
+    return Decoded(
+        label=SUBCLASSES[kind],
+        weight=StoredTorchao.per_row(q, scale, zero_point if asymmetric else None, block, dtype),
+        settings={"subclass": kind, "granularity": granularity(block, shape), "asymmetric": asymmetric},
+    )
+
+
+def _weight_only_subclass(src: TensorSource, weight: str) -> tuple[str, dict]:
+    """The weight's subclass and its metadata `_data`, refused unless a supported weight-only one."""
     meta = read_metadata(src, weight)
     kind = meta["_type"]
     if kind not in SUBCLASSES:
@@ -167,9 +186,10 @@ def decode(src: TensorSource, weight: str) -> Decoded:
     for part in _ACT_PARTS:
         if part_name(weight, part) in src.keys:
             raise CheckpointError(part_name(weight, part), "torchao activation quantization tensors are not supported")
-    dtype = _attr_dtype(weight, data)
+    return kind, data
 
-    qname, sname, zname = (part_name(weight, p) for p in ("qdata", "scale", "zero_point"))
+
+def _read_qdata(src: TensorSource, kind: str, qname: str, sname: str) -> torch.Tensor:
     if qname not in src.keys:
         raise CheckpointError(qname, "missing tensor (torchao qdata)")
     if sname not in src.keys:
@@ -179,17 +199,21 @@ def decode(src: TensorSource, weight: str) -> Decoded:
         raise CheckpointError(qname, f"{kind} qdata must be {_QDTYPE[kind]}, got {q.dtype}")
     if q.dim() != 2:
         raise CheckpointError(qname, f"expected a 2-D [out, in] weight, got shape {tuple(q.shape)}")
-    shape = tuple(q.shape)
+    return q
 
-    block = data.get("block_size")
+
+def _block_size(weight: str, block: list | None, shape: tuple[int, int]) -> tuple[int, int]:
     if block is None or len(block) == 0:
         block = list(shape)  # Float8Tensor: an empty block_size means per tensor
     if (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)
             or shape[0] % block[0] or shape[1] % block[1]):
         raise CheckpointError(weight, f"block_size {block!r} does not tile the weight shape {list(shape)}")
-    block = (block[0], block[1])
-    nblocks = (shape[0] // block[0], shape[1] // block[1])
+    return (block[0], block[1])
 
+
+def _read_scale(src: TensorSource, sname: str, shape: tuple[int, int], block: tuple[int, int],
+                nblocks: tuple[int, int]) -> torch.Tensor:
+    """One positive float32 scale per block, shaped [out/bo, in/bi]."""
     scale = src.get(sname)
     if not scale.dtype.is_floating_point:
         raise CheckpointError(sname, f"scale must be floating point, got {scale.dtype}")
@@ -201,21 +225,19 @@ def decode(src: TensorSource, weight: str) -> Decoded:
         raise CheckpointError(sname, "NaN or infinite scale")
     if (scale <= 0).any():
         raise CheckpointError(sname, "zero or negative scale")
+    return scale
 
-    zero_point = None
-    if zname in src.keys:
-        if kind != "Int8Tensor":
-            raise CheckpointError(zname, "Float8Tensor has no zero point")
-        zero_point = src.get(zname)
-        if zero_point.dtype.is_floating_point or zero_point.dtype.is_complex:
-            raise CheckpointError(zname, f"zero point must be an integer tensor, got {zero_point.dtype}")
-        if zero_point.numel() != scale.numel():
-            raise CheckpointError(zname, f"zero point shape {tuple(zero_point.shape)} does not match scale shape {tuple(scale.shape)}")
-        zero_point = zero_point.reshape(nblocks)
-    asymmetric = zero_point is not None and bool((zero_point != 0).any())
 
-    return Decoded(
-        label=SUBCLASSES[kind],
-        weight=StoredTorchao.per_row(q, scale, zero_point if asymmetric else None, block, dtype),
-        settings={"subclass": kind, "granularity": granularity(block, shape), "asymmetric": asymmetric},
-    )
+def _read_zero_point(src: TensorSource, zname: str, kind: str, scale: torch.Tensor,
+                     nblocks: tuple[int, int]) -> torch.Tensor | None:
+    """The integer zero point per block, shaped as the scale; None when the file holds none."""
+    if zname not in src.keys:
+        return None
+    if kind != "Int8Tensor":
+        raise CheckpointError(zname, "Float8Tensor has no zero point")
+    zero_point = src.get(zname)
+    if zero_point.dtype.is_floating_point or zero_point.dtype.is_complex:
+        raise CheckpointError(zname, f"zero point must be an integer tensor, got {zero_point.dtype}")
+    if zero_point.numel() != scale.numel():
+        raise CheckpointError(zname, f"zero point shape {tuple(zero_point.shape)} does not match scale shape {tuple(scale.shape)}")
+    return zero_point.reshape(nblocks)

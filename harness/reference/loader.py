@@ -56,12 +56,7 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
     unquantized checkpoint at load time."""
     path = Path(path)
     config_dict = _read_config(path)
-    quant_config = formats.quantization_config(config_dict)
-    method = formats.quant_method(config_dict)
-    online_q = None
-    if quantization is not None:  # online quantization: the config stands in for the checkpoint's
-        online_q = online.OnlineQuantizer.from_config(quantization, formats.quantization_config(config_dict))
-        quant_config, method = online_q.config, online_q.method
+    quant_config, method, online_q = _quantization(config_dict, quantization)
     report = LoadReport(str(path), config_dict["architectures"][0], method)
     phase = _Phases(report.timings)
     started = time.perf_counter()
@@ -78,45 +73,18 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
     tied = model.get_expanded_tied_weights_keys(all_submodels=True)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     activation = _activation_scheme(quant_config) if online_q is None else online_q.activation
-    decoded: dict[str, tuple[Decoded, torch.Tensor | None]] = {}
     with phase("decode"):
-        for name, module in linears.items():
-            decoded[name] = _decode_linear(src, name, module, arch, tied, activation)
-            report.modules[name] = decoded[name][0].label
+        decoded = _decode_linears(src, linears, arch, tied, activation, report)
     if online_q is not None:
         with phase("quantize"):
             online_q.apply(model, decoded, arch=arch, fuse=fuse, report=report)
 
-    replacements: dict[str, nn.Module] = {}
-    fused_kv: dict[str, FusedLinear] = {}  # cross-attention FQN -> its fused kv projection
     with phase("fuse"):
-        for parent, rule in architectures.fusion_groups(model):
-            shards = [f"{parent}.{s}" if parent else s for s in rule.shards]
-            reason = _unfusable(shards, decoded) if fuse else "fusion disabled (fuse=False)"
-            if reason:
-                report.groups.append(FusedGroup(parent, rule.kind, shards, False, reason))
-                continue
-            fused, layout = _fuse([decoded[s] for s in shards], activation)
-            report.groups.append(FusedGroup(parent, rule.kind, shards, True, layout=layout))
-            model.get_submodule(parent).register_module(rule.kind.replace("-", "_") + "_proj", fused)
-            for index, shard in enumerate(shards):
-                replacements[shard] = fused.shard(index)
-                if layout == "requantized":
-                    report.storage[shard] = "requantized"
-            if rule.kind == "cross-kv":
-                fused_kv[parent] = fused
+        replacements, fused_kv = _fuse_groups(model, decoded, activation, fuse, report)
 
     with phase("assign"):
-        for name, (dec, bias) in decoded.items():
-            module = replacements.get(name) or ReferenceLinear(
-                dec.stored, bias, dec.label, _input_quant(dec, activation))
-            _set_submodule(model, name, module)
-            report.storage.setdefault(name, _storage(src, dec.stored))
-            if dec.label == "unquantized":
-                finite.check_on_first_use(module, _disk_key(src, f"{name}.weight", arch, tied))
-        for name in architectures.attention_modules(model):
-            if architectures.is_cross_attention(name):
-                cross_attention.install(model, name, fused_kv.get(name))
+        _assign_linears(src, model, decoded, replacements, arch, tied, activation, report)
+        _install_cross_attention(model, fused_kv)
         _assign_remaining(src, model, arch, tied)
         _attach_kv_scales(src, model, arch, quant_config, report)
 
@@ -125,6 +93,69 @@ def load(path, device: str = "cpu", fuse: bool = True, quantization=None) -> Loa
     model.eval().to(device)
     report.timings["total"] = time.perf_counter() - started
     return Loaded(model, report)
+
+
+def _quantization(config_dict: dict, quantization) -> tuple[dict | None, str | None, online.OnlineQuantizer | None]:
+    """The quantization config and method the load follows, and the online quantizer when there is one."""
+    quant_config = formats.quantization_config(config_dict)
+    method = formats.quant_method(config_dict)
+    online_q = None
+    if quantization is not None:  # online quantization: the config stands in for the checkpoint's
+        online_q = online.OnlineQuantizer.from_config(quantization, formats.quantization_config(config_dict))
+        quant_config, method = online_q.config, online_q.method
+    return quant_config, method, online_q
+
+
+def _decode_linears(src, linears: dict[str, nn.Linear], arch, tied, activation,
+                    report: LoadReport) -> dict[str, tuple[Decoded, torch.Tensor | None]]:
+    decoded: dict[str, tuple[Decoded, torch.Tensor | None]] = {}
+    for name, module in linears.items():
+        decoded[name] = _decode_linear(src, name, module, arch, tied, activation)
+        report.modules[name] = decoded[name][0].label
+    return decoded
+
+
+def _fuse_groups(model, decoded, activation, fuse: bool,
+                 report: LoadReport) -> tuple[dict[str, nn.Module], dict[str, FusedLinear]]:
+    """Each fusion group registered as one projection where its shards allow (docs/design.md,
+    "Fusion rule"), every group recorded in the report: the modules that replace the fused
+    shards, and the fused kv projection of each cross-attention."""
+    replacements: dict[str, nn.Module] = {}
+    fused_kv: dict[str, FusedLinear] = {}  # cross-attention FQN -> its fused kv projection
+    for parent, rule in architectures.fusion_groups(model):
+        shards = [f"{parent}.{s}" if parent else s for s in rule.shards]
+        reason = _unfusable(shards, decoded) if fuse else "fusion disabled (fuse=False)"
+        if reason:
+            report.groups.append(FusedGroup(parent, rule.kind, shards, False, reason))
+            continue
+        fused, layout = _fuse([decoded[s] for s in shards], activation)
+        report.groups.append(FusedGroup(parent, rule.kind, shards, True, layout=layout))
+        model.get_submodule(parent).register_module(rule.kind.replace("-", "_") + "_proj", fused)
+        for index, shard in enumerate(shards):
+            replacements[shard] = fused.shard(index)
+            if layout == "requantized":
+                report.storage[shard] = "requantized"
+        if rule.kind == "cross-kv":
+            fused_kv[parent] = fused
+    return replacements, fused_kv
+
+
+def _assign_linears(src, model, decoded, replacements: dict[str, nn.Module], arch, tied, activation,
+                    report: LoadReport) -> None:
+    """Every linear in place: its fused shard, else a reference linear of its own."""
+    for name, (dec, bias) in decoded.items():
+        module = replacements.get(name) or ReferenceLinear(
+            dec.stored, bias, dec.label, _input_quant(dec, activation))
+        _set_submodule(model, name, module)
+        report.storage.setdefault(name, _storage(src, dec.stored))
+        if dec.label == "unquantized":
+            finite.check_on_first_use(module, _disk_key(src, f"{name}.weight", arch, tied))
+
+
+def _install_cross_attention(model, fused_kv: dict[str, FusedLinear]) -> None:
+    for name in architectures.attention_modules(model):
+        if architectures.is_cross_attention(name):
+            cross_attention.install(model, name, fused_kv.get(name))
 
 
 def _read_config(path: Path) -> dict:
