@@ -92,6 +92,12 @@ def install() -> None:
 
 
 def _install_capture() -> None:
+    _install_log_capture()
+    _install_effective_weight_capture()
+    _install_load_timing()
+
+
+def _install_log_capture() -> None:
     import vllm.logger as vllm_logger
 
     # vLLM (re)configures its "vllm" logger with dictConfig at import and again when an LLM is
@@ -109,6 +115,8 @@ def _install_capture() -> None:
 
     vllm_logger._configure_vllm_root_logger = _configure_vllm_root_logger
 
+
+def _install_effective_weight_capture() -> None:
     from vllm.model_executor.layers import utils as layer_utils
 
     # vLLM's CPU backend hands an unquantized weight to oneDNN / the sgl kernel and then replaces
@@ -124,6 +132,8 @@ def _install_capture() -> None:
 
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
+
+def _install_load_timing() -> None:
     from vllm.model_executor.model_loader import base_loader
 
     original_load_model = base_loader.BaseModelLoader.load_model
