@@ -326,13 +326,20 @@ def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[Seq
 
 def load_ratio(obtained: LoadInfo, baseline: LoadInfo) -> tuple[float, bool]:
     """(ratio, calibrated): the calibrated ratio (obtained load / its calibration) over (baseline
-    load / its calibration) when both recorded the ``calibration`` phase (harness.loadtime),
-    else the plain ratio of the load times (docs/design.md, "Load time")."""
+    load / its calibration) when both recorded the ``calibration`` phase of the same workload
+    (``calibration_workload``, harness.loadtime), else the plain ratio of the load times
+    (docs/design.md, "Load time")."""
     ratio = obtained.seconds / baseline.seconds
     cal_obt, cal_base = obtained.phases.get("calibration"), baseline.phases.get("calibration")
-    if cal_obt and cal_base and cal_obt > 0 and cal_base > 0:
+    if cal_obt and cal_base and cal_obt > 0 and cal_base > 0 and not other_calibration_workload(obtained, baseline):
         return ratio / (cal_obt / cal_base), True
     return ratio, False
+
+
+def other_calibration_workload(obtained: LoadInfo, baseline: LoadInfo) -> bool:
+    """Whether the two calibrations timed different workloads (a record without the version timed
+    the first)."""
+    return obtained.phases.get("calibration_workload", 1.0) != baseline.phases.get("calibration_workload", 1.0)
 
 
 def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: bool) -> Check | None:
@@ -349,6 +356,9 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
     if calibrated:
         text += (f" (calibration {_fmt(record.load.phases['calibration'])} s vs "
                  f"{_fmt(baseline.load.phases['calibration'])} s)")
+    elif other_calibration_workload(record.load, baseline.load):
+        text += (" (not calibrated: the baseline's calibration timed another workload; record the "
+                 "baseline again with --update-baselines)")
     if not gated:
         text += " (measured, not gated on this tier)"
     elif regressed:

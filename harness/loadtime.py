@@ -82,6 +82,10 @@ def calibration_file() -> Path:
     return path
 
 
+# The calibration workload's version, recorded beside it (phase ``calibration_workload``): a ratio
+# of two calibrations of different workloads means nothing, so harness.compare calibrates only
+# between equal versions. 2: the memory pass into reused buffers (2026-12-04); 1, or none, before.
+CALIBRATION_WORKLOAD = 2
 # The memory pass's two buffers, allocated once per process and reused: a pass that allocated its
 # own would time the page faults of fresh memory, which depend on what the process had freed before
 # (in a vLLM child a pass after the load ran 0.6-0.95 of one before it, docs/decisions.md, 2026-12-04).
@@ -182,6 +186,7 @@ def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: b
     phases = dict(min(runs, key=lambda r: abs(r[0] - seconds))[1])  # the phases of the load reported
     if gated:
         phases["calibration"] = min(before, after)
+        phases["calibration_workload"] = float(CALIBRATION_WORKLOAD)
     return R.LoadInfo(seconds=seconds, phases=phases, samples=samples if repeats > 1 else [])
 
 
