@@ -327,7 +327,7 @@ def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[Seq
 def load_ratio(obtained: LoadInfo, baseline: LoadInfo) -> tuple[float, bool]:
     """(ratio, calibrated): the calibrated ratio (obtained load / its calibration) over (baseline
     load / its calibration) when both recorded the ``calibration`` phase of the same workload
-    (``calibration_workload``, harness.loadtime), else the plain ratio of the load times
+    (``LoadInfo.calibration_workload``, harness.loadtime), else the plain ratio of the load times
     (docs/design.md, "Load time")."""
     ratio = obtained.seconds / baseline.seconds
     cal_obt, cal_base = obtained.phases.get("calibration"), baseline.phases.get("calibration")
@@ -339,7 +339,7 @@ def load_ratio(obtained: LoadInfo, baseline: LoadInfo) -> tuple[float, bool]:
 def other_calibration_workload(obtained: LoadInfo, baseline: LoadInfo) -> bool:
     """Whether the two calibrations timed different workloads (a record without the version timed
     the first)."""
-    return obtained.phases.get("calibration_workload", 1.0) != baseline.phases.get("calibration_workload", 1.0)
+    return (obtained.calibration_workload or 1) != (baseline.calibration_workload or 1)
 
 
 def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: bool) -> Check | None:

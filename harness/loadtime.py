@@ -82,7 +82,7 @@ def calibration_file() -> Path:
     return path
 
 
-# The calibration workload's version, recorded beside it (phase ``calibration_workload``): a ratio
+# The calibration workload's version, recorded beside it (LoadInfo.calibration_workload): a ratio
 # of two calibrations of different workloads means nothing, so harness.compare calibrates only
 # between equal versions. 2: the memory pass into reused buffers (2026-12-04); 1, or none, before.
 CALIBRATION_WORKLOAD = 2
@@ -186,8 +186,8 @@ def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: b
     phases = dict(min(runs, key=lambda r: abs(r[0] - seconds))[1])  # the phases of the load reported
     if gated:
         phases["calibration"] = min(before, after)
-        phases["calibration_workload"] = float(CALIBRATION_WORKLOAD)
-    return R.LoadInfo(seconds=seconds, phases=phases, samples=samples if repeats > 1 else [])
+    return R.LoadInfo(seconds=seconds, phases=phases, samples=samples if repeats > 1 else [],
+                      calibration_workload=CALIBRATION_WORKLOAD if gated else None)
 
 
 def calibrated(info: R.LoadInfo) -> float:

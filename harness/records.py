@@ -149,12 +149,15 @@ class LoadInfo(_Strict):
     decode, fuse, ...; ``calibration``: the in-run calibration workload, docs/design.md, "Load time").
     ``children``: where a gated load was timed in more than one child (a confirmation, or a
     baseline's median), every child's timing; ``seconds`` and ``phases`` are those of the child the
-    rule reports."""
+    rule reports. ``calibration_workload``: the version of the workload the ``calibration`` phase
+    timed (harness.loadtime.CALIBRATION_WORKLOAD); null where none was timed, or in a record
+    written before the version was kept (the first workload)."""
 
     seconds: float = Field(ge=0)
     phases: dict[str, float] = {}
     samples: list[float] = []
     children: list[ChildLoad] = []
+    calibration_workload: int | None = None
 
 
 class ModuleDiff(_Strict):

@@ -346,12 +346,12 @@ def test_load_time_without_calibration_on_either_side_is_the_plain_ratio():
 
 def test_a_baseline_calibrated_with_another_workload_is_compared_uncalibrated_and_says_so():
     older = baseline(record(load=_calibrated(1.0, 0.04)))  # no calibration_workload: the first workload
-    newer = R.LoadInfo(seconds=1.0, phases={"calibration": 0.02, "calibration_workload": 2.0})
+    newer = R.LoadInfo(seconds=1.0, phases={"calibration": 0.02}, calibration_workload=2)
     j = judging.verdict(record(load=newer), older, bounds=BOUNDS, gate_load_time=True)
     (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
     assert not lt.data["calibrated"] and lt.data["ratio"] == pytest.approx(1.0)  # calibrated, it would read 2.0
     assert "another workload" in lt.detail and "--update-baselines" in lt.detail
-    same = baseline(record(load=R.LoadInfo(seconds=1.0, phases={"calibration": 0.01, "calibration_workload": 2.0})))
+    same = baseline(record(load=R.LoadInfo(seconds=1.0, phases={"calibration": 0.01}, calibration_workload=2)))
     assert C.load_ratio(newer, same.load) == (pytest.approx(0.5), True)
 
 

@@ -41,8 +41,8 @@ def conditions() -> dict[str, dict[str, str]]:
 
 
 def _ratio(cr: detection.CellRun, baseline: R.LoadInfo) -> float:
-    phases = {"calibration": cr.calibration, "calibration_workload": float(loadtime.CALIBRATION_WORKLOAD)}
-    info = R.LoadInfo(seconds=loadtime.load_statistic(list(cr.samples)), phases=phases)
+    info = R.LoadInfo(seconds=loadtime.load_statistic(list(cr.samples)), phases={"calibration": cr.calibration},
+                      calibration_workload=loadtime.CALIBRATION_WORKLOAD)
     return load_ratio(info, baseline)[0]
 
 
