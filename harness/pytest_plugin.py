@@ -27,6 +27,9 @@ Verdict -> test outcome: the ``pytest`` column of harness.verdicts' table (``pyt
 - XFAIL: ``waived``, and ``unsupported`` through a known failure (the engine ran and failed in the
   documented way).
 
+A path the session would write that cannot be written (``--results``, ``--baselines``, the caches)
+fails every cell test with one line naming it, before any engine runs or anything is built.
+
 Several tests of one (model, scheme) share their engines' records through the results directory
 (file locks), so each engine runs once per session, and under ``-n 2`` the engines of a group run
 on two workers at once. At the end, the terminal summary shows the verdict table and every
@@ -39,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import baselines, matrix, verdicts
+from harness import baselines, files, matrix, verdicts
 from harness import records as R
 from harness.layout import default_results_dir
 from harness.matrix import DEFAULT_PATH, MatrixError
@@ -177,6 +180,10 @@ def harness_runner(request):
     if state.runner is None:
         pytest.fail("harness: no runner (the harness_cell parametrization did not run)", pytrace=False)
     if not state.prepared:  # created on first use: --collect-only leaves no results directory
+        # every path the session writes, checked before anything is built or run, as harness run does
+        problem = files.write_problem(state.runner.writes())
+        if problem:
+            pytest.fail(f"harness: {problem}", pytrace=False)
         # lazy: numpy, regex, +300 ms (scripts/import-graph --costs)
         from harness.fixtures import benchmark
 

@@ -90,3 +90,15 @@ def test_markers_and_options():
     proc = subprocess.run([sys.executable, "-m", "pytest", "suites/matrix", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "--engine", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--engine: unknown engine 'nope'" in proc.stdout + proc.stderr
+
+
+def test_a_path_the_session_cannot_write_fails_its_cells_before_any_runs(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "cpu-tiny").write_text("not a directory")
+    results = tmp_path / "r"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "suites/matrix", "-q", "-p", "no:cacheprovider",
+                           "-k", "whisper.bnb-nf4.transformers", "--baselines", str(tmp_path / "b"),
+                           "--results", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"harness: {tmp_path}/b/cpu-tiny: is not a directory (--baselines)" in proc.stdout
+    assert not list(results.rglob("*.json")), "a cell ran"
