@@ -136,6 +136,8 @@ def test_html_shows_the_headline_and_both_builds_side_by_side(results):
     page = html.render(load_results([results]), matrix=rs.MATRIX, now=NOW)
     header = page[:page.index("</header>")]
     assert f'<p class="sub candidate-headline">{HEADLINE}</p>' in header
+    # every base cell passes or is waived: the candidate's regressed cell colours the banner
+    assert '<div class="banner v-regressed">' in page
     table = _section(page, '<section class="attention candidates">')
     rows = {r.split("</code>", 1)[0]: r for r in table.split("<tr><td><code>")[1:]}
     assert list(rows) == ORDER

@@ -350,7 +350,8 @@ def render(merged: Merged, *, matrix=None, title: str | None = None, now: dateti
         title=title or "Quantized model loading: regression matrix",
         generated=(now or datetime.now(timezone.utc)).strftime("%Y-%m-%d %H:%M UTC"),
         slots=len(slots), models=len({s.model for s in slots}), sets=merged.sets,
-        worst=worst(s.state for s in slots) or "unsupported",
+        # a candidate's failing cell colours the banner as the run's exit status counts it
+        worst=worst([*(s.state for s in slots), *(state_of(r) for r in merged.candidate_records())]) or "unsupported",
         summary=", ".join(f"{n} {s}" for s, n in bad) or ("all pass" if slots else "no cells"),
         states=STATES, rows=ROWS, counts=counts, tiers=tiers, attention=_attention(slots, ids),
         problems=merged.problems, notes=merged.notes, candidates=_candidates(merged, matrix),
