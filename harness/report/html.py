@@ -3,7 +3,7 @@ Jinja2 templates (``templates/*.j2``, package data) with autoescaping: every pie
 from a record, a config, a baseline or a log is escaped by the template engine (a token
 ``<script>`` shows as text).
 
-Layout: a banner with the worst state, a filter bar that is also the legend (one button per state
+Layout: a banner with the worst state (a candidate build's cells included), a filter bar that is also the legend (one button per state
 of harness.verdicts' table, in its colours), a "needs attention" list, then one grid per tier: a
 row per scheme, a column per model, and inside each grid cell one chip per engine, coloured by
 verdict. Clicking a grid cell opens its details below the row: per engine the verdict and its
