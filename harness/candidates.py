@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,32 @@ def parse(text: str) -> tuple[str, str]:
     if not sep or not spec.strip():
         raise CandidateError(f"--candidate {text}: expected ENGINE=SPEC, SPEC a pip requirement, a wheel or a Python environment")
     return engine, spec.strip()
+
+
+def chosen(texts: Sequence[str], cells: Iterable, *, updates: Mapping[str, bool]) -> dict[str, str]:
+    """``--candidate ENGINE=SPEC``'s texts as {engine: SPEC}, checked without building anything.
+    Refused in one line (CandidateError) beside a flag of ``updates`` that is set (a candidate never
+    writes baselines), for a second candidate of an engine, and for an engine none of the selected
+    ``cells`` runs on."""
+    if texts:
+        for flag, on in updates.items():
+            if on:
+                raise CandidateError(f"--candidate with {flag}: a candidate build never writes baselines; run them apart")
+    engines = {c.engine for c in cells}
+    out: dict[str, str] = {}
+    for text in texts:
+        engine, spec = parse(text)
+        if engine in out:
+            raise CandidateError(f"--candidate {text}: a second candidate for {engine} ({out[engine]} is the first)")
+        if engine not in engines:
+            raise CandidateError(f"--candidate {text}: no selected cell runs on {engine}")
+        out[engine] = spec
+    return out
+
+
+def prepare_all(specs: Mapping[str, str], echo: Callable[[str], None]) -> dict[str, Candidate]:
+    """The builds of :func:`chosen`'s {engine: SPEC}, each environment built or reused now."""
+    return {engine: prepare(engine, spec, echo=echo) for engine, spec in specs.items()}
 
 
 def _existing_python(spec: str) -> Path | None:

@@ -128,10 +128,7 @@ def _run(args) -> int:
 
         return dryrun.report(m, cells, matrix_path=args.matrix, baselines_root=args.baselines, tier=args.tier)
     results = Path(args.results or runner.default_results_dir())
-    for flag, on in (("--update-baselines", args.update_baselines), ("--update-kernel-baselines", args.update_kernel_baselines)):
-        if args.candidate and on:
-            raise UsageError(f"--candidate with {flag}: a candidate build never writes baselines; run them apart")
-    candidates = _candidates(args.candidate or [], cells)
+    candidates = _candidates(args, cells)
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
                       matrix_path=args.matrix, trace=args.trace, update_fingerprints=args.update_fingerprints,
                       candidates=candidates, update_kernel_baselines=args.update_kernel_baselines)
@@ -183,22 +180,16 @@ def _run_interruptibly(args, m, cells, r, progress: Progress, results: Path) -> 
         progress.close()
 
 
-def _candidates(specs: list[str], cells) -> dict:
+def _candidates(args, cells) -> dict:
     """``--candidate ENGINE=SPEC``'s builds, their environments built or reused now (harness.candidates)."""
-    if not specs:
+    if not args.candidate:
         return {}
     # lazy: only a run with --candidate builds or checks an environment
     from harness import candidates
 
-    out = {}
-    for text in specs:
-        engine, spec = candidates.parse(text)
-        if engine in out:
-            raise UsageError(f"--candidate {text}: a second candidate for {engine} ({out[engine].spec} is the first)")
-        if not any(c.engine == engine for c in cells):
-            raise UsageError(f"--candidate {text}: no selected cell runs on {engine}")
-        out[engine] = candidates.prepare(engine, spec, echo=lambda line: print(line, file=sys.stderr, flush=True))
-    return out
+    updates = {"--update-baselines": args.update_baselines, "--update-kernel-baselines": args.update_kernel_baselines}
+    return candidates.prepare_all(candidates.chosen(args.candidate, cells, updates=updates),
+                                  echo=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 class Interrupted(Exception):

@@ -6,7 +6,9 @@ parametrized with the matrix's cells of the selected tier and engines; the test 
 also matches the markers below, and the test's own file and function names).
 
 Options: ``--tier`` (default cpu-tiny; ``all``), ``--engine NAME[,NAME]``,
-``--update-baselines``, ``--harness-trace`` (``harness run --trace``: pytest's own ``--trace`` is its
+``--candidate ENGINE=SPEC`` (``harness run --candidate``: each selected cell of ENGINE also runs on
+that build, as the test ``test_candidate_cell[<cell id>]``, judged against the pinned build's
+result; it never writes a baseline), ``--update-baselines``, ``--harness-trace`` (``harness run --trace``: pytest's own ``--trace`` is its
 debugger), ``--results DIR`` (default results/pytest-<UTC timestamp>, shared by xdist
 workers), ``--baselines DIR`` (default baselines/), ``--matrix FILE`` (default models.yaml).
 
@@ -38,6 +40,7 @@ baseline that was written or refused.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,7 @@ __all__ = [
     "harness_runner",
     "pytest_addoption",
     "pytest_collection_finish",
+    "pytest_collection_modifyitems",
     "pytest_configure",
     "pytest_generate_tests",
     "pytest_runtest_logreport",
@@ -69,6 +73,9 @@ def pytest_addoption(parser):
     g.addoption("--update-kernel-baselines", action="store_true", default=False,
                 help="write a baseline for this machine's kernels of each cell held to its loaded state alone "
                      "(harness run --update-kernel-baselines)")
+    g.addoption("--candidate", action="append", default=[], metavar="ENGINE=SPEC",
+                help="also run each selected cell of ENGINE on a candidate build (harness run --candidate), as the "
+                     "tests test_candidate_cell[<cell id>]")
     g.addoption("--harness-trace", action="store_true", default=False,
                 help="record module traces of every cell and localise it (harness run --trace; failed and "
                      "regressed cells are always localised)")
@@ -88,6 +95,8 @@ class _State:
         self.trace = bool(opt.harness_trace)
         self.tier = None if opt.tier == "all" else opt.tier
         self.engines = opt.engine
+        self.candidate_specs: list[str] = list(opt.candidate)
+        self.chosen_candidates: dict[str, str] = {}
         self.results: Path | None = None
         self._matrix = None
         self.runner = None
@@ -106,6 +115,18 @@ class _State:
         try:
             return self.matrix.cells(tier=self.tier, engines=self.engines)
         except MatrixError as e:
+            raise pytest.UsageError(str(e)) from None
+
+    def candidate_engines(self) -> set[str]:
+        """The engines --candidate names (their builds are prepared on the first cell test)."""
+        if not self.candidate_specs:
+            return set()
+        # lazy: filelock, packaging; only with --candidate
+        from harness import candidates
+
+        try:
+            return {candidates.parse(text)[0] for text in self.candidate_specs}
+        except candidates.CandidateError as e:
             raise pytest.UsageError(str(e)) from None
 
 
@@ -151,27 +172,73 @@ def _marks(cell):
 
 
 def pytest_generate_tests(metafunc):
-    if "harness_cell" not in metafunc.fixturenames:
+    name = next((n for n in ("harness_cell", "harness_candidate_cell") if n in metafunc.fixturenames), None)
+    if name is None:
         return
     state = metafunc.config.stash[_STASH]
     cells = state.cells()
-    metafunc.parametrize("harness_cell", [pytest.param(c, id=c.id, marks=_marks(c)) for c in cells])
+    if name == "harness_candidate_cell":
+        engines = state.candidate_engines()
+        cells = [c for c in cells if c.engine in engines]
+    metafunc.parametrize(name, [pytest.param(c, id=c.id, marks=_marks(c)) for c in cells])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without --candidate the candidate test has no cells: deselected rather than reported skipped."""
+    state = config.stash.get(_STASH, None)
+    if state is None or state.candidate_specs:
+        return
+    dropped = [i for i in items if "harness_candidate_cell" in getattr(i, "fixturenames", ())]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if "harness_candidate_cell" not in getattr(i, "fixturenames", ())]
 
 
 def pytest_collection_finish(session):
     state = session.config.stash.get(_STASH, None)
     if state is None:
         return
-    cells = [item.callspec.params["harness_cell"] for item in session.items
-             if hasattr(item, "callspec") and "harness_cell" in item.callspec.params]
-    if not cells:
+    params = [item.callspec.params for item in session.items if hasattr(item, "callspec")]
+    chosen = {p[k].id: p[k] for p in params for k in ("harness_cell", "harness_candidate_cell") if k in p}
+    if not chosen:
         return
+    cells = [c for c in state.cells() if c.id in chosen]
     # lazy: numpy, filelock and more, +320 ms (scripts/import-graph --costs)
     from harness.runner import Runner
 
+    state.chosen_candidates = _chosen_candidates(state, cells)
     state.runner = Runner(state.matrix, cells, results=state.results, baselines_root=state.baselines,
                           update_baselines=state.update, matrix_path=state.matrix_path, trace=state.trace,
                           update_kernel_baselines=state.update_kernels)
+
+
+def _chosen_candidates(state: _State, cells) -> dict[str, str]:
+    """--candidate's {engine: SPEC}, checked as harness run checks them; nothing is built yet."""
+    if not state.candidate_specs:
+        return {}
+    # lazy: filelock, packaging; only with --candidate
+    from harness import candidates
+
+    updates = {"--update-baselines": state.update, "--update-kernel-baselines": state.update_kernels}
+    try:
+        return candidates.chosen(state.candidate_specs, cells, updates=updates)
+    except candidates.CandidateError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def _prepare_candidates(state: _State) -> None:
+    """The candidate builds, built or reused from the cache on the first cell test (never at
+    collection: --collect-only builds nothing), in every process that runs cells."""
+    if not state.chosen_candidates:
+        return
+    # lazy: filelock, packaging; only with --candidate
+    from harness import candidates
+
+    try:
+        state.runner.candidates = candidates.prepare_all(
+            state.chosen_candidates, echo=lambda line: print(line, file=sys.stderr, flush=True))
+    except candidates.CandidateError as e:
+        pytest.fail(f"harness: {e}", pytrace=False)
 
 
 @pytest.fixture
@@ -180,6 +247,7 @@ def harness_runner(request):
     if state.runner is None:
         pytest.fail("harness: no runner (the harness_cell parametrization did not run)", pytrace=False)
     if not state.prepared:  # created on first use: --collect-only leaves no results directory
+        _prepare_candidates(state)
         # every path the session writes, checked before anything is built or run, as harness run does
         problem = files.write_problem(state.runner.writes())
         if problem:
@@ -206,7 +274,7 @@ def check(result, record_property=None, record_path=None) -> None:
     reason = one_line(rec.verdict_reason, 400)
     if record_property is not None:
         record_property("harness", {"cell": rec.cell, "verdict": verdict, "reason": reason,
-                                    "messages": list(result.messages)})
+                                    "messages": list(result.messages), "candidate": rec.candidate})
     outcome = verdicts.pytest_outcome(verdict, known_failure=rec.known_failure is not None)
     if outcome == "passed":
         return
@@ -219,7 +287,7 @@ def check(result, record_property=None, record_path=None) -> None:
     for c in rec.checks:
         if not c.ok:
             lines.append(f"  check {c.name}: {c.detail}")
-    if verdicts.row(verdict).acceptable:
+    if verdicts.row(verdict).acceptable and rec.candidate is None:  # a candidate never writes a baseline
         lines.append(f"  to accept this result: pytest suites --update-baselines -k '{rec.cell}'  "
                      f"(or: harness run --update-baselines -k '{rec.cell}')")
     for m in result.messages:
@@ -250,9 +318,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     state = config.stash.get(_STASH, None)
     tr = terminalreporter
     tr.section("harness matrix")
-    s = verdicts.summarize([r["verdict"] for r in _REPORTS])
+    s = verdicts.summarize([r["verdict"] for r in _REPORTS if r.get("candidate") is None])
     for line in s.table().splitlines():
         tr.write_line(line)
+    for spec in sorted({r["candidate"] for r in _REPORTS if r.get("candidate") is not None}):
+        tr.write_line("")
+        tr.write_line(f"candidate {spec}, each cell against the pinned build's:")
+        for line in verdicts.summarize([r["verdict"] for r in _REPORTS if r.get("candidate") == spec]).table().splitlines():
+            tr.write_line(line)
     messages = [(r["cell"], m) for r in _REPORTS for m in r.get("messages", ())]
     shown = [(c, m) for c, m in messages if not m.startswith("obtained result")]
     if shown:

@@ -474,10 +474,22 @@ class Runner:
     def run_cell(self, cell: Cell) -> CellResult:
         """One cell, judged against the other selected engines of its group (running them when no
         other process has): the pytest plugin's entry point."""
+        return self._run_cell(cell, self._group_raws(cell))
+
+    def run_candidate_cell(self, cell: Cell) -> CellResult:
+        """The cell on its engine's candidate build, judged against the pinned build's result of
+        this session (judged again here: under pytest-xdist it may have run on another worker)."""
+        raws = self._group_raws(cell)
+        return self.finish(self.judge_candidate(cell, self._run_cell(cell, raws), raws))
+
+    def _group_raws(self, cell: Cell) -> dict[str, R.Record]:
         raws = {cell.engine: self.ensure_raw(cell)}
         for other in self.groups[group_key(cell)]:
             if other.engine != cell.engine:
                 raws[other.engine] = self.ensure_raw(other)
+        return raws
+
+    def _run_cell(self, cell: Cell, raws: dict[str, R.Record]) -> CellResult:
         result = self.judge(cell, raws[cell.engine], raws)
         result.sequence_source = self.scored_sequences(group_key(cell))[1]
         return self.finish(result)

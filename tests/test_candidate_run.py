@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -106,3 +107,39 @@ def test_bisect_names_the_first_build_with_the_mutation(tmp_path, setup, capsys)
     base = R.load(results / f"{CELL}.json")
     assert base.module_diff is None, base.module_diff
     assert os.environ.get(MUTATION_ENV) is None
+
+
+def _pytest(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "suites/matrix", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_pytest_runs_a_candidate_beside_the_base_and_fails_on_what_it_changed(tmp_path, setup):
+    matrix, baselines = setup
+    results = tmp_path / "results"
+    build = stand_in_build(tmp_path / "mutated", "merged-shards-swapped")
+    proc = _pytest("--matrix", str(matrix), "--baselines", str(baselines), "--results", str(results),
+                   "-k", CELL, "--candidate", f"vllm={build}", "-rA")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert f"PASSED suites/matrix/test_cells.py::test_cell[{CELL}]" in out
+    assert f"FAILED suites/matrix/test_cells.py::test_candidate_cell[{CELL}]" in out
+    cand = R.load(results / "candidate" / f"{CELL}.json")
+    assert cand.candidate == str(build) and cand.verdict == "failed", cand.verdict_reason
+    assert cand.module_diff is not None and cand.module_diff.first_differing_module == "model.layers.0.mlp.gate_proj"
+    assert f"candidate {build}, each cell against the pinned build's:" in out
+    assert R.load(results / f"{CELL}.json").candidate is None
+
+
+def test_pytest_collects_candidate_tests_only_with_a_candidate(tmp_path, setup):
+    matrix, _ = setup
+    plain = _pytest("--matrix", str(matrix), "--collect-only")
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert f"test_cell[{CELL}]" in plain.stdout and "test_candidate_cell" not in plain.stdout
+    build = stand_in_build(tmp_path / "same", None)
+    with_candidate = _pytest("--matrix", str(matrix), "--collect-only", "--candidate", f"vllm={build}")
+    assert f"test_candidate_cell[{CELL}]" in with_candidate.stdout, with_candidate.stdout + with_candidate.stderr
+    refused = _pytest("--matrix", str(matrix), "--candidate", f"vllm={build}", "--update-baselines")
+    assert refused.returncode == 4
+    assert ("--candidate with --update-baselines: a candidate build never writes baselines; run them apart"
+            in refused.stdout + refused.stderr)

@@ -40,7 +40,7 @@ def test_pass_and_improved_pass(verdict):
     props = []
     check(result(verdict), lambda k, v: props.append((k, v)))
     assert props == [("harness", {"cell": "whisper.bnb-nf4.transformers", "verdict": verdict,
-                                  "reason": f"why {verdict}", "messages": []})]
+                                  "reason": f"why {verdict}", "messages": [], "candidate": None})]
 
 
 @pytest.mark.parametrize("verdict", ["regressed", "failed", "error", "unexpected-pass", "missing-baseline", "stale-baseline"])

@@ -15,3 +15,9 @@ def test_cell(harness_cell, harness_runner, record_property):
     if gap is not None:
         pytest.xfail(f"regressed, a known portability gap: {gap}")
     check(result, record_property, harness_runner.record_path(harness_cell))
+
+
+def test_candidate_cell(harness_candidate_cell, harness_runner, record_property):
+    """``--candidate ENGINE=SPEC``: the cell on that build, judged against the pinned build's result."""
+    result = harness_runner.run_candidate_cell(harness_candidate_cell)
+    check(result, record_property, harness_runner.candidate_layout.record(harness_candidate_cell.id))
