@@ -3,15 +3,16 @@ Jinja2 templates (``templates/*.j2``, package data) with autoescaping: every pie
 from a record, a config, a baseline or a log is escaped by the template engine (a token
 ``<script>`` shows as text).
 
-Layout: a banner with the worst state (a candidate build's cells included), a filter bar that is also the legend (one button per state
-of harness.verdicts' table, in its colours), a "needs attention" list, then one grid per tier: a
-row per scheme, a column per model, and inside each grid cell one chip per engine, coloured by
-verdict. Clicking a grid cell opens its details below the row: per engine the verdict and its
-reason, the share of positions the family bound protects, the teacher-forced |Δlogprob| per
-position (inline SVG; positions judged by the noise-derived bound shaded apart, each prompt's
-onset marked with its evidence), the first greedy divergence with both tokens and both top-k side
-by side, the module diff, load time against the baseline and its trend across result sets, the
-checks, provenance (the run's and the baseline's CPU included) and the log tail.
+Layout: a banner with the worst state (a candidate build's cells included), a filter bar that is
+also the legend (one button per state of harness.verdicts' table, in its colours), a "needs
+attention" list, then one grid per tier: a row per scheme, a column per model, and inside each grid
+cell one chip per engine, coloured by verdict. Clicking a grid cell opens its details below the
+row: per engine the verdict and its reason, the share of positions the family bound protects, the
+teacher-forced |Δlogprob| per position (inline SVG; positions judged by the noise-derived bound
+shaded apart, each prompt's onset marked with its evidence), the first greedy divergence with both
+tokens and both top-k side by side, the module diff, load time against the baseline and its trend
+across result sets, the checks, provenance (the run's and the baseline's CPU included) and the log
+tail.
 
 With a candidate build (``harness run --candidate``), its headline under the banner and a "Base and
 candidate" table: each of its cells with the base build's verdict and the candidate's.
