@@ -11,18 +11,24 @@ as the test ``test_candidate_cell[<cell id>]``, judged against the pinned build'
 writes a baseline), ``--update-baselines``, ``--harness-trace`` (``harness run --trace``: pytest's
 own ``--trace`` is its debugger), ``--results DIR`` (default results/pytest-<UTC timestamp>, shared
 by xdist workers), ``--baselines DIR`` (default baselines/), ``--matrix FILE`` (default
-models.yaml). Markers (registered in pyproject.toml): the tier (``cpu_tiny``, ``gpu_tiny``,
-``gpu_full``), the hardware class (``cpu`` or ``gpu``), and for GPU cells ``hardware(gpus=,
-gpu_memory_gb=, compute_capability=)`` with the cell's needs: ``pytest suites -m "not gpu"``.
-Verdict -> test outcome: the ``pytest`` column of harness.verdicts' table (``pytest_outcome``): -
-passed: ``pass``, ``improved``. - FAILED, with the reason, the failing checks and, for an error,
-the end of the engine child's log: every verdict that fails the run (``regressed``, ``failed``,
-``error``; ``unexpected-pass``, so a fixed known failure gets noticed and its entry removed;
-``missing-baseline`` and ``stale-baseline`` unless ``--update-baselines`` wrote the baseline, after
-which the cell is judged against it and passes: CI can never pass without baselines). - SKIPPED:
-``unsupported`` from the capability probe (the engine did not run the cell here; it is not a pass,
-and a session in which nothing passed fails, see conftest.py). - XFAIL: ``waived``, and
-``unsupported`` through a known failure (the engine ran and failed in the documented way).
+models.yaml).
+
+Markers (registered in pyproject.toml): the tier (``cpu_tiny``, ``gpu_tiny``, ``gpu_full``), the
+hardware class (``cpu`` or ``gpu``), and for GPU cells ``hardware(gpus=, gpu_memory_gb=,
+compute_capability=)`` with the cell's needs: ``pytest suites -m "not gpu"``.
+
+Verdict -> test outcome: the ``pytest`` column of harness.verdicts' table (``pytest_outcome``):
+
+- passed: ``pass``, ``improved``.
+- FAILED, with the reason, the failing checks and, for an error, the end of the engine child's log:
+  every verdict that fails the run (``regressed``, ``failed``, ``error``; ``unexpected-pass``, so a
+  fixed known failure gets noticed and its entry removed; ``missing-baseline`` and
+  ``stale-baseline`` unless ``--update-baselines`` wrote the baseline, after which the cell is
+  judged against it and passes: CI can never pass without baselines).
+- SKIPPED: ``unsupported`` from the capability probe (the engine did not run the cell here; it is
+  not a pass, and a session in which nothing passed fails, see conftest.py).
+- XFAIL: ``waived``, and ``unsupported`` through a known failure (the engine ran and failed in the
+  documented way).
 
 A path the session would write that cannot be written (``--results``, ``--baselines``, the caches)
 fails every cell test with one line naming it, before any engine runs or anything is built.
