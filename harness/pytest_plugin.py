@@ -189,10 +189,12 @@ def pytest_collection_modifyitems(config, items):
     state = config.stash.get(_STASH, None)
     if state is None or state.candidate_specs:
         return
-    dropped = [i for i in items if "harness_candidate_cell" in getattr(i, "fixturenames", ())]
+    kept, dropped = [], []
+    for item in items:
+        (dropped if "harness_candidate_cell" in getattr(item, "fixturenames", ()) else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [i for i in items if "harness_candidate_cell" not in getattr(i, "fixturenames", ())]
+        items[:] = kept
 
 
 def pytest_collection_finish(session):
@@ -200,10 +202,10 @@ def pytest_collection_finish(session):
     if state is None:
         return
     params = [item.callspec.params for item in session.items if hasattr(item, "callspec")]
-    chosen = {p[k].id: p[k] for p in params for k in ("harness_cell", "harness_candidate_cell") if k in p}
-    if not chosen:
+    selected = {p[k].id for p in params for k in ("harness_cell", "harness_candidate_cell") if k in p}
+    if not selected:
         return
-    cells = [c for c in state.cells() if c.id in chosen]
+    cells = [c for c in state.cells() if c.id in selected]
     # lazy: numpy, filelock and more, +320 ms (scripts/import-graph --costs)
     from harness.runner import Runner
 
