@@ -106,6 +106,14 @@ def test_dry_run_lists_the_cuda_cells_without_loading(tmp_path):
     assert not (tmp_path / "out" / "results").exists()
 
 
+def test_recorded_baselines_go_to_the_named_folder_not_the_repository(tmp_path):
+    out = script("run", "--dry-run", "--out", tmp_path / "out", "--record-baselines", tmp_path / "recorded",
+                 "-k", "llama-cuda.bnb-nf4.", env_extra={"HARNESS_GPUS": "none"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"baseline: missing ({tmp_path / 'recorded' / 'gpu-tiny' / 'llama-cuda.bnb-nf4.reference.json'})" in out.stdout
+    assert str(ROOT / "baselines") not in out.stdout
+
+
 def test_only_the_matrix_environment_puts_an_engine_on_the_gpu(monkeypatch):
     """HARNESS_DEVICE from the caller's shell never reaches an engine child: only an environment
     that sets it (cuda-check) runs on CUDA, so no other environment's results come from a GPU."""

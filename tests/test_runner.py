@@ -361,6 +361,25 @@ def test_a_forked_child_starts_with_what_the_preload_imported_frozen(tmp_path):
     assert report["frozen"] > 10_000  # the worker's imports alone leave tens of thousands
 
 
+def test_a_preload_that_initialised_cuda_gets_fresh_interpreters_as_children(tmp_path):
+    """CUDA does not survive a fork (the device check on an H200: every cell 'Cannot re-initialize
+    CUDA in forked subprocess', bitsandbytes' import having initialised it in the server)."""
+    (tmp_path / "cuda_probe.py").write_text(
+        "import torch\n"
+        "from harness.engines import worker\n"
+        "torch.cuda.is_initialized = lambda: True\n"
+        "worker.main = lambda args: print('ran in the preloaded interpreter') or 0\n")
+    env = supervise.child_env({"MARK": "", "PYTHONPATH": str(tmp_path)}, 1)
+    try:
+        child = supervise.start_child(tmp_path / "no-such-job.json", tmp_path / "probe.log", env, "cuda_probe")
+        child.started()
+        assert child.wait(60) == 1, (tmp_path / "probe.log").read_text()
+    finally:
+        supervise.stop_fork_servers()
+    log = (tmp_path / "probe.log").read_text()
+    assert "FileNotFoundError" in log and "preloaded interpreter" not in log
+
+
 def test_a_child_whose_fork_server_is_still_importing_is_abandoned_at_once(tmp_path):
     """Starting a forked child waits for nothing: the request is sent and the child registered; an
     interrupt meanwhile abandons it at once, and the server's stop ends it before it forks."""

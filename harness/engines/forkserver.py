@@ -17,6 +17,11 @@ flow"): the same environment (the server's is the child's), the same imports in 
 order, no Python thread and no torch op before the fork (so no thread pool to lose), its own
 session, stdout and stderr to the cell's log, stdin from /dev/null, SIGKILL when the server ends,
 and a normal interpreter exit (atexit handlers run).
+
+CUDA does not survive a fork. Where the preload initialised it (bitsandbytes does on import, on a
+machine with a GPU, to choose its library), each forked child executes that command instead of
+returning into the preloaded interpreter: the same protocol, pid, session and log, at the cost of
+the imports.
 """
 from __future__ import annotations
 
@@ -133,10 +138,16 @@ def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
     return sys.argv[1:]
 
 
+def cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def main() -> int:
     preload, listen_fd = sys.argv[1], int(sys.argv[2])
     listener = socket.socket(fileno=listen_fd)
     importlib.import_module(preload)
+    fresh_children = cuda_initialised()
     # The imports leave ~600k objects the collector tracks. Unfrozen, a child's first full
     # collection walks them all and writes to their pages (copy-on-write): ~350 ms, landing in
     # whichever step of the child crosses the collector's threshold (a timed load, on a gated tier).
@@ -144,6 +155,8 @@ def main() -> int:
     server = os.getpid()
     conn, request = serve(listener, sys.stdin.fileno())
     args = become_child(conn, request, server)
+    if fresh_children:
+        os.execv(sys.executable, [sys.executable, "-P", "-m", "harness.engines.worker", *args])
     # lazy: pydantic, yaml, +230 ms (scripts/import-graph --costs)
     from harness.engines import worker
 
