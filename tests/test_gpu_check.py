@@ -98,6 +98,19 @@ def test_smoke_run_carries_a_fixture_and_writes_everything_into_one_folder(tmp_p
     assert not list((ROOT / "baselines").rglob("*-cuda.*"))
 
 
+def test_a_run_stopped_by_its_time_limit_still_writes_its_summary_and_archive(tmp_path, cache_dir):
+    """A device command has a hard limit: the first device run that recorded baselines reached it
+    and came back with nothing but its log."""
+    res = tmp_path / "out"
+    out = script("run", "--smoke-cpu", "--out", res, "--fixture-cache", tmp_path / "fixture-cache",
+                 "-k", "llama-cuda.bnb-nf4.", "--time-limit", "0.5", "--archive", tmp_path / "gpu-check.tar.gz")
+    assert "stopping the run: --time-limit 0.5 s reached" in out.stdout, out.stdout + out.stderr
+    summary = json.loads((res / "gpu-check.json").read_text())
+    assert summary["stopped"] == "--time-limit 0.5 s reached" and summary["exit_status"] == 143
+    with tarfile.open(tmp_path / "gpu-check.tar.gz") as tar:
+        assert "out/gpu-check.json" in tar.getnames() and "out/run.log" in tar.getnames()
+
+
 def test_dry_run_lists_the_cuda_cells_without_loading(tmp_path):
     out = script("run", "--dry-run", "--out", tmp_path / "out", env_extra={"HARNESS_GPUS": "none"})
     assert out.returncode == 0, out.stdout + out.stderr
