@@ -8,7 +8,9 @@ environment its children get, a matrix environment's ``env:`` included; it is st
 starts (its imports overlap the first cells) or on the first cell that needs it, and ends with the
 process that started it. A cell then costs its own work: ~1 s of start instead of the imports'
 several seconds (vLLM's 7-9 s), with records bit-identical to a fresh interpreter's
-(tests/test_vllm_server.py). ``HARNESS_ISOLATION=spawn`` starts ``python -m harness.engines.worker``
+(tests/test_vllm_server.py). Where the preload initialised CUDA (bitsandbytes' import does on a
+GPU machine) the server executes each child afresh, as CUDA does not survive a fork
+(harness.engines.forkserver). ``HARNESS_ISOLATION=spawn`` starts ``python -m harness.engines.worker``
 instead.
 
 A timeout (SIGTERM, then SIGKILL to the process group), a crash (a signal, an exit without a
