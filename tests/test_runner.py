@@ -342,42 +342,43 @@ def test_a_forked_child_reports_its_exit_status_and_is_killed_on_timeout(tmp_pat
     assert missing.server.proc.poll() is not None
 
 
+def _child_of_probe_preload(tmp_path, source: str) -> tuple[int, str]:
+    """A child (of a job file that does not exist) forked from a server whose preload is ``source``:
+    its exit status and log."""
+    (tmp_path / "probe_preload.py").write_text(source)
+    env = supervise.child_env({"MARK": "", "PYTHONPATH": str(tmp_path)}, 1)
+    try:
+        child = supervise.start_child(tmp_path / "no-such-job.json", tmp_path / "probe.log", env, "probe_preload")
+        code = child.wait(60)
+    finally:
+        supervise.stop_fork_servers()
+    return code, (tmp_path / "probe.log").read_text()
+
+
 def test_a_forked_child_starts_with_what_the_preload_imported_frozen(tmp_path):
     """The fork server freezes the objects its imports left (gc.freeze): unfrozen, a child's first
     full collection walks them all and copies their pages, ~350 ms inside whichever step of the
     child crosses the collector's threshold, a timed load among them."""
-    (tmp_path / "freeze_probe.py").write_text(
+    code, log = _child_of_probe_preload(tmp_path, (
         "import gc\n"
         "import json\n"
         "from harness.engines import worker\n"
-        "worker.main = lambda args: print(json.dumps({'frozen': gc.get_freeze_count()})) or 0\n")
-    env = supervise.child_env({"MARK": "", "PYTHONPATH": str(tmp_path)}, 1)
-    try:
-        child = supervise.start_child(tmp_path / "job.json", tmp_path / "probe.log", env, "freeze_probe")
-        assert child.wait(60) == 0
-    finally:
-        supervise.stop_fork_servers()
-    report = json.loads((tmp_path / "probe.log").read_text().strip().splitlines()[-1])
+        "worker.main = lambda args: print(json.dumps({'frozen': gc.get_freeze_count()})) or 0\n"))
+    assert code == 0, log
+    report = json.loads(log.strip().splitlines()[-1])
     assert report["frozen"] > 10_000  # the worker's imports alone leave tens of thousands
 
 
 def test_a_preload_that_initialised_cuda_gets_fresh_interpreters_as_children(tmp_path):
     """CUDA does not survive a fork (the device check on an H200: every cell 'Cannot re-initialize
     CUDA in forked subprocess', bitsandbytes' import having initialised it in the server)."""
-    (tmp_path / "cuda_probe.py").write_text(
+    code, log = _child_of_probe_preload(tmp_path, (
         "import torch\n"
         "from harness.engines import worker\n"
         "torch.cuda.is_initialized = lambda: True\n"
-        "worker.main = lambda args: print('ran in the preloaded interpreter') or 0\n")
-    env = supervise.child_env({"MARK": "", "PYTHONPATH": str(tmp_path)}, 1)
-    try:
-        child = supervise.start_child(tmp_path / "no-such-job.json", tmp_path / "probe.log", env, "cuda_probe")
-        child.started()
-        assert child.wait(60) == 1, (tmp_path / "probe.log").read_text()
-    finally:
-        supervise.stop_fork_servers()
-    log = (tmp_path / "probe.log").read_text()
-    assert "FileNotFoundError" in log and "preloaded interpreter" not in log
+        "worker.main = lambda args: print('ran in the preloaded interpreter') or 0\n"))
+    # a fresh worker, given no job file, fails reading it; the preloaded one would have printed
+    assert code == 1 and "FileNotFoundError" in log and "preloaded interpreter" not in log, log
 
 
 def test_a_child_whose_fork_server_is_still_importing_is_abandoned_at_once(tmp_path):
