@@ -11,7 +11,11 @@ buffers allocated once per process (fresh memory's page faults cost what the pro
 dispatch pass makes many small tensors and operations on them (the interpreter and torch's
 dispatcher and allocator, where a loader's many small tensors spend their time: the gated loads take
 tens of milliseconds and are bound by both). Their sizes are fixed, so a slower loader is never
-calibrated away. (Which parts: `harness bench` data, docs/design.md, "Load time".)
+calibrated away. (Which parts: `harness bench` data, docs/design.md, "Load time".) A load that is
+mostly other work is calibrated by that work instead (the engine names it): vLLM's torchao load,
+mostly torchao's ``quantize_`` over full-size weights, by one such ``quantize_``
+(``TORCHAO_QUANTIZE``), whose speed follows torch's kernels as that load's does and the
+memory-and-dispatch workload's does not.
 
 ``timed_load(load_once, gated, checkpoint_dir)`` runs, on a gated tier, an untimed read of the
 checkpoint's files into the page cache (``warm_page_cache``), a full garbage collection, the
@@ -86,6 +90,11 @@ def calibration_file() -> Path:
 # of two calibrations of different workloads means nothing, so harness.compare calibrates only
 # between equal versions. 2: the memory pass into reused buffers (2026-12-04); 1, or none, before.
 CALIBRATION_WORKLOAD = 2
+# The workload of a load that is mostly torchao quantizing full-size float weights (vLLM's torchao
+# load, docs/findings.md): one int8 weight-only quantize_ of a fixed [5632, 2048] float32 weight,
+# as vLLM's torchao_quantize_param_data runs it (docs/decisions.md, 2026-12-04, fifth session).
+TORCHAO_QUANTIZE = "torchao-quantize-1"
+TORCHAO_QUANTIZE_SHAPE = (5632, 2048)
 # The memory pass's two buffers, allocated once per process and reused: a pass that allocated its
 # own would time the page faults of fresh memory, which depend on what the process had freed before
 # (in a vLLM child a pass after the load ran 0.6-0.95 of one before it, docs/decisions.md, 2026-12-04).
@@ -127,10 +136,40 @@ def dispatch_pass() -> float:
     return time.perf_counter() - t0
 
 
-def calibrate(repeats: int = CALIBRATION_REPEATS, warm: bool = True) -> float:
+_QUANTIZE_WEIGHT: list = []
+
+
+def torchao_quantize_pass() -> float:
+    """One torchao pass: a linear layer built on the meta device given the fixed weight, then
+    torchao's int8 weight-only ``quantize_`` over it. Returns its seconds."""
+    import torch
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    if not _QUANTIZE_WEIGHT:
+        generator = torch.Generator().manual_seed(0)
+        _QUANTIZE_WEIGHT.append(torch.randn(TORCHAO_QUANTIZE_SHAPE, generator=generator))
+    rows, columns = TORCHAO_QUANTIZE_SHAPE
+    with torch.device("meta"):
+        # quantize_ swaps the weights of submodules, never of the module it is given
+        holder = torch.nn.Sequential(torch.nn.Linear(columns, rows, bias=False))
+    holder[0].weight = torch.nn.Parameter(_QUANTIZE_WEIGHT[0], requires_grad=False)
+    t0 = time.perf_counter()
+    quantize_(holder, Int8WeightOnlyConfig())
+    return time.perf_counter() - t0
+
+
+def calibrate(repeats: int = CALIBRATION_REPEATS, warm: bool = True,
+              workload: int | str = CALIBRATION_WORKLOAD) -> float:
     """The calibration, in seconds: the geometric mean of the fastest of ``repeats`` memory passes
-    and the fastest of ``repeats`` dispatch passes; with ``warm``, after a first pass of each that
-    brings the file into the page cache and the code paths in."""
+    and the fastest of ``repeats`` dispatch passes, or for ``TORCHAO_QUANTIZE`` the fastest of
+    ``repeats`` torchao passes; with ``warm``, after a first pass of each that brings the file into
+    the page cache and the code paths in."""
+    if workload == TORCHAO_QUANTIZE:
+        if warm:
+            torchao_quantize_pass()
+        return min(torchao_quantize_pass() for _ in range(repeats))
+    if workload != CALIBRATION_WORKLOAD:
+        raise ValueError(f"unknown calibration workload {workload!r} ({CALIBRATION_WORKLOAD}, {TORCHAO_QUANTIZE!r})")
     path = calibration_file()
     if warm:
         memory_pass(path)
@@ -165,11 +204,11 @@ def warm_page_cache(directory: Path) -> bool:
 
 
 def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: bool,
-               checkpoint_dir: Path | None = None) -> R.LoadInfo:
+               checkpoint_dir: Path | None = None, workload: int | str = CALIBRATION_WORKLOAD) -> R.LoadInfo:
     """Time the loads of one cell (``load_once() -> (seconds, phases)``): on a gated tier, the
     checkpoint's files read into the page cache (``checkpoint_dir``) and a full collection, then
-    ``LOAD_REPEATS`` loads between two calibrations; elsewhere one load, uncalibrated. The caller
-    keeps whatever the last load produced."""
+    ``LOAD_REPEATS`` loads between two calibrations of ``workload``; elsewhere one load,
+    uncalibrated. The caller keeps whatever the last load produced."""
     repeats = LOAD_REPEATS if gated else 1
     if gated and checkpoint_dir is not None:
         warm_page_cache(checkpoint_dir)
@@ -178,16 +217,16 @@ def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: b
         # in the load that crosses the collector's threshold, which depends on what the parent had
         # allocated before the fork (docs/design.md, "The garbage collector").
         gc.collect()
-    before = calibrate() if gated else None
+    before = calibrate(workload=workload) if gated else None
     runs = [load_once() for _ in range(repeats)]
-    after = calibrate(CALIBRATION_REPEATS_AFTER, warm=False) if gated else None
+    after = calibrate(CALIBRATION_REPEATS_AFTER, warm=False, workload=workload) if gated else None
     samples = [s for s, _ in runs]
     seconds = load_statistic(samples)
     phases = dict(min(runs, key=lambda r: abs(r[0] - seconds))[1])  # the phases of the load reported
     if gated:
         phases["calibration"] = min(before, after)
     return R.LoadInfo(seconds=seconds, phases=phases, samples=samples if repeats > 1 else [],
-                      calibration_workload=CALIBRATION_WORKLOAD if gated else None)
+                      calibration_workload=workload if gated else None)
 
 
 def calibrated(info: R.LoadInfo) -> float:

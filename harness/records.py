@@ -150,14 +150,15 @@ class LoadInfo(_Strict):
     ``children``: where a gated load was timed in more than one child (a confirmation, or a
     baseline's median), every child's timing; ``seconds`` and ``phases`` are those of the child the
     rule reports. ``calibration_workload``: the version of the workload the ``calibration`` phase
-    timed (harness.loadtime.CALIBRATION_WORKLOAD); null where none was timed, or in a record
-    written before the version was kept (the first workload)."""
+    timed (harness.loadtime: the memory-and-dispatch workload's version number, or the name of
+    another workload); null where none was timed, or in a record written before the version was
+    kept (the first workload)."""
 
     seconds: float = Field(ge=0)
     phases: dict[str, float] = {}
     samples: list[float] = []
     children: list[ChildLoad] = []
-    calibration_workload: int | None = None
+    calibration_workload: int | str | None = None
 
 
 class ModuleDiff(_Strict):

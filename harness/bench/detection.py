@@ -79,6 +79,7 @@ class CellRun:
     samples: tuple[float, ...]
     calibration: float
     slow: float = 0.0
+    workload: int | str = loadtime.CALIBRATION_WORKLOAD  # what the calibration timed
 
     def value(self, k: int, statistic: str) -> float:
         """load/calibration under a rule (the first ``k`` loads, their ``statistic``)."""
@@ -376,10 +377,11 @@ def cell_run(cell, path, repeats: int, slow: float = 0.0, mutation: str | None =
         engine = base.engine_class(cell.engine)(cell)
         info = engine.load_timed_only(base.resolve_checkpoint(cell, str(path)))
         engine.close()
-        return {"samples": info.samples or [info.seconds], "calibration": info.phases["calibration"]}
+        return {"samples": info.samples or [info.seconds], "calibration": info.phases["calibration"],
+                "workload": info.calibration_workload}
 
     out = _in_child(child)
-    return CellRun(cell.id, tuple(out["samples"]), out["calibration"], slow)
+    return CellRun(cell.id, tuple(out["samples"]), out["calibration"], slow, out["workload"])
 
 
 def preload(cells, paths: dict) -> None:

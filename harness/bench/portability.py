@@ -42,7 +42,7 @@ def conditions() -> dict[str, dict[str, str]]:
 
 def _ratio(cr: detection.CellRun, baseline: R.LoadInfo) -> float:
     info = R.LoadInfo(seconds=loadtime.load_statistic(list(cr.samples)), phases={"calibration": cr.calibration},
-                      calibration_workload=loadtime.CALIBRATION_WORKLOAD)
+                      calibration_workload=cr.workload)
     return load_ratio(info, baseline)[0]
 
 

@@ -388,6 +388,15 @@ class VllmEngine(Engine):
             return "bfloat16"
         return "float32"
 
+    @staticmethod
+    def calibration_workload(checkpoint: Checkpoint) -> int | str:
+        """The workload a gated load is calibrated by: for a torchao checkpoint, torchao's
+        ``quantize_`` (harness.loadtime.TORCHAO_QUANTIZE), because vLLM's load runs it over every
+        full-size weight (docs/findings.md) and spends most of its time there, at a speed that
+        follows torch's kernels; else the default workload."""
+        qc = checkpoint.quantization_config or {}
+        return loadtime.TORCHAO_QUANTIZE if qc.get("quant_method") == "torchao" else loadtime.CALIBRATION_WORKLOAD
+
     def _timed_build(self, checkpoint: Checkpoint) -> R.LoadInfo:
         self._environment()
         binding = bind_core()
@@ -418,7 +427,7 @@ class VllmEngine(Engine):
         # Gated (cpu-load), the load is timed as the in-process engines time theirs (harness.loadtime):
         # between two calibrations in this process. One LLM is built: LOAD_REPEATS is 1.
         info = loadtime.timed_load(lambda: self._build(LLM, kwargs), gated=self.cell.gate_load_time,
-                                   checkpoint_dir=checkpoint.path)
+                                   checkpoint_dir=checkpoint.path, workload=self.calibration_workload(checkpoint))
         return info if info.samples else info.model_copy(update={"samples": [info.seconds]})
 
     def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
