@@ -97,11 +97,25 @@ def test_smoke_run_carries_a_fixture_and_writes_everything_into_one_folder(tmp_p
     assert (res / "results" / "report" / "report.html").exists() and (res / "results" / "summary.txt").exists()
     machine = json.loads((res / "environment.json").read_text())
     assert machine["torch"] and machine["python"] == sys.version.split()[0]
+    # the commit is the one prepare saw, and this tree is still that source
+    prepared = json.loads((carried / "source.json").read_text())
+    assert machine["source"]["commit"] == prepared["commit"] and len(prepared["commit"]) == 40
+    assert machine["source"]["matches_prepare"] is True
     with tarfile.open(tmp_path / "gpu-check.tar.gz") as tar:
         names = tar.getnames()
     assert "out/gpu-check.json" in names and "out/results/llama-cuda.bnb-nf4.transformers.json" in names
     # never a baseline of the repository: the smoke run's obtained files stay in its own folder
     assert baseline_files() == repository_baselines
+
+
+def test_a_run_says_when_its_source_differs_from_what_was_prepared(tmp_path):
+    gc = gpu_check_module()
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "source.json").write_text(json.dumps({"commit": "0" * 40, "uncommitted_changes": False, "digest": "stale"}))
+    said = gc.source_of_run(carried)
+    assert said["commit"] == "0" * 40 and said["matches_prepare"] is False and said["digest_here"] == gc.source_digest()
+    assert gc.source_of_run(tmp_path)["matches_prepare"] is None  # never prepared: no commit claimed
 
 
 def test_a_run_stopped_by_its_time_limit_still_writes_its_summary_and_archive(tmp_path, cache_dir):
