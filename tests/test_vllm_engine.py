@@ -205,9 +205,16 @@ def test_a_torchao_load_is_calibrated_by_torchao_quantizing():
     """vLLM's torchao load is mostly torchao quantizing full-size weights (docs/findings.md)."""
     from harness import loadtime
 
-    assert V.VllmEngine.calibration_workload(_ckpt("llama-torchao-int8wo")) == loadtime.TORCHAO_QUANTIZE
+    from harness import matrix
+
+    cpu = V.VllmEngine(_cell("llama", "torchao-int8wo"))
+    assert cpu.calibration_workload(_ckpt("llama-torchao-int8wo")) == loadtime.TORCHAO_QUANTIZE
     for name in ("llama-unquantized", "llama-bnb-nf4", "llama-fp8-dynamic"):
-        assert V.VllmEngine.calibration_workload(_ckpt(name)) == loadtime.CALIBRATION_WORKLOAD
+        assert cpu.calibration_workload(_ckpt(name)) == loadtime.CALIBRATION_WORKLOAD
+    # on a GPU vLLM quantizes on the GPU: the default workload
+    gpu_cell = next(c for c in matrix.load(matrix.DEFAULT_PATH).cells()
+                    if c.engine == "vllm" and (c.hardware.gpus or 0) > 0)
+    assert V.VllmEngine(gpu_cell).calibration_workload(_ckpt("llama-torchao-int8wo")) == loadtime.CALIBRATION_WORKLOAD
 
 
 def test_probe_static_fp8_needs_a_kernel_vllm_cpu_lacks(monkeypatch):

@@ -388,14 +388,14 @@ class VllmEngine(Engine):
             return "bfloat16"
         return "float32"
 
-    @staticmethod
-    def calibration_workload(checkpoint: Checkpoint) -> int | str:
-        """The workload a gated load is calibrated by: for a torchao checkpoint, torchao's
+    def calibration_workload(self, checkpoint: Checkpoint) -> int | str:
+        """The workload a gated load is calibrated by: for a torchao checkpoint on the CPU, torchao's
         ``quantize_`` (harness.loadtime.TORCHAO_QUANTIZE), because vLLM's load runs it over every
         full-size weight (docs/findings.md) and spends most of its time there, at a speed that
-        follows torch's kernels; else the default workload."""
+        follows torch's kernels; else (on a GPU that quantization runs on the GPU) the default."""
         qc = checkpoint.quantization_config or {}
-        return loadtime.TORCHAO_QUANTIZE if qc.get("quant_method") == "torchao" else loadtime.CALIBRATION_WORKLOAD
+        on_cpu = (self.cell.hardware.gpus or 0) == 0
+        return loadtime.TORCHAO_QUANTIZE if on_cpu and qc.get("quant_method") == "torchao" else loadtime.CALIBRATION_WORKLOAD
 
     def _timed_build(self, checkpoint: Checkpoint) -> R.LoadInfo:
         self._environment()
