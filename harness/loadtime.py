@@ -275,6 +275,19 @@ def baseline_load(first: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
     return _reported(infos, lower_median(infos, key=calibrated))
 
 
+def unsteady_baseline(load: R.LoadInfo, bound: float) -> str | None:
+    """What to say when a baseline's children spread wider than the cell's bound (slowest calibrated
+    load over the fastest): its median is then not the cell's level on this machine, and a loader
+    slower by up to that spread can pass against it (vLLM unquantized on the AMX Xeon: 0.75-2.14 s,
+    docs/decisions.md, 2026-12-04, fifth session)."""
+    values = [c.seconds / c.calibration if c.calibration else c.seconds for c in load.children]
+    if len(values) < 2 or min(values) <= 0 or max(values) / min(values) <= bound:
+        return None
+    return (f"load time: unsteady here: its {len(values)} children's calibrated loads spread "
+            f"{max(values) / min(values):.2f}x, wider than the bound {bound:g}, so the median child is not "
+            "this cell's level on this machine and the gate cannot hold its bound against it")
+
+
 def _reported(infos: list[R.LoadInfo], chosen: R.LoadInfo) -> R.LoadInfo:
     if len(infos) == 1:
         return chosen

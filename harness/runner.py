@@ -400,7 +400,7 @@ class Runner:
         of several when a baseline may be written, a confirmation when the first is over the bound."""
         if not cell.gate_load_time or record.status != "ok" or record.load is None:
             return record, []
-        failures: list[str] = []
+        messages: list[str] = []
         children = itertools.count(1)
 
         def retime() -> R.LoadInfo | None:
@@ -415,12 +415,13 @@ class Runner:
                 why = f"{failed.error.type}: {failed.error.message}" if failed.error else failed.status
             except (OSError, ValueError) as e:
                 why = f"its timing is unreadable: {e}"
-            failures.append(f"load time: timing it again in a fresh child failed ({one_line(why, 120)}; {log})")
+            messages.append(f"load time: timing it again in a fresh child failed ({one_line(why, 120)}; {log})")
             return None
 
         if self.update_baselines:
             load = loadtime.baseline_load(record.load, retime)
             what = "median of"
+            messages += filter(None, [loadtime.unsteady_baseline(load, cell.bounds.load_time)])
         elif baseline is not None and baseline.load is not None and baseline.load.seconds > 0:
             bound = cell.bounds.load_time
             load = loadtime.confirm(record.load, retime, lambda info: C.load_ratio(info, baseline.load)[0] > bound)
@@ -430,7 +431,7 @@ class Runner:
         said = [f"load time: {what} {len(load.children)} children (load / calibration: "
                 + ", ".join(f"{c.seconds:.4g} / {c.calibration or 0:.4g} s" for c in load.children) + ")"
                 ] if load.children else []
-        return record.model_copy(update={"load": load}), said + failures
+        return record.model_copy(update={"load": load}), said + messages
 
     def _localise(self, result: CellResult, raws: dict[str, R.Record]) -> None:
         """The module traces' localisation (harness.traces.jobs) of a failed or regressed cell (of

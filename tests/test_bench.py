@@ -195,6 +195,16 @@ def test_baseline_load_is_the_median_child_by_calibrated_value():
     assert loadtime.baseline_load(_info(1.0), lambda: None, children=5).children == []
 
 
+def test_a_baseline_whose_children_spread_wider_than_the_bound_says_so():
+    steady = loadtime.baseline_load(_info(1.0, 1.0), iter([_info(1.05, 1.0), _info(2.1, 2.0)]).__next__, children=3)
+    assert loadtime.unsteady_baseline(steady, 1.113) is None
+    queue = [_info(2.1, 1.0), _info(1.58, 1.0), _info(1.82, 1.0), _info(0.75, 1.0)]  # vLLM unquantized, the Xeon
+    unsteady = loadtime.baseline_load(_info(1.07, 1.0), lambda: queue.pop(0), children=5)
+    said = loadtime.unsteady_baseline(unsteady, 1.113)
+    assert said and "spread 2.80x, wider than the bound 1.113" in said
+    assert loadtime.unsteady_baseline(_info(1.0), 1.113) is None  # one child: nothing to say
+
+
 @pytest.fixture
 def fake_loader(monkeypatch):
     """A module with a loader entry point and its work, as harness.reference is, on a fake clock:
