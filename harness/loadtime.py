@@ -33,6 +33,7 @@ later comparison. The runner provides the fresh children (harness.runner, a ``lo
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -136,7 +137,12 @@ def dispatch_pass() -> float:
     return time.perf_counter() - t0
 
 
-_QUANTIZE_WEIGHT: list = []
+@functools.cache
+def torchao_quantize_weight():
+    """The torchao pass's fixed weight, made once per process (deterministic values)."""
+    import torch
+
+    return torch.randn(TORCHAO_QUANTIZE_SHAPE, generator=torch.Generator().manual_seed(0))
 
 
 def torchao_quantize_pass() -> float:
@@ -145,38 +151,37 @@ def torchao_quantize_pass() -> float:
     import torch
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    if not _QUANTIZE_WEIGHT:
-        generator = torch.Generator().manual_seed(0)
-        _QUANTIZE_WEIGHT.append(torch.randn(TORCHAO_QUANTIZE_SHAPE, generator=generator))
     rows, columns = TORCHAO_QUANTIZE_SHAPE
     with torch.device("meta"):
         # quantize_ swaps the weights of submodules, never of the module it is given
         holder = torch.nn.Sequential(torch.nn.Linear(columns, rows, bias=False))
-    holder[0].weight = torch.nn.Parameter(_QUANTIZE_WEIGHT[0], requires_grad=False)
+    holder[0].weight = torch.nn.Parameter(torchao_quantize_weight(), requires_grad=False)
     t0 = time.perf_counter()
     quantize_(holder, Int8WeightOnlyConfig())
     return time.perf_counter() - t0
 
 
+# Each workload's passes (looked up when called, so a test can replace one); its calibration is the
+# geometric mean of each pass's fastest.
+WORKLOADS: dict[int | str, tuple[Callable[[], float], ...]] = {
+    CALIBRATION_WORKLOAD: (lambda: memory_pass(calibration_file()), lambda: dispatch_pass()),
+    TORCHAO_QUANTIZE: (lambda: torchao_quantize_pass(),),
+}
+
+
 def calibrate(repeats: int = CALIBRATION_REPEATS, warm: bool = True,
               workload: int | str = CALIBRATION_WORKLOAD) -> float:
-    """The calibration, in seconds: the geometric mean of the fastest of ``repeats`` memory passes
-    and the fastest of ``repeats`` dispatch passes, or for ``TORCHAO_QUANTIZE`` the fastest of
-    ``repeats`` torchao passes; with ``warm``, after a first pass of each that brings the file into
-    the page cache and the code paths in."""
-    if workload == TORCHAO_QUANTIZE:
-        if warm:
-            torchao_quantize_pass()
-        return min(torchao_quantize_pass() for _ in range(repeats))
-    if workload != CALIBRATION_WORKLOAD:
-        raise ValueError(f"unknown calibration workload {workload!r} ({CALIBRATION_WORKLOAD}, {TORCHAO_QUANTIZE!r})")
-    path = calibration_file()
+    """The calibration of ``workload``, in seconds: the geometric mean of the fastest of ``repeats``
+    runs of each of its passes (the default: a memory pass and a dispatch pass); with ``warm``, after
+    a first run of each that brings the file into the page cache and the code paths in."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown calibration workload {workload!r} (known: {', '.join(map(repr, WORKLOADS))})")
+    passes = WORKLOADS[workload]
     if warm:
-        memory_pass(path)
-        dispatch_pass()
-    memory = min(memory_pass(path) for _ in range(repeats))
-    dispatch = min(dispatch_pass() for _ in range(repeats))
-    return math.sqrt(memory * dispatch)
+        for one_pass in passes:
+            one_pass()
+    fastest = [min(one_pass() for _ in range(repeats)) for one_pass in passes]
+    return math.prod(fastest) ** (1 / len(fastest))
 
 
 def load_statistic(samples: list[float], statistic: str | None = None) -> float:

@@ -421,7 +421,9 @@ class Runner:
         if self.update_baselines:
             load = loadtime.baseline_load(record.load, retime)
             what = "median of"
-            messages += filter(None, [loadtime.unsteady_baseline(load, cell.bounds.load_time)])
+            unsteady = loadtime.unsteady_baseline(load, cell.bounds.load_time)
+            if unsteady:
+                messages.append(unsteady)
         elif baseline is not None and baseline.load is not None and baseline.load.seconds > 0:
             bound = cell.bounds.load_time
             load = loadtime.confirm(record.load, retime, lambda info: C.load_ratio(info, baseline.load)[0] > bound)

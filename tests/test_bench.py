@@ -292,13 +292,14 @@ def test_the_torchao_workload_is_the_fastest_quantize_pass_and_recorded_by_name(
     assert info.phases["calibration"] == 0.5 and info.calibration_workload == loadtime.TORCHAO_QUANTIZE
     monkeypatch.setattr(loadtime, "memory_pass", lambda path: 1.0)
     assert loadtime.timed_load(lambda: (1.0, {}), gated=True).calibration_workload == loadtime.CALIBRATION_WORKLOAD
-    with pytest.raises(ValueError, match="unknown calibration workload 'disk'"):
+    with pytest.raises(ValueError, match="unknown calibration workload 'disk' \\(known: 2, 'torchao-quantize-1'\\)"):
         loadtime.calibrate(workload="disk")
 
 
 def test_the_torchao_pass_quantizes_for_real():
     assert loadtime.torchao_quantize_pass() > 0
-    assert loadtime._QUANTIZE_WEIGHT[0].shape == loadtime.TORCHAO_QUANTIZE_SHAPE  # made once, reused
+    assert loadtime.torchao_quantize_weight() is loadtime.torchao_quantize_weight()  # made once, reused
+    assert loadtime.torchao_quantize_weight().shape == loadtime.TORCHAO_QUANTIZE_SHAPE
 
 
 def test_a_gated_checkpoint_is_read_into_the_page_cache_only_where_it_fits(tmp_path, monkeypatch):
