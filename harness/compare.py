@@ -526,40 +526,59 @@ def noise_for(record: Record, baseline: Baseline) -> Noise | None:
 
 
 # The checks a rounding flip can move: the logprobs, not the loaded state, the load time or accuracy.
-FLIP_MOVES = ("teacher-forced:baseline", "greedy:baseline")
+FLIP_MOVES = ("teacher-forced", "greedy")
 
 
-def rounding_flip(record: Record, baseline: Baseline) -> Judgement | None:
-    """A ``regressed`` record that rounding flips explain, judged ``pass`` (docs/design.md,
-    "Portability across CPUs"); None when the rule does not apply, and the record stays regressed.
+def rounding_flip(record: Record, baseline: Baseline | None) -> Judgement | None:
+    """A ``regressed`` or ``failed`` record that rounding flips explain, judged ``pass``
+    (docs/design.md, "Portability across CPUs"); None when the rule does not apply, and the record
+    keeps its verdict.
 
-    The rule: the baseline comes from other kernels; every failing check is a logprob check against
-    it; the loaded state equals the baseline's, module for module; and the localisation against the
-    baseline's fingerprint shows a rounding flip on every prompt that differs (harness.traces.flips),
-    among them every prompt whose logprobs fail: a flip on one prompt explains nothing on another.
-    On the baseline's own kernels nothing is explained away."""
-    if record.verdict != "regressed" or not other_kernels(record, baseline):
+    The rule: every failing check is a logprob check, against the baseline or against another
+    engine; for each side they fail against, the localisation against it shows a rounding flip on
+    every prompt that differs (harness.traces.flips), among them every prompt whose logprobs fail
+    there: a flip on one prompt explains nothing on another; and the loaded state is shown equal to
+    that side's (:func:`_state_shown_equal`). On the baseline's own kernels nothing is explained
+    away against it."""
+    if record.verdict not in ("regressed", "failed"):
         return None
     failing = [c for c in record.checks if not c.ok]
-    state = next((c for c in record.checks if c.name == "loaded-state:baseline"), None)
-    loc = next((x for x in record.localisation if x.against == "baseline"), None)
-    flip = loc.rounding_flip if loc is not None else None
-    if (not failing or any(c.name not in FLIP_MOVES for c in failing) or state is None or not state.ok
-            or flip is None or not flip.explained):
+    if not failing or any(c.name.partition(":")[0] not in FLIP_MOVES for c in failing):
         return None
-    flipped = {a.prompt for a in flip.at}
-    for c in failing:
-        prompts = _failing_prompts(c)
-        if prompts is None or not prompts <= flipped:
+    shown = {}
+    for against in dict.fromkeys(c.name.partition(":")[2] for c in failing):
+        state = _state_shown_equal(record, baseline, against)
+        loc = next((x for x in record.localisation if x.against == against), None)
+        flip = loc.rounding_flip if loc is not None else None
+        if state is None or flip is None or not flip.explained:
             return None
+        flipped = {a.prompt for a in flip.at}
+        for c in (c for c in failing if c.name.endswith(f":{against}")):
+            prompts = _failing_prompts(c)
+            if prompts is None or not prompts <= flipped:
+                return None
+        tf = next((c for c in failing if c.name == f"teacher-forced:{against}" and c.data), None)
+        worst = tf.data["worst"] if tf is not None else None
+        where = f", largest move {_fmt(worst['delta'])} at prompt {worst['prompt']} position {worst['position']}" if worst else ""
+        shown[against] = (flip, f"{flip.detail}{where}; {state}")
     checks = [c if c.ok else c.model_copy(update={
-        "ok": True, "detail": f"explained by a rounding flip ({flip.detail}): {c.detail}",
-        "data": {**(c.data or {}), "rounding_flip": flip.model_dump()}}) for c in record.checks]
-    tf = next((c for c in failing if c.name == "teacher-forced:baseline" and c.data), None)
-    worst = tf.data["worst"] if tf is not None else None
-    where = f", largest move {_fmt(worst['delta'])} at prompt {worst['prompt']} position {worst['position']}" if worst else ""
-    return Judgement("pass", f"{flip.detail}{where}; state exact ({state.data['modules']} modules), baseline from "
-                     "other kernels", checks)
+        "ok": True, "detail": f"explained by a rounding flip ({shown[c.name.partition(':')[2]][0].detail}): {c.detail}",
+        "data": {**(c.data or {}), "rounding_flip": shown[c.name.partition(':')[2]][0].model_dump()}})
+        for c in record.checks]
+    return Judgement("pass", "; ".join(reason for _, reason in shown.values()), checks)
+
+
+def _state_shown_equal(record: Record, baseline: Baseline | None, against: str) -> str | None:
+    """What shows the record's loaded state equal to the side it fails against (None: nothing
+    does, or the rule does not apply there). Against the baseline: the exact loaded-state check, on
+    other kernels only. Against another engine (same machine, same kernels): the effective weights
+    of every module in the two traces, which harness.traces.flips.explain_across requires equal."""
+    if against != "baseline":
+        return f"every module's effective weights equal to {against}'s, same kernels"
+    state = next((c for c in record.checks if c.name == "loaded-state:baseline"), None)
+    if baseline is None or not other_kernels(record, baseline) or state is None or not state.ok:
+        return None
+    return f"state exact ({state.data['modules']} modules), baseline from other kernels"
 
 
 def _failing_prompts(check: Check) -> set[str] | None:

@@ -355,7 +355,7 @@ class Runner:
         if root != self.baselines_root:
             result.messages.append(f"judged against the baseline of these kernels: {B.path_for(root, cell.tier, cell.id)}")
         self._localise(result, raws)
-        flip = C.rounding_flip(result.record, baseline) if baseline is not None else None
+        flip = C.rounding_flip(result.record, baseline)
         if flip is not None:
             result.record = flip.apply(result.record)
         # --update-kernel-baselines: a cell held to its loaded state alone gets a baseline of its
@@ -380,12 +380,15 @@ class Runner:
             result.messages.append(str(outcome.change))
         result.messages += acc.messages
         if (outcome.change is not None and outcome.change.written) or acc.written:
-            j2 = self._judge(cell, record, B.read(root, cell.tier, cell.id), raws,
-                             accuracy_store.read(self.baselines_root, cell.tier, cell.id))
+            written = B.read(root, cell.tier, cell.id)
+            j2 = self._judge(cell, record, written, raws, accuracy_store.read(self.baselines_root, cell.tier, cell.id))
+            # the localisation stands: a flip between engines is explained against any baseline
+            rejudged = j2.apply(result.record)
+            j2 = C.rounding_flip(rejudged, written) or j2
             was = f"was {j.verdict}: {j.reason}"
             flag = "--update-kernel-baselines" if on_these_kernels else "--update-baselines"
             kind = outcome.change.kind if outcome.change is not None and outcome.change.written else "accuracy new or updated"
-            result.record = j2.apply(record).model_copy(update={
+            result.record = j2.apply(rejudged).model_copy(update={
                 "verdict_reason": f"{j2.reason}; baseline {kind} by {flag} ({was})"})
         if outcome.obtained is not None:
             result.messages.append(f"obtained result written beside the baseline: {outcome.obtained}")
@@ -443,7 +446,7 @@ class Runner:
         if found:
             result.record = result.record.model_copy(update={"localisation": found})
             result.messages += [f"localisation against {loc.against}: {loc.detail}" for loc in found]
-            result.messages += [f"against baseline: {loc.rounding_flip.detail}" for loc in found if loc.rounding_flip]
+            result.messages += [f"against {loc.against}: {loc.rounding_flip.detail}" for loc in found if loc.rounding_flip]
 
     def finish(self, result: CellResult) -> CellResult:
         layout = self.candidate_layout if result.record.candidate is not None else self.layout

@@ -233,3 +233,67 @@ def test_identical_traces_are_no_flip_and_say_why():
     x, w = _inputs()
     flip = _explain(_trace(x, 1.0, w), _trace(x, 1.0, w))
     assert not flip.explained and "no module differs" in flip.detail
+
+
+# ------------------------------------------ rounding flips between two engines on the same kernels
+
+
+def _disagreeing(flip: R.Localisation | None, failing: tuple[str, ...] = ("teacher-forced:transformers",),
+                 prompts=("p0",)) -> R.Record:
+    """The reference's record, failed against transformers on the same machine."""
+    worst = {"delta": 0.07, "prompt": prompts[0], "position": 16}
+    checks = [R.Check(name=name, ok=False, detail="exceeds bound",
+                      data={"exceeding_prompts": list(prompts), "worst": worst} if name.startswith("teacher") else
+                      {"divergences": [{"prompt": p, "ok": False} for p in prompts]}) for name in failing]
+    rec = record(sequences=[seq()]).model_copy(update={"verdict": "failed", "checks": checks})
+    return rec.model_copy(update={"localisation": [flip]}) if flip is not None else rec
+
+
+def test_a_rounding_flip_between_two_engines_on_the_same_kernels_passes_and_says_so():
+    flip = _flip().model_copy(update={"against": "transformers"})
+    j = C.rounding_flip(_disagreeing(flip), None)
+    assert j is not None and j.verdict == "pass" and all(c.ok for c in j.checks)
+    assert "rounding flip at X" in j.reason and "effective weights equal to transformers's" in j.reason
+    assert "largest move 0.07 at prompt p0 position 16" in j.reason
+
+
+def test_a_disagreement_between_engines_needs_a_flip_shown_against_that_engine_on_its_failing_prompts():
+    against_transformers = _flip().model_copy(update={"against": "transformers"})
+    assert C.rounding_flip(_disagreeing(None), None) is None  # not localised
+    assert C.rounding_flip(_disagreeing(_flip()), None) is None  # shown against the baseline, not transformers
+    unexplained = _flip(explained=False).model_copy(update={"against": "transformers"})
+    assert C.rounding_flip(_disagreeing(unexplained), None) is None
+    assert C.rounding_flip(_disagreeing(against_transformers, prompts=("p1",)), None) is None  # another prompt
+    # a check a flip cannot move: the module diff, or accuracy
+    assert C.rounding_flip(_disagreeing(against_transformers, ("teacher-forced:transformers", "module-diff:reference")),
+                           None) is None
+
+
+def _across(base, fresh, element_noise=1e-5, fresh_weight=None):
+    from harness.traces import diff, flips
+    from harness.traces.noise import ModuleNoise
+
+    noise = ModuleNoise(outputs={"norm": element_noise, "q": element_noise}, inputs={"q": element_noise},
+                        measured_by="reference")
+    if fresh_weight is not None:
+        fresh.weights["q"] = fresh_weight
+    deltas = [diff.prompt_deltas(fresh, base, noise)]
+    return flips.explain_across([fresh], [base], noise, deltas, "transformers")
+
+
+def test_across_engines_a_flip_is_explained_and_a_moved_output_or_another_weight_is_not():
+    from harness.traces import weight_probe
+
+    x, w = _inputs()
+    moved = x.clone()
+    moved[1, 2] = 17.0 - 1e-6  # within the noise: now rounds to 16, not 18
+    flip = _across(_trace(x, 1.0, w), _trace(moved, 1.0, w))
+    assert flip.explained, flip.detail
+    (at,) = flip.at
+    assert at.module == "q" and at.fragile == 1 and 0.99 < at.steps <= 1.0 + 1e-6 and at.moved <= at.bound
+    off = _across(_trace(x, 1.0, w), _trace(moved, 1.0, w, out_factor=1.02))  # a 2% error in its own code
+    assert not off.explained and "more than 4 one-step flips of its fragile input elements there" in off.detail
+    other = w.clone()
+    other[0, 0] += 0.5
+    changed = _across(_trace(x, 1.0, w), _trace(moved, 1.0, w), fresh_weight=other @ weight_probe(w.shape[1]))
+    assert not changed.explained and "q's effective weights differ from transformers's" in changed.detail

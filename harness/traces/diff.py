@@ -10,13 +10,10 @@ only the order of a float32 sum over ``in_features`` products may differ.
 from __future__ import annotations
 
 from harness import records as R
-from harness.traces import PromptTrace
-from harness.traces.localise import Delta, PromptDeltas, localise
+from harness.traces import PromptTrace, flips
+from harness.traces.localise import WEIGHT_RTOL, Delta, PromptDeltas, localise
 from harness.registry import ENGINES
 from harness.traces.noise import ModuleNoise
-
-WEIGHT_RTOL = 1e-5
-
 
 def kernel_rtol(*engines: str) -> float:
     return max(ENGINES[e].kernel_rtol if e in ENGINES else 0.0 for e in engines)
@@ -68,4 +65,5 @@ def cross_engine(mine: list[PromptTrace], theirs: list[PromptTrace], against: st
         note += f"; noise at least {rtol:g} of each module's largest output (kernels other than torch's)"
     if (noise is None or noise.measured_by is None) and not rtol:
         note += "; no per-module noise measured: any difference counts"
-    return localise(deltas, against, note)
+    flip = None if rtol else flips.explain_across(mine, theirs, noise, deltas, against)
+    return localise(deltas, against, note).model_copy(update={"rounding_flip": flip})

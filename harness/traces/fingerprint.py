@@ -26,8 +26,7 @@ import math
 from pydantic import BaseModel, ConfigDict, model_serializer
 
 from harness.traces import PromptTrace
-from harness.traces.diff import WEIGHT_RTOL
-from harness.traces.localise import Delta, PromptDeltas
+from harness.traces.localise import WEIGHT_RTOL, Delta, PromptDeltas
 from harness.traces.noise import NOISE_FACTOR, ModuleNoise
 
 PROJECTIONS = 4

@@ -2,26 +2,33 @@
 
 On other kernels a scaled activation that lies within kernel noise of a rounding boundary may round
 to the neighbouring FP8 value, and attention carries the change to every later position. Such a
-difference is explained when, on every prompt whose trace differs from the baseline's fingerprint:
+difference is explained when, on every prompt whose trace differs from the baseline's fingerprint
+(or, on the same kernels, from another engine's full trace of the same sequences):
 
 1. the first diverging module (harness.traces.localise) is a leaf that quantizes its input;
 2. its input agrees with the baseline's within kernel noise;
 3. some of its input's elements lie within that noise of a rounding boundary (they can flip); and
 4. its output moved no more than flipping ``MAX_FLIPS`` of those elements by one FP8 step can move
-   it: each flip of element j at position p moves the output by step x scale x |W[:, j]|, and a
-   projection on the fingerprint's unit matrix by at most that times the matrix row's norm.
+   it: each flip of element j at position p moves that position's output by step x scale x |W[:, j]|
+   (L2), a projection on the fingerprint's unit matrix by at most that times the matrix row's norm;
+   against another engine's full output, each position's row is held to its own fragile elements.
 
-The noise is the element noise the fingerprint stores for the module that made the input (or for
-the input itself where code between modules made it). Nothing here is a prediction: it is what this
-run's own trace shows against what the baseline stored. Whether the loaded state is exact, the
-other half of the rule, is the comparison's (harness.compare.rounding_flip).
+The noise is the element noise the fingerprint stores (or the group's measured noise, across
+engines) for the module that made the input (or for the input itself where code between modules
+made it). Nothing here is a prediction: it is what this run's own trace shows against what the
+baseline stored or the other engine computed. Whether the loaded state is exact, the other half of
+the rule, is the comparison's against a baseline (harness.compare.rounding_flip); across engines,
+every module's effective weights in the two traces must agree (:func:`explain_across`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from harness import records as R
 from harness.traces import PromptTrace
 from harness.traces.fingerprint import Fingerprint, unit_matrices
 from harness.traces.localise import PromptDeltas, classify, first_diverging
+from harness.traces.noise import ModuleNoise
 
 MAX_FLIPS = 4
 
@@ -32,17 +39,53 @@ class Unexplained(Exception):
 
 def explain(fp: Fingerprint, traces: list[PromptTrace], prompts: list[PromptDeltas]) -> R.RoundingFlip:
     """Whether rounding flips explain how ``traces`` moved from ``fp`` (``prompts``: the per-module
-    deltas of fingerprint.deltas)."""
+    deltas of fingerprint.deltas), compared on the fingerprint's projections."""
+    noise = _Noise(inputs={r.module: r.input_noise[0] for r in fp.modules if r.input_noise},
+                   outputs={r.module: r.noise[0] for r in fp.modules})
+    return _explain(traces, prompts, noise, theirs=None, state=lambda p: None)
+
+
+def explain_across(traces: list[PromptTrace], theirs: list[PromptTrace], noise: ModuleNoise | None,
+                   prompts: list[PromptDeltas], other: str) -> R.RoundingFlip:
+    """Whether rounding flips explain how ``traces`` differ from ``theirs``, ``other`` engine's full
+    traces of the same sequences on the same kernels (``prompts``: harness.traces.diff.prompt_deltas).
+    There the loaded state is compared by the effective weights the traces hold: every module's
+    must agree."""
+    if noise is None or noise.measured_by is None:
+        return R.RoundingFlip(explained=False, detail="not a rounding flip: no per-module noise measured")
+
+    def state(p: PromptDeltas) -> str | None:
+        differ = [m for m, d in p.weights.items() if d]
+        return f"{differ[0]}'s effective weights differ from {other}'s" if differ else None
+
+    return _explain(traces, prompts, _Noise(noise.inputs, noise.outputs), theirs={t.prompt: t for t in theirs},
+                    state=state)
+
+
+@dataclass
+class _Noise:
+    """Element noise per module: of its own input where stored, and of its output."""
+
+    inputs: dict[str, float]
+    outputs: dict[str, float]
+
+
+def _explain(traces: list[PromptTrace], prompts: list[PromptDeltas], noise: _Noise, *,
+             theirs: dict[str, PromptTrace] | None, state) -> R.RoundingFlip:
+    """``theirs``: the other side's full traces by prompt; None where it is a fingerprint's
+    projections. ``state(prompt deltas)``: why the loaded state is not shown equal there, or None."""
     by_prompt = {t.prompt: t for t in traces}
-    rows = {r.module: r for r in fp.modules}
     at = []
     try:
         for p in prompts:
+            if (why := state(p)) is not None:
+                raise Unexplained(f"prompt {p.prompt}: {why}")
             m = first_diverging(p)
             if m is not None:
-                at.append(_flip_at(p, m, by_prompt[p.prompt], rows))
+                other = theirs[p.prompt] if theirs is not None else None
+                at.append(_flip_at(p, m, by_prompt[p.prompt], other, noise))
         if not at:
-            raise Unexplained("no module differs from the fingerprint beyond its noise")
+            raise Unexplained("no module differs beyond its noise")
     except Unexplained as e:
         return R.RoundingFlip(explained=False, detail=f"not a rounding flip: {e}", at=at)
     worst = max(at, key=lambda a: a.steps)
@@ -51,7 +94,7 @@ def explain(fp: Fingerprint, traces: list[PromptTrace], prompts: list[PromptDelt
     return R.RoundingFlip(explained=True, at=at, detail=f"rounding flip at {worst.module}: {where} (at most {MAX_FLIPS})")
 
 
-def _flip_at(p: PromptDeltas, m: str, trace: PromptTrace, rows: dict) -> R.FlipAt:
+def _flip_at(p: PromptDeltas, m: str, trace: PromptTrace, other: PromptTrace | None, stored: _Noise) -> R.FlipAt:
     import torch
 
     # lazy: torch, numpy, +3.8 s (scripts/import-graph --costs)
@@ -65,7 +108,7 @@ def _flip_at(p: PromptDeltas, m: str, trace: PromptTrace, rows: dict) -> R.FlipA
     x, norms = trace.inputs.get(m), trace.column_norms.get(m)
     if x is None or norms is None or m not in trace.input_scales:
         raise Unexplained(f"prompt {p.prompt}: {m}'s input quantization was not recorded")
-    noise = _input_noise(m, trace, rows)
+    noise = _input_noise(m, trace, stored)
     if not noise > 0:
         raise Unexplained(f"prompt {p.prompt}: the element noise of {m}'s input is not measured")
     x = x.double()
@@ -83,30 +126,58 @@ def _flip_at(p: PromptDeltas, m: str, trace: PromptTrace, rows: dict) -> R.FlipA
     if count == 0:
         raise Unexplained(f"prompt {p.prompt}: no element of {m}'s input lies within kernel noise ({noise:.3g}) of "
                           "an FP8 rounding boundary, so none can flip")
-    out_shape = tuple(trace.outputs[m].shape)
-    row_norm = unit_matrices(out_shape).norm(dim=2).amax(dim=0)  # [positions]: largest over projections
-    per_flip = fp8.step_at(boundary) * scale * norms.double()[None, :] * row_norm[:, None]
-    moves = per_flip[fragile]
+    # a flip of element j at position p moves that position's output row by this much (L2)
+    per_flip = fp8.step_at(boundary) * scale * norms.double()[None, :]
+    if other is None:
+        moved, bound, largest = _on_projections(p, m, trace, per_flip, fragile, count)
+    else:
+        moved, bound, largest = _on_full_outputs(p, m, trace, other, per_flip, fragile, stored.outputs.get(m, 0.0))
+    return R.FlipAt(prompt=p.prompt, module=m, fragile=count, moved=moved, bound=bound, steps=moved / largest)
+
+
+def _on_projections(p: PromptDeltas, m: str, trace: PromptTrace, per_flip, fragile, count: int) -> tuple[float, float, float]:
+    """(moved, bound, largest single move) of ``m``'s output on the fingerprint's projections: each
+    projection moves by at most its unit matrix row's norm times a flip's move."""
+    row_norm = unit_matrices(tuple(trace.outputs[m].shape)).norm(dim=2).amax(dim=0)  # [positions]
+    moves = (per_flip * row_norm[:, None])[fragile]
     bound = float(moves.topk(min(MAX_FLIPS, count)).values.sum())
     moved = p.outputs[m]
     if not moved.delta <= bound + moved.noise:
         raise Unexplained(f"prompt {p.prompt}: {m}'s output moved {moved.delta:.3g}, more than {MAX_FLIPS} one-step "
                           f"flips of its {count} fragile input element(s) can ({bound:.3g})")
-    return R.FlipAt(prompt=p.prompt, module=m, fragile=count, moved=moved.delta, bound=bound,
-                    steps=moved.delta / float(moves.max()))
+    return moved.delta, bound, float(moves.max())
 
 
-def _input_noise(m: str, trace: PromptTrace, rows: dict) -> float:
+def _on_full_outputs(p: PromptDeltas, m: str, trace: PromptTrace, other: PromptTrace, per_flip, fragile,
+                     noise: float) -> tuple[float, float, float]:
+    """(moved, bound, largest single move) of ``m``'s output against the other engine's, position by
+    position: a flip moves only its own position's row, by its move in L2 norm, so each row may move
+    by the sum of its ``MAX_FLIPS`` largest fragile moves and the element noise over the row."""
+    import torch
+
+    mine, theirs = trace.outputs[m].double(), other.outputs[m].double()
+    moved = (mine - theirs).norm(dim=1)  # [positions]
+    moves = torch.where(fragile, per_flip, torch.zeros_like(per_flip))
+    bound = moves.topk(min(MAX_FLIPS, moves.shape[1]), dim=1).values.sum(dim=1) + noise * mine.shape[1] ** 0.5
+    over = (moved > bound).nonzero()
+    if len(over):
+        i = int(over[0, 0])
+        raise Unexplained(f"prompt {p.prompt}: {m}'s output moved {float(moved[i]):.3g} at position {i}, more than "
+                          f"{MAX_FLIPS} one-step flips of its fragile input elements there can ({float(bound[i]):.3g})")
+    i = int(moved.argmax())
+    return float(moved[i]), float(bound[i]), float(per_flip[fragile].max())
+
+
+def _input_noise(m: str, trace: PromptTrace, stored: _Noise) -> float:
     """The stored element noise of ``m``'s input: its own where code between modules made it, else
     that of the module whose output it is."""
     import torch
 
-    row = rows.get(m)
-    if row is not None and row.input_noise:
-        return row.input_noise[0]
+    if stored.inputs.get(m):
+        return stored.inputs[m]
     x = trace.inputs[m]
     for name in trace.order[: trace.order.index(m)]:
         y = trace.outputs.get(name)
-        if y is not None and y.shape == x.shape and torch.equal(x, y) and name in rows:
-            return rows[name].noise[0]
+        if y is not None and y.shape == x.shape and torch.equal(x, y) and name in stored.outputs:
+            return stored.outputs[name]
     return 0.0

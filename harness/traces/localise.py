@@ -41,6 +41,10 @@ from harness import records as R
 OTHER_KERNELS_MARGIN = 10.0
 ATTENTION = frozenset({"self_attn", "cross_attn", "encoder_attn", "attn", "attention", "self_attention"})
 
+# Two effective weights differ beyond this share of their size: both sides project the same weight on
+# the same vectors, and only the order of a float32 sum over ``in_features`` products may differ.
+WEIGHT_RTOL = 1e-5
+
 
 @dataclass
 class Delta:
