@@ -9,7 +9,7 @@ stdin, a pipe from the process that started it, closes: that process has gone.
 
 One connection per child: the client sends one JSON line ``{"job": PATH, "log": PATH, "cwd": DIR}``
 (DIR: the client's working directory, the child's, in which relative paths resolve); the child
-answers ``pid N`` once it leads its own session, the server ``exit CODE`` when the child has ended
+answers ``pid N`` once it leads its own session and its log is open, the server ``exit CODE`` when the child has ended
 (CODE as Popen's ``returncode``: negative for a signal).
 
 A child is what ``python -P -m harness.engines.worker JOB`` would be (docs/design.md, "Data
@@ -124,8 +124,6 @@ def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
     # interpreter's final collection then frees the server's frozen objects as a fresh process's
     # would (left frozen, triton's bindings print "leaked" warnings).
     atexit.register(gc.unfreeze)
-    conn.sendall(f"pid {os.getpid()}\n".encode())
-    conn.close()
     os.chdir(request["cwd"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -134,6 +132,9 @@ def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    # the pid last: a client that has it can count on the log (an interrupted cell's is read)
+    conn.sendall(f"pid {os.getpid()}\n".encode())
+    conn.close()
     sys.argv = [worker.__file__, request["job"]]
     return sys.argv[1:]
 
