@@ -185,15 +185,16 @@ class FlipAt(_Strict):
     prompt: str
     module: str
     fragile: int  # elements of its input within kernel noise of an FP8 rounding boundary
-    moved: float  # how far its output moved on the fingerprint's projections
+    moved: float  # how far its output moved: on the fingerprint's projections, or a row's L2 against an engine
     bound: float  # the most that flipping MAX_FLIPS of the fragile elements can move it
     steps: float  # moved, in units of the largest single flip's move
 
 
 class RoundingFlip(_Strict):
-    """Whether a difference against a baseline's fingerprint is FP8 rounding flips: on every prompt
-    that differs, the first diverging module quantizes its input, that input agrees within kernel
-    noise, and its output moved no more than a few one-step flips of its fragile elements can."""
+    """Whether a difference against a baseline's fingerprint (or another engine's traces) is FP8
+    rounding flips: on every prompt that differs, the first diverging module quantizes its input,
+    that input agrees within kernel noise, and its output moved no more than a few one-step flips
+    of its fragile elements can."""
 
     explained: bool
     detail: str
