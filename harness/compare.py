@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from harness import verdicts
 from harness.baselines import other_kernels
 from harness.accuracy import gates as accuracy_gates
 from harness.registry import fuses_shards
@@ -540,7 +541,7 @@ def rounding_flip(record: Record, baseline: Baseline | None) -> Judgement | None
     there: a flip on one prompt explains nothing on another; and the loaded state is shown equal to
     that side's (:func:`_state_shown_equal`). On the baseline's own kernels nothing is explained
     away against it."""
-    if record.verdict not in ("regressed", "failed"):
+    if record.verdict not in verdicts.LOCALISED:  # the rule reads the localisation
         return None
     failing = [c for c in record.checks if not c.ok]
     if not failing or any(c.name.partition(":")[0] not in FLIP_MOVES for c in failing):
