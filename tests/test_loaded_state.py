@@ -199,10 +199,17 @@ def _inputs():
     return x, w
 
 
+def _across_the_boundary(x):
+    """``x`` with its element just above 17 moved just below, within the noise: it now rounds to 16,
+    not 18."""
+    moved = x.clone()
+    moved[1, 2] = 17.0 - 1e-6
+    return moved
+
+
 def test_an_input_element_that_crosses_a_boundary_within_noise_is_a_rounding_flip():
     x, w = _inputs()
-    moved = x.clone()
-    moved[1, 2] = 17.0 - 1e-6  # within the noise: now rounds to 16, not 18
+    moved = _across_the_boundary(x)
     flip = _explain(_trace(x, 1.0, w), _trace(moved, 1.0, w))
     assert flip.explained, flip.detail
     (at,) = flip.at
@@ -212,8 +219,7 @@ def test_an_input_element_that_crosses_a_boundary_within_noise_is_a_rounding_fli
 
 def test_a_quantizer_output_moved_beyond_a_few_flips_is_not_a_rounding_flip():
     x, w = _inputs()
-    moved = x.clone()
-    moved[1, 2] = 17.0 - 1e-6
+    moved = _across_the_boundary(x)
     flip = _explain(_trace(x, 1.0, w), _trace(moved, 1.0, w, out_factor=1.5))  # its own code is off
     assert not flip.explained and "more than 4 one-step flips" in flip.detail
 
@@ -285,8 +291,7 @@ def test_across_engines_a_flip_is_explained_and_a_moved_output_or_another_weight
     from harness.traces import weight_probe
 
     x, w = _inputs()
-    moved = x.clone()
-    moved[1, 2] = 17.0 - 1e-6  # within the noise: now rounds to 16, not 18
+    moved = _across_the_boundary(x)
     flip = _across(_trace(x, 1.0, w), _trace(moved, 1.0, w))
     assert flip.explained, flip.detail
     (at,) = flip.at
