@@ -131,7 +131,8 @@ def _run(args) -> int:
     candidates = _candidates(args, cells)
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
                       matrix_path=args.matrix, trace=args.trace, update_fingerprints=args.update_fingerprints,
-                      candidates=candidates, update_kernel_baselines=args.update_kernel_baselines)
+                      candidates=candidates, update_kernel_baselines=args.update_kernel_baselines,
+                      **({"later_look_s": args.later_look} if args.later_look is not None else {}))
     # every path the run writes, checked before anything is built or run (docs/design.md, "Bad input and faults")
     # lazy: pydantic, +150 ms (scripts/import-graph --costs)
     from harness.report import report_files
@@ -311,6 +312,16 @@ def _add_cells(sub) -> None:
     cells.set_defaults(func=_cells)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds, 0 or more")
+    return value
+
+
 def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run the selected cells, judge them and write result records")
     _add_selection(run)
@@ -329,6 +340,9 @@ def _add_run(sub) -> None:
                           "(nothing else of the baseline changes)")
     run.add_argument("--baselines", metavar="DIR", default=None,
                      help="baselines root (default: baselines/ of this checkout)")
+    run.add_argument("--later-look", type=_seconds, default=None, metavar="SECONDS",
+                     help="on a gated tier, how long after its first child a cell over its load-time bound in every "
+                          "child is timed again before it is called regressed (default: 600; README, 'Load time')")
     run.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                      help="run N (model, scheme) groups at once, each engine in its own child process (default: "
                           "one per core, as many as the available memory holds; the cpu-load groups, whose load "

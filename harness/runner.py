@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -116,7 +117,7 @@ class Runner:
                  matrix_path: str | Path | None = None, threads: int | None = None,
                  echo: Callable[[str], None] | None = None, trace: bool = False, update_fingerprints: bool = False,
                  candidates: Mapping[str, Candidate] | None = None, candidate_dir: str = "candidate",
-                 update_kernel_baselines: bool = False):
+                 update_kernel_baselines: bool = False, later_look_s: float = loadtime.LATER_LOOK_S):
         self.matrix = matrix
         self.cells = sorted(cells, key=lambda c: (group_key(c), _engine_order(c)))
         self.results = Path(results)
@@ -128,6 +129,9 @@ class Runner:
         self.update_baselines = update_baselines
         self.update_fingerprints = update_fingerprints
         self.update_kernel_baselines = update_kernel_baselines
+        # seconds after a gated cell's first child that a cell over its bound in every child is
+        # timed again (harness.loadtime.LATER_LOOK_S)
+        self.later_look_s = later_look_s
         self.tracer = Tracer(self, always=trace)
         self.matrix_dir = Path(matrix_path).resolve().parent if matrix_path else supervise.REPO_ROOT
         self.threads = threads or int(os.environ.get(supervise.THREADS_ENV) or 1)
@@ -400,7 +404,8 @@ class Runner:
 
     def _settle_load_time(self, cell: Cell, record: R.Record, baseline) -> tuple[R.Record, list[str]]:
         """A gated cell's load timed in more fresh children (harness.loadtime): the median
-        of several when a baseline may be written, a confirmation when the first is over the bound."""
+        of several when a baseline may be written, a confirmation when the first is over the bound,
+        and a later look when every child of those is."""
         if not cell.gate_load_time or record.status != "ok" or record.load is None:
             return record, []
         messages: list[str] = []
@@ -429,7 +434,8 @@ class Runner:
                 messages.append(unsteady)
         elif baseline is not None and baseline.load is not None and baseline.load.seconds > 0:
             bound = cell.bounds.load_time
-            load = loadtime.confirm(record.load, retime, lambda info: C.load_ratio(info, baseline.load)[0] > bound)
+            load = loadtime.confirm(record.load, retime, lambda info: C.load_ratio(info, baseline.load)[0] > bound,
+                                    later=self._later_look(cell, messages))
             what = "over the bound: fastest of"
         else:
             return record, []
@@ -437,6 +443,20 @@ class Runner:
                 + ", ".join(f"{c.seconds:.4g} / {c.calibration or 0:.4g} s" for c in load.children) + ")"
                 ] if load.children else []
         return record.model_copy(update={"load": load}), said + messages
+
+    def _later_look(self, cell: Cell, messages: list[str]) -> Callable[[], None]:
+        """What a cell over its bound in every child of its first look does before its later look:
+        says so, and waits until ``later_look_s`` after now (its first child was timed moments ago)."""
+        due = time.monotonic() + self.later_look_s
+
+        def wait() -> None:
+            seconds = max(0.0, due - time.monotonic())
+            self.say(f"        {cell.id}: load time over its bound in every child; looking again in {seconds:.0f} s "
+                     "(the host's level wanders over minutes; harness run --later-look)")
+            time.sleep(seconds)
+            messages.append(f"load time: over the bound in every child of its first look; looked again "
+                            f"{self.later_look_s:g} s after it")
+        return wait
 
     def _localise(self, result: CellResult, raws: dict[str, R.Record]) -> None:
         """The module traces' localisation (harness.traces.jobs) of a failed or regressed cell (of

@@ -188,6 +188,24 @@ def test_confirm_retimes_only_while_over_and_reports_the_fastest():
     assert over(loadtime.confirm(_info(1.5), lambda: None, over, confirmations=2))
 
 
+def test_a_cell_over_in_every_child_is_looked_at_again_and_over_only_when_over_there_too():
+    """The host's level wanders over minutes, which the first look's children share: the later
+    look's children are drawn at another moment (loadtime.LATER_LOOK_S)."""
+    over = lambda info: loadtime.calibrated(info) > 1.1  # noqa: E731
+    waited = []
+    queue = [_info(1.3), _info(1.4), _info(1.05), _info(2.0)]
+    passed = loadtime.confirm(_info(1.5), lambda: queue.pop(0), over, confirmations=2, later=lambda: waited.append(1))
+    assert waited == [1] and passed.seconds == 1.05 and [c.seconds for c in passed.children] == [1.5, 1.3, 1.4, 1.05]
+    slow = loadtime.confirm(_info(1.5), lambda: _info(1.4), over, confirmations=2, later=lambda: waited.append(2))
+    assert over(slow) and len(slow.children) == 6 and waited == [1, 2]
+    # one child of the first look within the bound: nothing to look at again
+    quick = loadtime.confirm(_info(1.5), iter([_info(1.0)]).__next__, over,
+                             later=lambda: pytest.fail("looked again at a cell within its bound"))
+    assert not over(quick)
+    # the later look's child failed: judged on the first look
+    assert over(loadtime.confirm(_info(1.5), iter([_info(1.4), _info(1.3), None]).__next__, over, later=lambda: None))
+
+
 def test_baseline_load_is_the_median_child_by_calibrated_value():
     queue = [_info(2.0, 2.0), _info(3.0, 1.0), _info(0.5, 1.0), _info(1.2, 1.0)]
     got = loadtime.baseline_load(_info(1.1, 1.0), lambda: queue.pop(0), children=5)
@@ -518,6 +536,21 @@ def test_a_portability_run_is_a_false_alarm_only_when_a_cells_fastest_child_is_o
     assert s["cells"]["c0"]["reported"] == [1.0, 1.12, 1.05, 0.85]
     assert (s["complete_runs"], s["false_alarm_runs"], s["improved_runs"]) == (4, 1, 1)
     assert (s["cells"]["c0"]["regressed"], s["cells"]["c0"]["improved"]) == (1, 1)
+
+
+def test_a_portability_cell_run_over_in_every_child_gets_the_gates_later_look(monkeypatch):
+    cells = _portable_cells(1.1)
+    ratios = iter([1.5, 1.3, 1.4, 1.0, 1.05])  # run 1: over in all three children; run 2; the later look
+    monkeypatch.setattr(detection, "preload", lambda cells, paths: None)
+    monkeypatch.setattr(detection, "cell_run", lambda cell, path, repeats: CellRun(cell.id, (next(ratios),), 1.0))
+    said = []
+    got = portability.time_runs(cells, {"c0": None}, {"c0": R.LoadInfo(seconds=1.0, phases={"calibration": 1.0})},
+                                runs=2, echo=said.append, later_look_s=0.0)
+    assert got["c0"]["runs"] == [[1.5, 1.3, 1.4, 1.05], [1.0]] and got["c0"]["later"] == [0]
+    assert any("over its bound in every child of run 1" in line for line in said)
+    s = portability.summarize(cells, got, runs=2)
+    assert (s["false_alarm_runs"], s["cells"]["c0"]["later_looks"]) == (0, 1)
+    assert "| 1.100 | 1 | 0 | 0 |" in "\n".join(report._portability_lines({"native": {"environment": {}, **s}}))
 
 
 def test_a_cell_that_cannot_load_under_a_condition_is_reported_and_not_judged():

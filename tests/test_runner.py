@@ -492,8 +492,9 @@ GATED = "whisper.unquantized.reference"
 def test_a_gated_cell_is_timed_in_several_children_for_its_baseline_and_confirmed_when_over(tmp_path, capsys,
                                                                                            monkeypatch):
     """On a load-time gated tier the baseline records the median of BASELINE_CHILDREN children, and
-    a cell over its bound is timed again in fresh children and regressed only when every one is
-    over (harness.loadtime): here the test hook makes the loader 3x slower."""
+    a cell over its bound is timed again in fresh children, and again after --later-look seconds,
+    and regressed only when every one is over (harness.loadtime): here the test hook makes the
+    loader 3x slower."""
     from harness import loadtime
 
     matrix = tmp_path / "models.yaml"
@@ -508,13 +509,16 @@ def test_a_gated_cell_is_timed_in_several_children_for_its_baseline_and_confirme
     assert f"median of {loadtime.BASELINE_CHILDREN} children" in out
 
     monkeypatch.setenv("HARNESS_TEST_HOOK", "slow=3")
-    code, out, _ = harness(capsys, *base, "--results", tmp_path / "r1")
+    started = time.monotonic()
+    code, out, _ = harness(capsys, *base, "--results", tmp_path / "r1", "--later-look", "20")
     assert code == 1, out
     slowed = R.load(tmp_path / "r1" / f"{GATED}.json")
     assert slowed.verdict == "regressed" and "slower than bound" in slowed.verdict_reason
-    assert len(slowed.load.children) == 1 + loadtime.CONFIRMATIONS
+    children = 2 * (1 + loadtime.CONFIRMATIONS)  # the first look and the later one
+    assert len(slowed.load.children) == children and time.monotonic() - started >= 20
     assert all(c.seconds / c.calibration > 1.5 * median for c in slowed.load.children)
-    assert (tmp_path / "r1" / "logs" / f"{GATED}.load{loadtime.CONFIRMATIONS}.log").exists()
+    assert (tmp_path / "r1" / "logs" / f"{GATED}.load{children - 1}.log").exists()
+    assert "looking again in" in out and "looked again 20 s after it" in out
 
 
 def test_a_cell_child_ends_once_its_record_is_written_without_closing_its_engine(tmp_path):
