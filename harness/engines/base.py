@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from harness import architectures, cpu, files, hub, loaded_state, probes
+from harness import architectures, cpu, files, hub, loaded_state, loadtime, probes
 from harness import records as R
 from harness.registry import ENGINES, resolve
 
@@ -195,6 +195,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load(self, checkpoint: Checkpoint) -> R.LoadInfo:
         ...
+
+    def calibration_workload(self, checkpoint: Checkpoint) -> int | str:
+        """The workload a gated load of ``checkpoint`` is calibrated by (harness.loadtime.WORKLOADS):
+        the memory-and-dispatch one, unless the engine's load is mostly other work."""
+        return loadtime.CALIBRATION_WORKLOAD
 
     def load_timed_only(self, checkpoint: Checkpoint) -> R.LoadInfo:
         """The load as a gated cell times it, and nothing of the engine after it: what a gated cell's

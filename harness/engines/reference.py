@@ -47,7 +47,7 @@ class ReferenceEngine(InProcessEngine):
         warm_imports(checkpoint, online_quantization(self.cell))
         # The unfused witness's load time is never compared: timed once, as on an ungated tier.
         return loadtime.timed_load(lambda: self._load_once(checkpoint), gated=self.cell.gate_load_time and self.fuse,
-                                   checkpoint_dir=checkpoint.path)
+                                   checkpoint_dir=checkpoint.path, workload=self.calibration_workload(checkpoint))
 
     def _load_once(self, checkpoint: Checkpoint) -> tuple[float, dict[str, float]]:
         # lazy: torch, transformers and more, +4.8 s (scripts/import-graph --costs)

@@ -100,7 +100,7 @@ class TransformersEngine(InProcessEngine):
             kwargs["quantization_config"] = AutoQuantizationConfig.from_dict(online)
         warm_imports(checkpoint, online)
         return loadtime.timed_load(lambda: self._load_once(checkpoint, kwargs), gated=self.cell.gate_load_time,
-                                   checkpoint_dir=checkpoint.path)
+                                   checkpoint_dir=checkpoint.path, workload=self.calibration_workload(checkpoint))
 
     def _load_once(self, checkpoint: Checkpoint, kwargs: dict) -> tuple[float, dict[str, float]]:
         import torch

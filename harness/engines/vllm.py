@@ -389,10 +389,10 @@ class VllmEngine(Engine):
         return "float32"
 
     def calibration_workload(self, checkpoint: Checkpoint) -> int | str:
-        """The workload a gated load is calibrated by: for a torchao checkpoint on the CPU, torchao's
-        ``quantize_`` (harness.loadtime.TORCHAO_QUANTIZE), because vLLM's load runs it over every
-        full-size weight (docs/findings.md) and spends most of its time there, at a speed that
-        follows torch's kernels; else (on a GPU that quantization runs on the GPU) the default."""
+        """For a torchao checkpoint on the CPU, torchao's ``quantize_``
+        (harness.loadtime.TORCHAO_QUANTIZE), because vLLM's load runs it over every full-size weight
+        (docs/findings.md) and spends most of its time there, at a speed that follows torch's
+        kernels; else (on a GPU that quantization runs on the GPU) the default."""
         qc = checkpoint.quantization_config or {}
         on_cpu = (self.cell.hardware.gpus or 0) == 0
         return loadtime.TORCHAO_QUANTIZE if on_cpu and qc.get("quant_method") == "torchao" else loadtime.CALIBRATION_WORKLOAD
