@@ -582,7 +582,7 @@ def test_the_bench_writes_into_this_checkout():
 
 
 def test_the_portability_part_runs_only_when_named():
-    """It needs cpu-load baselines of this machine, which a fresh clone does not have."""
+    """It times every cpu-load cell under three conditions (about 15 minutes): a measurement, not a default."""
     from harness import bench
 
     assert "portability" in bench.PARTS and "portability" not in bench.DEFAULT_PARTS

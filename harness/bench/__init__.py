@@ -25,7 +25,7 @@ from harness.loadtime import BASELINE_CHILDREN, REPO_ROOT
 
 PARTS = ("load", "decode", "detection", "portability", "matrix")
 QUICK_PARTS = ("load", "decode")
-# portability only when named: it needs cpu-load baselines written on this machine, and none are committed
+# portability only when named: it times every cpu-load cell under three kernel conditions (~15 min)
 DEFAULT_PARTS = tuple(p for p in PARTS if p != "portability")
 
 
