@@ -27,7 +27,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from harness import verdicts
 from harness.baselines import other_kernels
 from harness.accuracy import gates as accuracy_gates
 from harness.registry import fuses_shards
@@ -87,7 +86,8 @@ def _safe(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _fmt(x: float) -> str:
+def fmt(x: float) -> str:
+    """A number as the checks' details write it."""
     return f"{x:.3g}" if math.isfinite(x) else str(x)
 
 
@@ -233,8 +233,8 @@ def _teacher_forced_detail(positions: _JudgedPositions, against: str, logprob_bo
                            noise: Noise | None) -> str:
     worst = positions.worst
     where = f" at prompt {worst['prompt']} position {worst['position']} ({worst['what']})" if worst["prompt"] is not None else ""
-    detail = (f"max |Δlogprob| vs {against} {_fmt(worst['delta'])}{where}; scored tokens {_fmt(positions.worst_tok)} "
-              f"(bound {_fmt(logprob_bound)}), shared top-k {_fmt(positions.worst_topk)} (bound {_fmt(topk_bound)})")
+    detail = (f"max |Δlogprob| vs {against} {fmt(worst['delta'])}{where}; scored tokens {fmt(positions.worst_tok)} "
+              f"(bound {fmt(logprob_bound)}), shared top-k {fmt(positions.worst_topk)} (bound {fmt(topk_bound)})")
     if noise is not None:
         detail += (f"; {against} from other kernels: family bound on {positions.family_share:.0%} of positions, "
                    "the measured noise bound past each fragile onset")
@@ -353,10 +353,10 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
     ratio, calibrated = load_ratio(record.load, baseline.load)
     regressed = ratio > bound
     improved = ratio < 1 / bound
-    text = f"load {_fmt(s_obt)} s vs baseline {_fmt(s_base)} s: {'calibrated ' if calibrated else ''}ratio {_fmt(ratio)}, bound {_fmt(bound)}"
+    text = f"load {fmt(s_obt)} s vs baseline {fmt(s_base)} s: {'calibrated ' if calibrated else ''}ratio {fmt(ratio)}, bound {fmt(bound)}"
     if calibrated:
-        text += (f" (calibration {_fmt(record.load.phases['calibration'])} s vs "
-                 f"{_fmt(baseline.load.phases['calibration'])} s)")
+        text += (f" (calibration {fmt(record.load.phases['calibration'])} s vs "
+                 f"{fmt(baseline.load.phases['calibration'])} s)")
     elif other_calibration_workload(record.load, baseline.load):
         text += (" (not calibrated: the baseline's calibration timed another workload; record the "
                  "baseline again with --update-baselines)")
@@ -508,87 +508,22 @@ def check_input_sensitivity(record: Record, bound: float, noise: Noise | None = 
     flat = [pid for pid in deltas if deltas[pid] <= noises[pid]]
     closed = sorted(n for n, v in s.gates.items() if v == 0.0)
     if flat or closed:
-        parts = [f"the output does not depend on the {kinds[pid]} (prompt {pid}: max |Δlogprob| {_fmt(deltas[pid])} "
-                 f"<= noise {_fmt(noises[pid])} at the first positions after it, against a second input)"
+        parts = [f"the output does not depend on the {kinds[pid]} (prompt {pid}: max |Δlogprob| {fmt(deltas[pid])} "
+                 f"<= noise {fmt(noises[pid])} at the first positions after it, against a second input)"
                  for pid in flat]
         if closed:
             parts.append(f"cross-attention gate(s) {', '.join(closed)} are 0: the image never reaches the decoder")
         return Check(name="input-sensitivity:contrast", ok=False, detail="; ".join(parts), data=data)
     worst = min(margins, key=margins.get)
     return Check(name="input-sensitivity:contrast", ok=True, data=data,
-                 detail=f"the output depends on every input: smallest max |Δlogprob| {_fmt(deltas[worst])} "
-                        f"against noise {_fmt(noises[worst])} (prompt {worst}, {_fmt(margins[worst])}x)")
+                 detail=f"the output depends on every input: smallest max |Δlogprob| {fmt(deltas[worst])} "
+                        f"against noise {fmt(noises[worst])} (prompt {worst}, {fmt(margins[worst])}x)")
 
 
 def noise_for(record: Record, baseline: Baseline) -> Noise | None:
     """The baseline's measured noise when the record ran on other kernels; None on the same
     kernels, where nothing is loosened."""
     return baseline.noise if baseline.noise is not None and other_kernels(record, baseline) else None
-
-
-# The checks a rounding flip can move: the logprobs, not the loaded state, the load time or accuracy.
-FLIP_MOVES = ("teacher-forced", "greedy")
-
-
-def rounding_flip(record: Record, baseline: Baseline | None) -> Judgement | None:
-    """A ``regressed`` or ``failed`` record that rounding flips explain, judged ``pass``
-    (docs/design.md, "Portability across CPUs"); None when the rule does not apply, and the record
-    keeps its verdict.
-
-    The rule: every failing check is a logprob check, against the baseline or against another
-    engine; for each side they fail against, the localisation against it shows a rounding flip on
-    every prompt that differs (harness.traces.flips), among them every prompt whose logprobs fail
-    there: a flip on one prompt explains nothing on another; and the loaded state is shown equal to
-    that side's (:func:`_state_shown_equal`). On the baseline's own kernels nothing is explained
-    away against it."""
-    if record.verdict not in verdicts.LOCALISED:  # the rule reads the localisation
-        return None
-    failing = [c for c in record.checks if not c.ok]
-    if not failing or any(c.name.partition(":")[0] not in FLIP_MOVES for c in failing):
-        return None
-    shown = {}
-    for against in dict.fromkeys(c.name.partition(":")[2] for c in failing):
-        state = _state_shown_equal(record, baseline, against)
-        loc = next((x for x in record.localisation if x.against == against), None)
-        flip = loc.rounding_flip if loc is not None else None
-        if state is None or flip is None or not flip.explained:
-            return None
-        flipped = {a.prompt for a in flip.at}
-        for c in (c for c in failing if c.name.endswith(f":{against}")):
-            prompts = _failing_prompts(c)
-            if prompts is None or not prompts <= flipped:
-                return None
-        tf = next((c for c in failing if c.name == f"teacher-forced:{against}" and c.data), None)
-        worst = tf.data["worst"] if tf is not None else None
-        where = f", largest move {_fmt(worst['delta'])} at prompt {worst['prompt']} position {worst['position']}" if worst else ""
-        shown[against] = (flip, f"{flip.detail}{where}; {state}")
-    checks = [c if c.ok else c.model_copy(update={
-        "ok": True, "detail": f"explained by a rounding flip ({shown[c.name.partition(':')[2]][0].detail}): {c.detail}",
-        "data": {**(c.data or {}), "rounding_flip": shown[c.name.partition(':')[2]][0].model_dump()}})
-        for c in record.checks]
-    return Judgement("pass", "; ".join(reason for _, reason in shown.values()), checks)
-
-
-def _state_shown_equal(record: Record, baseline: Baseline | None, against: str) -> str | None:
-    """What shows the record's loaded state equal to the side it fails against (None: nothing
-    does, or the rule does not apply there). Against the baseline: the exact loaded-state check, on
-    other kernels only. Against another engine (same machine, same kernels): the effective weights
-    of every module in the two traces, which harness.traces.flips.explain_across requires equal."""
-    if against != "baseline":
-        return f"every module's effective weights equal to {against}'s, same kernels"
-    state = next((c for c in record.checks if c.name == "loaded-state:baseline"), None)
-    if baseline is None or not other_kernels(record, baseline) or state is None or not state.ok:
-        return None
-    return f"state exact ({state.data['modules']} modules), baseline from other kernels"
-
-
-def _failing_prompts(check: Check) -> set[str] | None:
-    """The prompts on which a failing logprob check fails (None: its data does not say)."""
-    data = check.data or {}
-    if check.name.startswith("greedy:"):
-        return {d["prompt"] for d in data.get("divergences", []) if not d["ok"]}
-    exceeding = data.get("exceeding_prompts")
-    return set(exceeding) if exceeding is not None else None
 
 
 def baseline_key_problems(record: Record, baseline: Baseline, *, expected_engine_version: str | None = None,

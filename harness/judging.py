@@ -1,7 +1,8 @@
 """The verdict of a record (docs/design.md, "Verdicts"): ``VERDICT_ORDER``, the one place the
 order is written, a sequence of steps that each judge a record or pass it on; ``verdict()`` applies
 it to one record and its baseline; ``judge()`` is verdict() with the cell's settings and the
-cross-engine checks, the entry point the runner uses. The checks themselves are harness.compare's.
+cross-engine checks, the entry point the runner uses; ``rounding_flip()`` the verdict a
+localisation may settle after it. The checks themselves are harness.compare's.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from typing import TYPE_CHECKING
 from harness.accuracy import gates as accuracy_gates
 from harness.accuracy.store import AccuracyBaseline
 from harness.baselines import Baseline
+from harness import verdicts
 from harness.compare import (Judgement, KnownFailureLike, applicable, baseline_key_problems, check_input_sensitivity,
                              check_load_time, check_loaded_state, check_module_diff, compare_sequences, cross_engine,
-                             disagreement, failed_or_waived, match_error, noise_for, other_kernels)
+                             disagreement, failed_or_waived, fmt, match_error, noise_for, other_kernels)
 from harness.records import Check, Record
 
 if TYPE_CHECKING:
@@ -331,3 +333,68 @@ def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterabl
     if j.known_failure is not None and (base.known_failure is None or base.known_failure.pattern != j.known_failure.pattern):
         return Judgement(j.verdict, f"new in the candidate: {j.reason}", j.checks, j.known_failure)
     return Judgement(j.verdict, f"against {base_name}: {j.reason}", j.checks, j.known_failure)
+
+
+# The checks a rounding flip can move: the logprobs, not the loaded state, the load time or accuracy.
+FLIP_MOVES = ("teacher-forced", "greedy")
+
+
+def rounding_flip(record: Record, baseline: Baseline | None) -> Judgement | None:
+    """A ``regressed`` or ``failed`` record that rounding flips explain, judged ``pass``
+    (docs/design.md, "Portability across CPUs"); None when the rule does not apply, and the record
+    keeps its verdict.
+
+    The rule: every failing check is a logprob check, against the baseline or against another
+    engine; for each side they fail against, the localisation against it shows a rounding flip on
+    every prompt that differs (harness.traces.flips), among them every prompt whose logprobs fail
+    there: a flip on one prompt explains nothing on another; and the loaded state is shown equal to
+    that side's (:func:`_state_shown_equal`). On the baseline's own kernels nothing is explained
+    away against it."""
+    if record.verdict not in verdicts.LOCALISED:  # the rule reads the localisation
+        return None
+    failing = [c for c in record.checks if not c.ok]
+    if not failing or any(c.name.partition(":")[0] not in FLIP_MOVES for c in failing):
+        return None
+    shown = {}
+    for against in dict.fromkeys(c.name.partition(":")[2] for c in failing):
+        state = _state_shown_equal(record, baseline, against)
+        loc = next((x for x in record.localisation if x.against == against), None)
+        flip = loc.rounding_flip if loc is not None else None
+        if state is None or flip is None or not flip.explained:
+            return None
+        flipped = {a.prompt for a in flip.at}
+        for c in (c for c in failing if c.name.endswith(f":{against}")):
+            prompts = _failing_prompts(c)
+            if prompts is None or not prompts <= flipped:
+                return None
+        tf = next((c for c in failing if c.name == f"teacher-forced:{against}" and c.data), None)
+        worst = tf.data["worst"] if tf is not None else None
+        where = f", largest move {fmt(worst['delta'])} at prompt {worst['prompt']} position {worst['position']}" if worst else ""
+        shown[against] = (flip, f"{flip.detail}{where}; {state}")
+    checks = [c if c.ok else c.model_copy(update={
+        "ok": True, "detail": f"explained by a rounding flip ({shown[c.name.partition(':')[2]][0].detail}): {c.detail}",
+        "data": {**(c.data or {}), "rounding_flip": shown[c.name.partition(':')[2]][0].model_dump()}})
+        for c in record.checks]
+    return Judgement("pass", "; ".join(reason for _, reason in shown.values()), checks)
+
+
+def _state_shown_equal(record: Record, baseline: Baseline | None, against: str) -> str | None:
+    """What shows the record's loaded state equal to the side it fails against (None: nothing
+    does, or the rule does not apply there). Against the baseline: the exact loaded-state check, on
+    other kernels only. Against another engine (same machine, same kernels): the effective weights
+    of every module in the two traces, which harness.traces.flips.explain_across requires equal."""
+    if against != "baseline":
+        return f"every module's effective weights equal to {against}'s, same kernels"
+    state = next((c for c in record.checks if c.name == "loaded-state:baseline"), None)
+    if baseline is None or not other_kernels(record, baseline) or state is None or not state.ok:
+        return None
+    return f"state exact ({state.data['modules']} modules), baseline from other kernels"
+
+
+def _failing_prompts(check: Check) -> set[str] | None:
+    """The prompts on which a failing logprob check fails (None: its data does not say)."""
+    data = check.data or {}
+    if check.name.startswith("greedy:"):
+        return {d["prompt"] for d in data.get("divergences", []) if not d["ok"]}
+    exceeding = data.get("exceeding_prompts")
+    return set(exceeding) if exceeding is not None else None

@@ -359,7 +359,7 @@ class Runner:
         if root != self.baselines_root:
             result.messages.append(f"judged against the baseline of these kernels: {B.path_for(root, cell.tier, cell.id)}")
         self._localise(result, raws)
-        flip = C.rounding_flip(result.record, baseline)
+        flip = judging.rounding_flip(result.record, baseline)
         if flip is not None:
             result.record = flip.apply(result.record)
         # --update-kernel-baselines: a cell held to its loaded state alone gets a baseline of its
@@ -388,7 +388,7 @@ class Runner:
             j2 = self._judge(cell, record, written, raws, accuracy_store.read(self.baselines_root, cell.tier, cell.id))
             # the localisation stands: a flip between engines is explained against any baseline
             rejudged = j2.apply(result.record)
-            j2 = C.rounding_flip(rejudged, written) or j2
+            j2 = judging.rounding_flip(rejudged, written) or j2
             was = f"was {j.verdict}: {j.reason}"
             flag = "--update-kernel-baselines" if on_these_kernels else "--update-baselines"
             kind = outcome.change.kind if outcome.change is not None and outcome.change.written else "accuracy new or updated"
@@ -461,7 +461,7 @@ class Runner:
     def _localise(self, result: CellResult, raws: dict[str, R.Record]) -> None:
         """The module traces' localisation (harness.traces.jobs) of a failed or regressed cell (of
         every cell under ``trace``), before its baseline is handled: a rounding flip it shows
-        settles the verdict (compare.rounding_flip)."""
+        settles the verdict (judging.rounding_flip)."""
         found = self.tracer.localise(result.cell, result.record, raws)
         if found:
             result.record = result.record.model_copy(update={"localisation": found})

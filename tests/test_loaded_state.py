@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from harness import compare as C
@@ -138,7 +137,7 @@ def _judged(run_cpu, state=STATE, flip=None, lps=(-1.0, -2.5, -0.5)):
 def test_a_rounding_flip_on_other_kernels_with_the_state_exact_passes_and_says_so():
     rec, b = _judged(OTHER_CPU, flip=_flip())
     assert rec.verdict == "regressed"
-    j = C.rounding_flip(rec, b)
+    j = judging.rounding_flip(rec, b)
     assert j is not None and j.verdict == "pass"
     assert "rounding flip at X" in j.reason and "state exact (3 modules)" in j.reason and "position 2" in j.reason
     assert all(c.ok for c in j.checks)
@@ -148,23 +147,23 @@ def test_a_rounding_flip_on_other_kernels_with_the_state_exact_passes_and_says_s
 
 def test_a_flip_is_never_explained_away_on_the_baselines_own_kernels():
     rec, b = _judged(CPU, flip=_flip())
-    assert rec.verdict == "regressed" and C.rounding_flip(rec, b) is None
+    assert rec.verdict == "regressed" and judging.rounding_flip(rec, b) is None
 
 
 def test_a_flip_needs_the_state_exact_and_the_localisation_to_show_it():
     rec, b = _judged(OTHER_CPU, state={**STATE, "lm_head": "0" * 16}, flip=_flip())
-    assert C.rounding_flip(rec, b) is None
+    assert judging.rounding_flip(rec, b) is None
     rec, b = _judged(OTHER_CPU, flip=_flip(explained=False))
-    assert C.rounding_flip(rec, b) is None
+    assert judging.rounding_flip(rec, b) is None
     rec, b = _judged(OTHER_CPU)  # not localised
-    assert C.rounding_flip(rec, b) is None
+    assert judging.rounding_flip(rec, b) is None
     rec, b = _judged(OTHER_CPU, state=None, flip=_flip())  # no digests: nothing shows the state exact
-    assert C.rounding_flip(rec, b) is None
+    assert judging.rounding_flip(rec, b) is None
 
 
 def test_a_flip_on_one_prompt_explains_nothing_on_another():
     rec, b = _judged(OTHER_CPU, flip=_flip(prompt="p1"))  # the logprobs fail on p0
-    assert rec.verdict == "regressed" and C.rounding_flip(rec, b) is None
+    assert rec.verdict == "regressed" and judging.rounding_flip(rec, b) is None
 
 
 # ------------------------------------------------- harness.traces.flips on constructed traces
@@ -257,7 +256,7 @@ def _disagreeing(flip: R.Localisation | None, failing: tuple[str, ...] = ("teach
 
 def test_a_rounding_flip_between_two_engines_on_the_same_kernels_passes_and_says_so():
     flip = _flip().model_copy(update={"against": "transformers"})
-    j = C.rounding_flip(_disagreeing(flip), None)
+    j = judging.rounding_flip(_disagreeing(flip), None)
     assert j is not None and j.verdict == "pass" and all(c.ok for c in j.checks)
     assert "rounding flip at X" in j.reason and "effective weights equal to transformers's" in j.reason
     assert "largest move 0.07 at prompt p0 position 16" in j.reason
@@ -265,13 +264,13 @@ def test_a_rounding_flip_between_two_engines_on_the_same_kernels_passes_and_says
 
 def test_a_disagreement_between_engines_needs_a_flip_shown_against_that_engine_on_its_failing_prompts():
     against_transformers = _flip().model_copy(update={"against": "transformers"})
-    assert C.rounding_flip(_disagreeing(None), None) is None  # not localised
-    assert C.rounding_flip(_disagreeing(_flip()), None) is None  # shown against the baseline, not transformers
+    assert judging.rounding_flip(_disagreeing(None), None) is None  # not localised
+    assert judging.rounding_flip(_disagreeing(_flip()), None) is None  # shown against the baseline, not transformers
     unexplained = _flip(explained=False).model_copy(update={"against": "transformers"})
-    assert C.rounding_flip(_disagreeing(unexplained), None) is None
-    assert C.rounding_flip(_disagreeing(against_transformers, prompts=("p1",)), None) is None  # another prompt
+    assert judging.rounding_flip(_disagreeing(unexplained), None) is None
+    assert judging.rounding_flip(_disagreeing(against_transformers, prompts=("p1",)), None) is None  # another prompt
     # a check a flip cannot move: the module diff, or accuracy
-    assert C.rounding_flip(_disagreeing(against_transformers, ("teacher-forced:transformers", "module-diff:reference")),
+    assert judging.rounding_flip(_disagreeing(against_transformers, ("teacher-forced:transformers", "module-diff:reference")),
                            None) is None
 
 

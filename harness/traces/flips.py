@@ -17,7 +17,7 @@ The noise is the element noise the fingerprint stores (or the group's measured n
 engines) for the module that made the input (or for the input itself where code between modules
 made it). Nothing here is a prediction: it is what this run's own trace shows against what the
 baseline stored or the other engine computed. Whether the loaded state is exact, the other half of
-the rule, is the comparison's against a baseline (harness.compare.rounding_flip); across engines,
+the rule, is the comparison's against a baseline (harness.judging.rounding_flip); across engines,
 every module's effective weights in the two traces must agree (:func:`explain_across`).
 """
 from __future__ import annotations
