@@ -1,5 +1,6 @@
 """harness bench's pieces on a TINY size or fake measurements (the real figures come from `harness bench`)."""
 import argparse
+import json
 import math
 import random
 import sys
@@ -555,15 +556,40 @@ def test_a_portability_cell_run_over_in_every_child_gets_the_gates_later_look(mo
 
 def test_a_cell_that_cannot_load_under_a_condition_is_reported_and_not_judged():
     cells = _portable_cells(1.1, 1.1)
-    s = portability.summarize(cells, {"c0": {"runs": [], "error": "inductor"},
+    s = portability.summarize(cells, {"c0": {"runs": [], "error": "cannot load: inductor"},
                                       "c1": {"runs": [[1.0]] * 20, "error": None}}, runs=20)
     port = {"aten-default": {"environment": {}, **s}}
     assert (s["complete_runs"], s["false_alarm_runs"]) == (20, 0)
     assert report._portability_ok(port) is True
-    assert "1 cell(s) that cannot load" in report._portability_detail(port)
+    assert "1 cell(s) not timed" in report._portability_detail(port)
     assert "| aten-default | c0 | 0 | cannot load: inductor |" in "\n".join(report._portability_lines(port))
     short = {"native": {"environment": {}, **portability.summarize(cells[1:], {"c1": {"runs": [[1.0]] * 5, "error": None}}, 5)}}
     assert report._portability_ok(short) is False  # fewer runs than the target asks for
+
+
+def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monkeypatch):
+    """vLLM's fp8-dynamic cell has no committed baseline (unsupported where they were recorded):
+    on a machine where it runs, the bench measures the rest and says so of it."""
+    cells = [types.SimpleNamespace(id=f"c{i}", tier="cpu-load", engine="reference",
+                                   bounds=types.SimpleNamespace(load_time=1.1)) for i in range(2)]
+    stored = {"c0": types.SimpleNamespace(load=R.LoadInfo(seconds=1.0))}
+    monkeypatch.setattr(portability.B, "read", lambda root, tier, cell: stored.get(cell))
+    timed = []
+
+    def child(argv, **kw):
+        timed.append(argv[argv.index("--runs") + 2:])
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps({"c0": {"runs": [[1.0]] * 20, "error": None}}))
+    monkeypatch.setattr(portability.subprocess, "run", child)
+    said = []
+    got = portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, only=["native"],
+                              echo=said.append)["native"]
+    assert timed == [["c0"]] and (got["complete_runs"], got["false_alarm_runs"]) == (20, 0)
+    assert got["cells"]["c1"]["error"] == "no load-time baseline in B"
+    assert "not timed, no load-time baseline in B: c1" in "\n".join(said)
+    assert report._portability_ok({"native": got}) is True
+    monkeypatch.setattr(portability.B, "read", lambda root, tier, cell: None)
+    with pytest.raises(ValueError, match="no load-time baseline for c0, c1"):
+        portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, echo=said.append)
 
 
 def test_bench_reads_slowdowns_and_conditions(capsys):

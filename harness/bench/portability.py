@@ -14,7 +14,8 @@ cell-run of every cell; it is a false alarm when any of its cells is.
 
 The cells of one engine run in an interpreter of their own with that engine's imports preloaded,
 as the runner's fork server has them (vLLM's imports would change the other engines' process). A
-cell whose load fails under a condition is reported with its error once and not timed again there.
+cell whose load fails under a condition is reported with its error once and not timed again there;
+a cell without a stored baseline is reported so, and not timed.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def time_runs(cells, paths: dict, baseline_loads: dict[str, R.LoadInfo], runs: i
             try:
                 children = _gate(c, paths, baseline_loads)
             except RuntimeError as e:
-                out[c.id]["error"] = str(e)
+                out[c.id]["error"] = f"cannot load: {e}"
                 echo(f"  portability: {c.id}: {e}")
                 continue
             out[c.id]["runs"].append(children)
@@ -114,11 +115,16 @@ def summarize(cells, by_cell: dict[str, dict], runs: int) -> dict:
 
 def measure(cells, paths: dict, *, matrix_path: str, baselines_root: str | Path, runs: int,
             only: list[str] | None = None, echo: Callable[[str], None] = print) -> dict:
-    """Every condition (or ``only`` those), each engine's cells in a fresh interpreter under it."""
+    """Every condition (or ``only`` those), each engine's cells in a fresh interpreter under it. A
+    cell without a load-time baseline under ``baselines_root`` is reported so and not timed."""
     missing = [c.id for c in cells if (b := B.read(baselines_root, c.tier, c.id)) is None or b.load is None]
-    if missing:
+    if len(missing) == len(cells):
         raise ValueError(f"{baselines_root}: no load-time baseline for {', '.join(missing)}; write them with "
                          "`harness run --tier cpu-load --update-baselines`")
+    if missing:
+        echo(f"  portability: not timed, no load-time baseline in {baselines_root}: {', '.join(missing)}")
+    unbased = {cell: {"runs": [], "error": f"no load-time baseline in {baselines_root}", "later": []} for cell in missing}
+    cells, all_cells = [c for c in cells if c.id not in missing], cells
     out = {}
     for name, overlay in conditions().items():
         if only and name not in only:
@@ -134,7 +140,7 @@ def measure(cells, paths: dict, *, matrix_path: str, baselines_root: str | Path,
             if p.returncode != 0:
                 raise RuntimeError(f"portability under {name} ({engine}) exited {p.returncode}")
             by_cell.update(json.loads(p.stdout.strip().splitlines()[-1]))
-        out[name] = {"environment": overlay, **summarize(cells, by_cell, runs)}
+        out[name] = {"environment": overlay, **summarize(all_cells, {**by_cell, **unbased}, runs)}
     return out
 
 

@@ -165,7 +165,8 @@ def _detection_detail(det: dict) -> str:
 
 def _portability_ok(port: dict | None) -> bool | None:
     """Every condition ran its runs on every cell it could time, with no false alarm; None where
-    nothing was measured. A cell that cannot load under a condition is reported, not judged."""
+    nothing was measured. A cell that cannot load under a condition, or has no stored baseline, is
+    reported, not judged."""
     if not port:
         return None
     return all(c["complete_runs"] >= PORTABLE_RUNS and c["false_alarm_runs"] == 0 for c in port.values())
@@ -178,7 +179,7 @@ def _portability_detail(port: dict | None) -> str:
     for name, c in port.items():
         errors = [cell for cell, v in c["cells"].items() if v["error"]]
         parts.append(f"{name}: {c['false_alarm_runs']} of {c['complete_runs']} runs with a false alarm"
-                     + (f", {len(errors)} cell(s) that cannot load" if errors else ""))
+                     + (f", {len(errors)} cell(s) not timed" if errors else ""))
     return "; ".join(parts)
 
 
@@ -194,7 +195,7 @@ def _portability_lines(port: dict | None) -> list[str]:
     for name, c in port.items():
         for cell, v in c["cells"].items():
             if v["error"]:
-                lines.append(f"| {name} | {cell} | 0 | cannot load: {v['error'][:120]} | | | {v['bound']:.3f} | | | |")
+                lines.append(f"| {name} | {cell} | 0 | {v['error'][:120]} | | | {v['bound']:.3f} | | | |")
                 continue
             r = sorted(v["reported"])
             lines.append(f"| {name} | {cell} | {len(r)} | {_num(r[0] if r else None)} | "
