@@ -57,6 +57,21 @@ def test_rule_from_quiet_runs_catches_20_percent_and_not_clean_runs():
     assert ev["clean_cell_runs"] == 20 * len(CELLS)
 
 
+def test_the_later_look_pairs_a_flagged_cell_run_with_the_same_cells_half_the_phase_later():
+    # four runs of two cells: a cell flags only when its cell-run two runs on (counted round) does
+    flags = [[True, False], [False, False], [True, True], [False, True]]
+    assert detection.with_later_look(flags) == [True, False, True, False]
+    rule = detection.Rule(repeats=1, statistic="min", threshold=1.1, spread=0.001)
+    base = {c: 1.0 for c in CELLS}
+    rng = random.Random(4)
+    clean = [_one_child(_run(rng, spread=0.001, level=1.2 if i == 0 else 1.0, loads=1)) for i in range(6)]
+    slowed = {0.2: [_one_child(_run(rng, spread=0.001, slow=0.2, loads=1)) for _ in range(6)]}
+    ev = detection.evaluate(rule, base, clean, slowed)
+    # one run's whole level up: a false alarm at once, not at the later look; a real slowdown is both
+    assert (ev["false_alarm"], ev["later_look"]["false_alarm"]) == (pytest.approx(1 / 6), 0.0)
+    assert ev["rates"]["slowdown_20"] == ev["later_look"]["slowdown_20"] == 1.0
+
+
 def test_the_slowdown_injected_is_measured_against_the_clean_runs_held_out_beside_it():
     # the held-out phase sits 10% under the baseline (drift): 20% slower there reads 1.08 of the
     # baseline, which says nothing about the hook

@@ -186,7 +186,7 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
             "clean_cell_runs": d.clean_cell_runs, "clean_cell_false_alarms": d.clean_cell_false_alarms,
             "cell_rates": d.cell_rates, "slowed_runs": d.slowed_runs, "slowed_cell_runs": d.slowed_cell_runs,
             "predicted_false_alarm": d.predicted_false_alarm, "mutations": d.mutations, "candidates": [vars(c) for c in d.candidates],
-            "seconds": d.seconds, "raw": d.raw}
+            "later_look": d.later_look, "seconds": d.seconds, "raw": d.raw}
 
 
 def portability_part(args, echo: Callable[[str], None]) -> dict:

@@ -36,7 +36,9 @@ the median child of ``BASELINE_CHILDREN`` (harness.loadtime.baseline_load).
    held-out runs', and its median over the cells), where the clean held-out runs sit against the
    baseline (``clean_level``, per cell: the drift the gate has to bear), the fraction of clean runs with a
    false alarm and of clean cell-runs, and the false-alarm rate per run the normal model predicts
-   from the held-out spread (the statistical argument when the clean runs are fewer than 1 / rate).
+   from the held-out spread (the statistical argument when the clean runs are fewer than 1 / rate);
+   and the rates with the gate's later look, each flagged cell-run paired with the same cell's
+   cell-run half the held-out phase later (``with_later_look``).
    Every child's samples are kept (``raw``), so that another rule can be judged on the same
    measurements.
 """
@@ -134,6 +136,8 @@ class Detection:
     # per mutation of MUTATIONS that applies to a cell: {"cells", "cell_runs", "flagged" (share of
     # its cell-runs the rule flags), "ratio" (median calibrated ratio of the first children to the baseline)}
     mutations: dict[str, dict] = field(default_factory=dict)
+    # the rates with the gate's later look (:func:`with_later_look`): false_alarm, slowdown_10/20/50
+    later_look: dict[str, float | None] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------ the statistics
@@ -283,6 +287,7 @@ def evaluate(rule: Rule, base: dict[str, float], clean: Sequence[Sequence[Childr
 
     clean_flags = flags(clean)
     out = {"false_alarm": _share(any(f) for f in clean_flags), "clean_cell_runs": sum(map(len, clean_flags)),
+           "later_look": {"false_alarm": _share(with_later_look(clean_flags))},
            "clean_cell_false_alarms": sum(map(sum, clean_flags)),
            "confirmation_children": sum(len(ch) - 1 for runs in [clean, *slowed.values()] for run in runs for ch in run),
            "rates": {}, "cell_rates": {}, "injected": {}, "injected_by_cell": {}, "slowed_runs": {},
@@ -291,6 +296,7 @@ def evaluate(rule: Rule, base: dict[str, float], clean: Sequence[Sequence[Childr
         key = slowdown_key(fraction)
         cells = caught(rule, base, runs)
         out["rates"][key] = _share(any(f) for f in flags(runs))
+        out["later_look"][key] = _share(with_later_look(flags(runs)))
         out["cell_rates"][key] = cells["flagged"]
         # against the clean runs held out beside them, not the baseline: the level of a whole
         # held-out phase can sit apart from the choice runs' (drift), which is the gate's noise
@@ -300,6 +306,14 @@ def evaluate(rule: Rule, base: dict[str, float], clean: Sequence[Sequence[Childr
         out["injected"][key] = statistics.median(by_cell.values()) if by_cell else None
         out["slowed_runs"][key], out["slowed_cell_runs"][key] = len(runs), cells["cell_runs"]
     return out
+
+
+def with_later_look(flags: Sequence[Sequence[bool]]) -> list[bool]:
+    """Each run's flag under the gate's later look (loadtime.LATER_LOOK_S): a cell flags only when
+    its cell-run half the held-out phase later (counted round) flags too, a fresh look at the same
+    gate minutes away, as the later look is. ``flags``: per run, each cell's flag, cells in one order."""
+    n = len(flags)
+    return [any(f and flags[(i + n // 2) % n][j] for j, f in enumerate(run)) for i, run in enumerate(flags)]
 
 
 def _levels(rule: Rule, base: dict[str, float], runs: Sequence[Sequence[Children]]) -> dict[str, float]:
@@ -452,6 +466,7 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
                      slowed_runs=ev["slowed_runs"], slowed_cell_runs=ev["slowed_cell_runs"],
                      predicted_false_alarm=predicted_false_alarm(rule, clean, base) if clean else float("nan"),
                      mutations={name: caught(rule, base, runs) for name, runs in mutated.items()},
+                     later_look=ev["later_look"],
                      seconds=time.perf_counter() - t0,
                      raw={"choice": [[vars(cr) for cr in run] for run in choice],
                           "back_to_back": [vars(b) for _, b in pairs], "clean": _plain(clean),

@@ -269,6 +269,10 @@ def _detection_lines(det: dict) -> list[str]:
                   f"{det['clean_cell_false_alarms']} of {det['clean_cell_runs']} clean cell-runs flagged; the normal "
                   f"model of their spread predicts {det['predicted_false_alarm']:.2g} false alarms per run. "
                   f"Confirmation children timed over all held-out runs: {det['confirmation_children']}.",
+              *([f"With the gate's later look (a flagged cell-run flags only when the same cell's cell-run half "
+                 f"the held-out phase later does too): runs slowed by 20% flagged "
+                 f"{_num(det['later_look'].get('slowdown_20'), '.0%')}, clean runs with a false alarm "
+                 f"{_num(det['later_look'].get('false_alarm'), '.1%')}."] if det.get("later_look") else []),
               f"Detection took {det['seconds']:.0f} s.", ""]
     if det.get("mutations"):
         lines += ["Load-time bugs re-introduced into an engine (test-only mutations, timed in the held-out runs):", "",
