@@ -29,7 +29,7 @@ slow, loads and calibration alike but not by the same factor. So across children
 re-times a gated cell found over its bound in up to ``CONFIRMATIONS`` fresh children and reports
 the fastest (the cell flags only when every child is over). Those children share the host's level
 of the moment, which wanders over minutes (an AMX Xeon: two cells 7-8% over their recording for
-several minutes and back within 20, docs/decisions.md, 2026-12-05): a cell over the bound in every
+several minutes and back within 18, docs/decisions.md, 2026-12-05): a cell over the bound in every
 child is therefore looked at again ``LATER_LOOK_S`` after its first child, in as many fresh
 children, and flags only when over in those too. And ``baseline_load`` records the
 median of ``BASELINE_CHILDREN`` children as a baseline, whose own error would otherwise enter every

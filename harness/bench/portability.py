@@ -8,8 +8,9 @@ the cell's load in a fresh child (harness.bench.detection.cell_run), its calibra
 the cell's stored baseline (``--baselines``) (harness.compare.load_ratio) over the cell's bound from models.yaml,
 timed again in up to ``loadtime.CONFIRMATIONS`` fresh children while over it
 (``loadtime.retimed``), and when over in every child, looked at again ``loadtime.LATER_LOOK_S``
-after it began, as the runner's gate does (after the condition's other runs). As the runner reports it, the fastest child counts: over the bound the
-cell-run is a false alarm (``regressed``), under 1/bound it reads ``improved``. A *run* is one
+after it began, as the runner's gate does (here after the condition's other runs). As the runner
+reports it, the fastest child counts: over the bound the cell-run is a false alarm
+(``regressed``), under 1/bound it reads ``improved``. A *run* is one
 cell-run of every cell; it is a false alarm when any of its cells is.
 
 The cells of one engine run in an interpreter of their own with that engine's imports preloaded,
@@ -95,8 +96,7 @@ def _gate(c, paths: dict, baseline_loads: dict[str, R.LoadInfo]) -> list[float]:
 
 def summarize(cells, by_cell: dict[str, dict], runs: int) -> dict:
     """Per cell: each run's reported ratio (its fastest child), regressed and improved counts, the
-    later looks taken; per
-    condition: the runs with a false alarm among those every cell finished."""
+    later looks taken; per condition: the runs with a false alarm among those every cell finished."""
     bounds = {c.id: c.bounds.load_time for c in cells}
     summary = {"cells": {}, "runs": runs}
     for cell_id, got in by_cell.items():
