@@ -268,6 +268,7 @@ def test_the_committed_cpu_load_baselines_are_recorded_as_the_gate_compares_them
     would have the gate compare plain ratios (README, "Troubleshooting")."""
     from harness import loadtime
     from harness.engines import base
+    from harness.registry import FORMATS
 
     cells = M.expand(M.load(ROOT / "models.yaml"), tier="cpu-load")
     assert NOT_RECORDED.keys() <= {c.id for c in cells}
@@ -282,8 +283,9 @@ def test_the_committed_cpu_load_baselines_are_recorded_as_the_gate_compares_them
         assert loadtime.unsteady_baseline(load, cell.bounds.load_time) is None, cell.id
         checkpoint = tmp_path / cell.id
         checkpoint.mkdir()
-        method = {"torchao": "torchao", "bnb": "bitsandbytes", "fp8": "compressed-tensors"}
-        quant = next((q for prefix, q in method.items() if cell.scheme.startswith(prefix)), None)
-        (checkpoint / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": quant}} if quant else {}))
+        # the quant_method its checkpoint declares: the first of its format's (harness.registry)
+        fmt = FORMATS.get(cell.family)
+        config = {"quantization_config": {"quant_method": fmt.methods[0].name}} if fmt else {}
+        (checkpoint / "config.json").write_text(json.dumps(config))
         engine = base.engine_class(cell.engine)(cell)
         assert load.calibration_workload == engine.calibration_workload(base.Checkpoint(checkpoint)), cell.id

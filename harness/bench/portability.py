@@ -89,9 +89,8 @@ def time_runs(cells, paths: dict, baseline_loads: dict[str, R.LoadInfo], runs: i
 def _gate(c, paths: dict, baseline_loads: dict[str, R.LoadInfo]) -> list[float]:
     """One look of the gate at cell ``c``: a fresh child, and while over the bound up to
     ``loadtime.CONFIRMATIONS`` more; each child's calibrated ratio to the baseline."""
-    child = lambda: detection.cell_run(c, paths[c.id], loadtime.LOAD_REPEATS)  # noqa: E731
-    timed = loadtime.retimed(child(), child, lambda cr: _ratio(cr, baseline_loads[c.id]) > c.bounds.load_time)
-    return [_ratio(cr, baseline_loads[c.id]) for cr in timed]
+    child = lambda: _ratio(detection.cell_run(c, paths[c.id], loadtime.LOAD_REPEATS), baseline_loads[c.id])  # noqa: E731
+    return loadtime.retimed(child(), child, lambda ratio: ratio > c.bounds.load_time)
 
 
 def summarize(cells, by_cell: dict[str, dict], runs: int) -> dict:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from harness import architectures, cpu, files, hub, loaded_state, loadtime, probes
+from harness import architectures, cpu, files, hub, loaded_state, probes
 from harness import records as R
 from harness.registry import ENGINES, resolve
 
@@ -199,6 +199,10 @@ class Engine(abc.ABC):
     def calibration_workload(self, checkpoint: Checkpoint) -> int | str:
         """The workload a gated load of ``checkpoint`` is calibrated by (harness.loadtime.WORKLOADS):
         the memory-and-dispatch one, unless the engine's load is mostly other work."""
+        # lazy: harness.fixtures, +100 ms (scripts/import-graph --costs); the engines that time a
+        # load import it anyway
+        from harness import loadtime
+
         return loadtime.CALIBRATION_WORKLOAD
 
     def load_timed_only(self, checkpoint: Checkpoint) -> R.LoadInfo:
