@@ -199,8 +199,8 @@ class Engine(abc.ABC):
     def calibration_workload(self, checkpoint: Checkpoint) -> int | str:
         """The workload a gated load of ``checkpoint`` is calibrated by (harness.loadtime.WORKLOADS):
         the memory-and-dispatch one, unless the engine's load is mostly other work."""
-        # lazy: harness.fixtures, +100 ms (scripts/import-graph --costs); the engines that time a
-        # load import it anyway
+        # the engines that time a load import it at module level anyway
+        # lazy: harness.fixtures, +100 ms (scripts/import-graph --costs)
         from harness import loadtime
 
         return loadtime.CALIBRATION_WORKLOAD
