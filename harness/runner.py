@@ -18,7 +18,9 @@ not fuse shards (transformers) is in the group (docs/design.md, "Fusion rule").
 
 **Load time across children.** On a load-time gated tier, a cell over its bound is timed again in
 fresh ``load`` children before its verdict, and ``update_baselines`` stores the median of several
-(:meth:`Runner._settle_load_time`, harness.loadtime).
+(:meth:`Runner._settle_load_time`, harness.loadtime). A cell over in every one waits for its
+later look; in ``harness run`` the gated groups still to run are timed meanwhile, so a slowdown
+every gated cell shares costs one wait, not one per cell.
 
 **Baselines.** After the verdict, harness.baselines.handle(): with ``update_baselines``, a record
 that may become a baseline is written (printing what changed) and then judged again against what
@@ -43,10 +45,12 @@ module against the engines it disagrees with and against its baseline's fingerpr
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -132,6 +136,8 @@ class Runner:
         # seconds after a gated cell's first child that a cell over its bound in every child is
         # timed again (harness.loadtime.LATER_LOOK_S)
         self.later_look_s = later_look_s
+        # the timed groups run() has still to start: a cell waiting for its later look runs them
+        self._timed_still_to_run: deque[Callable[[], object]] = deque()
         self.tracer = Tracer(self, always=trace)
         self.matrix_dir = Path(matrix_path).resolve().parent if matrix_path else supervise.REPO_ROOT
         self.threads = threads or int(os.environ.get(supervise.THREADS_ENV) or 1)
@@ -446,16 +452,21 @@ class Runner:
 
     def _later_look(self, cell: Cell, messages: list[str]) -> Callable[[], None]:
         """What a cell over its bound in every child of its first look does before its later look:
-        says so, and waits until ``later_look_s`` after now (its first child was timed moments ago)."""
+        says so, runs the timed groups :meth:`run` has still to start (their cells see the same host,
+        one at a time) while the look is not yet due, and waits out the rest of ``later_look_s``
+        after now (its first child was timed moments ago)."""
         due = time.monotonic() + self.later_look_s
 
         def wait() -> None:
-            seconds = max(0.0, due - time.monotonic())
-            self.say(f"        {cell.id}: load time over its bound in every child; looking again in {seconds:.0f} s "
+            meanwhile = ", timing the other gated cells meanwhile" if self._timed_still_to_run else ""
+            self.say(f"        {cell.id}: load time over its bound in every child; looking again in "
+                     f"{max(0.0, due - time.monotonic()):.0f} s{meanwhile} "
                      "(the host's level wanders over minutes; harness run --later-look)")
-            time.sleep(seconds)
+            while self._timed_still_to_run and time.monotonic() < due:
+                self._timed_still_to_run.popleft()()
+            time.sleep(max(0.0, due - time.monotonic()))
             messages.append(f"load time: over the bound in every child of its first look; looked again "
-                            f"{self.later_look_s:g} s after it")
+                            f"{time.monotonic() - due + self.later_look_s:.0f} s after it")
         return wait
 
     def _localise(self, result: CellResult, raws: dict[str, R.Record]) -> None:
@@ -563,8 +574,9 @@ class Runner:
                 self.supervisor.kill_all()
                 raise
             ex.shutdown()
-        for k in timed:
-            work(k)
+        self._timed_still_to_run.extend(functools.partial(work, k) for k in timed)
+        while self._timed_still_to_run:
+            self._timed_still_to_run.popleft()()
         order = {c.id: i for i, c in enumerate(self.cells)}
         return sorted(done, key=lambda r: (order[r.cell.id], r.record.candidate is not None))
 
