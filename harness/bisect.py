@@ -26,7 +26,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from harness import candidates as K
-from harness import judging, runner
+from harness import judging, runner, terminal
 from harness import records as R
 from harness.errors import UsageError
 from harness.matrix import Cell, Matrix
@@ -94,7 +94,7 @@ def bisect(matrix: Matrix, cells: list[Cell], engine: str, specs: list[str], *, 
                           candidates={engine: candidate},
                           candidate_dir=f"build-{i}", echo=lambda line: echo("    " + line))
         r.prepare(fresh=i == 1)  # the base's records of the first build are every later build's base
-        for res in r.run(jobs=runner.default_jobs(), progress=lambda n, total, res: echo("    " + runner.progress_line(n, total, res))):
+        for res in r.run(jobs=runner.default_jobs(), progress=lambda n, total, res: echo("    " + terminal.progress_line(n, total, res.record))):
             if res.record.candidate is not None:
                 build.records[res.cell.id] = res.record
         ran = [b for b in builds if b.skipped is None]

@@ -73,7 +73,7 @@ PROJECT_RULES: tuple[Rule, ...] = (
     Rule("harness/reference/*", "reference and vllm cells", _engine("reference", "vllm")),
     Rule("harness/fixtures/*", "fixture cells", lambda c: c.source_kind == "fixture"),
     # The pipeline and the report themselves: the cheap CPU tier exercises them end to end.
-    Rule("harness/buildkite.py", "cpu-tiny cells (pipeline)", lambda c: c.tier == "cpu-tiny"),
+    Rule("harness/buildkite/*", "cpu-tiny cells (pipeline)", lambda c: c.tier == "cpu-tiny"),
     Rule("harness/changes.py", "cpu-tiny cells (pipeline)", lambda c: c.tier == "cpu-tiny"),
     Rule("harness/report/*", "cpu-tiny cells (report)", lambda c: c.tier == "cpu-tiny"),
     Rule(".buildkite/*", "cpu-tiny cells (pipeline)", lambda c: c.tier == "cpu-tiny"),

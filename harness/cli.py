@@ -49,11 +49,11 @@ class _Parser(argparse.ArgumentParser):
 
 def _selected_cells(args):
     # lazy: pydantic, +250 ms (scripts/import-graph --costs)
-    from harness import matrix
+    from harness import matrix, selection
 
     m = matrix.load(args.matrix)
     tier = None if args.tier == "all" else args.tier
-    cells = matrix.select(m.cells(tier=tier, engines=args.engine), args.k)
+    cells = selection.select(m.cells(tier=tier, engines=args.engine), args.k)
     return m, cells
 
 
@@ -89,10 +89,10 @@ class Progress:
             print(line, file=self.stream, flush=True)
 
     def cell(self, i: int, n: int, res) -> None:
-        # lazy: pydantic, numpy and more, +480 ms (scripts/import-graph --costs)
-        from harness import runner
+        # lazy: pydantic, +90 ms (scripts/import-graph --costs)
+        from harness import terminal
 
-        self.echo(runner.progress_line(i, n, res))
+        self.echo(terminal.progress_line(i, n, res.record))
         for msg in res.messages:
             self.echo("    " + msg.replace("\n", "\n    "))
         if self.bar is not None:
@@ -241,11 +241,12 @@ def _bisect(args) -> int:
 def _finish(args, m, cells, r, results_list, wall: float) -> int:
     """The verdict table, the baseline changes, the report; the exit status (harness.verdicts)."""
     # lazy: pydantic, numpy and more, +290 ms (scripts/import-graph --costs)
-    from harness import runner, supervise
+    from harness import runner, supervise, verdicts
     # lazy: pydantic, +150 ms (scripts/import-graph --costs)
     from harness.report import write_reports
 
-    table, code = runner.summary_text(results_list)
+    summary = verdicts.summarize([res.record for res in results_list])
+    table, code = summary.table(), summary.exit_code
     # lazy: pydantic, +150 ms (scripts/import-graph --costs)
     from harness.report.candidates import headline
 

@@ -3,7 +3,7 @@ without loading a model, building a fixture or reaching the network.
 
 For each selected cell: what this machine would do with it (run it; ``unsupported`` with the
 probe's reason; ``error`` for a misconfigured cell, harness.probes), the Buildkite queue it goes
-to (harness.buildkite.queue_for), its environment (the image, or a virtualenv; its pip arguments
+to (harness.buildkite.agents.queue_for), its environment (the image, or a virtualenv; its pip arguments
 and variables validated as the pipeline generator validates them), its checkpoint (a fixture,
 already in the fixture cache or built on first use; a hub id at its revision, in the local hub
 cache or not; a local directory) and its baseline (present, with the engine version and platform
@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness import buildkite, probes
+from harness import probes
+from harness.buildkite import agents
 from harness import baselines as B
 from harness.matrix import UNPINNED, Cell, Matrix, MatrixError
 
@@ -28,8 +29,8 @@ def _environment(m: Matrix, name: str) -> tuple[str, str | None]:
 
     env = m.environments[name]
     try:
-        buildkite.check_environment(name, env)
-        buildkite.pip_commands(name, env)
+        agents.check_environment(name, env)
+        agents.pip_commands(name, env)
     except MatrixError as e:
         return name, str(e)
     return (f"{name} (image {env.image})" if env.image else f"{name} (virtualenv)"), None
@@ -37,7 +38,7 @@ def _environment(m: Matrix, name: str) -> tuple[str, str | None]:
 
 def _queue(cell: Cell) -> tuple[str, str | None]:
     try:
-        return buildkite.queue_for(cell).name, None
+        return agents.queue_for(cell).name, None
     except MatrixError as e:
         return "none", str(e)
 

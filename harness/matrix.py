@@ -9,9 +9,7 @@ file and the key path, e.g.::
 ``expand(matrix, tier=None, engines=None)`` turns the matrix into a sorted list of ``Cell``s, one
 per model x scheme x engine, with every setting resolved (scheme > model > defaults); the
 on-demand tier cpu-load only when named.
-``select(cells, expr)`` filters cells with pytest's own ``-k`` expression language, matching the
-way pytest matches keywords: case-insensitive substrings of the cell id (and of the cell's
-markers, as pytest also matches marker names).
+Which cells a ``-k`` expression selects is harness.selection.
 
 Nothing here imports torch; loading models.yaml is cheap.
 """
@@ -552,35 +550,6 @@ def _cell_accuracy(matrix: Matrix, task_names: Iterable[str]) -> tuple[CellAccur
                          path=str((matrix._dir / matrix.accuracy_tasks[t].task).resolve())
                          if matrix.accuracy_tasks[t].local else None)
         for t in task_names)
-
-
-def select(cells: Iterable[Cell], k_expr: str | None) -> list[Cell]:
-    """Cells whose keywords satisfy a pytest ``-k`` expression (empty/None selects all).
-
-    Matching mirrors pytest's KeywordMatcher: an identifier matches when it is a case-insensitive
-    substring of one of the cell's names (its id, and its marker names)."""
-    cells = list(cells)
-    if k_expr is None or not k_expr.strip():
-        return cells
-    from _pytest.mark.expression import Expression
-
-    try:
-        expr = Expression.compile(k_expr.strip())
-    except SyntaxError as e:
-        raise MatrixError(f"-k {k_expr!r}: wrong expression: {e.msg if hasattr(e, 'msg') else e}") from None
-
-    def matcher_for(cell: Cell):
-        names = [n.lower() for n in cell.keywords]
-
-        def matcher(name: str, /, **kwargs: Any) -> bool:
-            if kwargs:
-                raise MatrixError(f"-k {k_expr!r}: keyword expressions do not support call parameters")
-            sub = name.lower()
-            return any(sub in n for n in names)
-
-        return matcher
-
-    return [c for c in cells if expr.evaluate(matcher_for(c))]
 
 
 def check_paths(matrix: Matrix, cells: Iterable[Cell]) -> None:

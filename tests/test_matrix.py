@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from harness import matrix as M
+from harness import selection
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_YAML = ROOT / "models.yaml"
@@ -211,21 +212,21 @@ def test_expansion_is_sorted_deterministic_and_filters():
 def test_select_with_pytest_k_expressions():
     cells = M.expand(M.load(MODELS_YAML))
     ids = [c.id for c in cells]
-    got = [c.id for c in M.select(cells, "whisper and torchao")]
+    got = [c.id for c in selection.select(cells, "whisper and torchao")]
     assert got == [i for i in ids if "whisper" in i and "torchao" in i]
     assert got == sorted([f"whisper.{s}.{e}" for s in WHISPER_SCHEMES if "torchao" in s
                           for e in ("reference", "transformers", "vllm")]
                          + ["whisper.online-torchao-int8wo.reference", "whisper.online-torchao-int8wo.transformers"])
-    got = [c.id for c in M.select(cells, "llama and not fp8")]
+    got = [c.id for c in selection.select(cells, "llama and not fp8")]
     assert got and got == [i for i in ids if "llama" in i and "fp8" not in i]
     # case-insensitive like pytest; an exact id part; markers match too (pytest matches marker names)
-    assert M.select(cells, "WHISPER and TORCHAO") == M.select(cells, "whisper and torchao")
+    assert selection.select(cells, "WHISPER and TORCHAO") == selection.select(cells, "whisper and torchao")
     # pytest -k matches substrings: llama.bnb-nf4.reference is also part of mllama.bnb-nf4.reference
-    assert [c.id for c in M.select(cells, "llama.bnb-nf4.reference and not mllama")] == ["llama.bnb-nf4.reference"]
-    assert {c.tier for c in M.select(cells, "gpu_full")} == {"gpu-full"}
-    assert M.select(cells, "") == cells and M.select(cells, None) == cells
+    assert [c.id for c in selection.select(cells, "llama.bnb-nf4.reference and not mllama")] == ["llama.bnb-nf4.reference"]
+    assert {c.tier for c in selection.select(cells, "gpu_full")} == {"gpu-full"}
+    assert selection.select(cells, "") == cells and selection.select(cells, None) == cells
     with pytest.raises(M.MatrixError, match="wrong expression"):
-        M.select(cells, "whisper and (")
+        selection.select(cells, "whisper and (")
 
 
 def test_committed_matrix_covers_every_fixture_on_cpu_tiny():

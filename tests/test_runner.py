@@ -20,6 +20,7 @@ import pytest
 
 from harness import cli, cpu, runner, supervise
 from harness import records as R
+from harness import selection
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -262,7 +263,7 @@ def test_tiers_are_named_one_or_several_at_once(capsys):
 def test_the_gated_cpu_load_groups_run_last_and_alone():
     from harness import matrix
 
-    cells = matrix.select(matrix.load().cells(tier="cpu-tiny,cpu-load"), "llama-m-unquantized or llama.unquantized.")
+    cells = selection.select(matrix.load().cells(tier="cpu-tiny,cpu-load"), "llama-m-unquantized or llama.unquantized.")
     groups: dict = {}
     for c in cells:
         groups.setdefault(runner.group_key(c), []).append(c)

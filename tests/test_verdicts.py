@@ -16,7 +16,7 @@ from harness import records as R
 from harness import verdicts as V
 from harness.pytest_plugin import check
 from harness.report import annotation_style, write_reports
-from harness.runner import CellResult, summary_text
+from harness.runner import CellResult
 
 T = datetime(2026, 1, 2, tzinfo=timezone.utc)
 CELL_OF = {kind: cid for cid, kind in rs.ALL_KINDS.items()}
@@ -105,7 +105,7 @@ def test_every_output_follows_the_table(verdict, tmp_path):
     assert rec.verdict == verdict
     result = CellResult(rs.CELLS[cid], rec)
     # harness run's exit status, and the pytest plugin's outcome
-    assert summary_text([result])[1] == int(row.fails_run)
+    assert V.summarize([result.record]).exit_code == int(row.fails_run)
     assert _pytest_outcome(result) == V.pytest_outcome(verdict, rec.known_failure is not None)
     assert (_pytest_outcome(result) == "failed") == row.fails_run
     # harness report: --strict, JUnit, the annotation, the HTML page

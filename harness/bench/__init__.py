@@ -165,10 +165,10 @@ def decode_profile(rows: list[dict]) -> tuple[str, str]:
 
 def detection_part(args, echo: Callable[[str], None]) -> dict:
     # lazy: yaml, +60 ms (scripts/import-graph --costs)
-    from harness import matrix
+    from harness import matrix, selection
 
     m = matrix.load(args.matrix)
-    cells = matrix.select(m.cells(tier="cpu-load"), args.detection_k)
+    cells = selection.select(m.cells(tier="cpu-load"), args.detection_k)
     if not cells:
         raise UsageError(f"{args.matrix}: no cpu-load cells{' match ' + repr(args.detection_k) if args.detection_k else ''}: "
                          "the detection part needs the load-time set")
@@ -191,7 +191,7 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
 
 def portability_part(args, echo: Callable[[str], None]) -> dict:
     # lazy: yaml, +60 ms (scripts/import-graph --costs)
-    from harness import matrix
+    from harness import matrix, selection
 
     only = [c.strip() for c in args.conditions.split(",")] if args.conditions else None
     unknown = [c for c in only or [] if c not in portability.conditions()]
@@ -199,7 +199,7 @@ def portability_part(args, echo: Callable[[str], None]) -> dict:
         raise UsageError(f"--conditions: unknown condition {', '.join(map(repr, unknown))} "
                          f"(known: {', '.join(portability.conditions())})")
     m = matrix.load(args.matrix)
-    cells = matrix.select(m.cells(tier="cpu-load"), args.detection_k)
+    cells = selection.select(m.cells(tier="cpu-load"), args.detection_k)
     benchmark.ensure_for_cells(m, cells, echo)
     paths = {c.id: (m._dir / c.path).resolve() for c in cells}
     try:

@@ -35,7 +35,7 @@ def _pictures(name: str) -> tuple[str, str] | None:
     """Data URIs of a synthetic image and of its contrast, shrunk by an integer stride; None for
     an input the report cannot regenerate (a fixture's, a file), or where numpy is not installed."""
     try:
-        # lazy: numpy, which the report step's light runtime lacks (harness.buildkite.HARNESS_RUNTIME)
+        # lazy: numpy, which the report step's light runtime lacks (harness.buildkite.agents.HARNESS_RUNTIME)
         from harness import synthetic
     except ImportError:
         return None

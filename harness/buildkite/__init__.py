@@ -3,10 +3,10 @@
 ``generate(matrix, cells, ...)`` turns cells into a pipeline (a dict; ``to_yaml`` writes it):
 
 - one command step per cell (``<model>.<scheme>.<engine>``), grouped per model;
-- the agent queue from the cell's hardware needs (``queue_for``): ``cpu``, or the smallest GPU
-  queue of ``GPU_QUEUES`` with enough GPUs, memory and compute capability;
+- the agent queue from the cell's hardware needs (``agents.queue_for``): ``cpu``, or the smallest
+  GPU queue of ``agents.GPU_QUEUES`` with enough GPUs, memory and compute capability;
 - the cell's engine environment: its ``image`` through the docker plugin, or a virtualenv built
-  from its ``pip`` / ``plugins`` / ``wheel`` install arguments;
+  from its ``pip`` / ``plugins`` / ``wheel`` install arguments (harness.buildkite.agents);
 - ``timeout_in_minutes`` strictly above the cell's own ``timeout_s`` plus the setup allowance, so a
   hang ends as an ``error`` record written by the harness, not as a killed job;
 - automatic retry only for lost agents (``signal_reason: agent_stop``, ``exit_status: -1``),
@@ -28,10 +28,12 @@ Which cells a change touches is harness/changes.py (``select_changed``).
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
 import re
 import shlex
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,53 +42,10 @@ from typing import Any
 import yaml
 
 from harness import matrix as mx
+from harness import selection
+from harness.buildkite import agents
 from harness.changes import git_changed_files, git_show, select_changed
 from harness.matrix import DEFAULT_PATH, ENGINES, TIERS, Cell, Environment, Matrix, MatrixError
-
-# ------------------------------------------------------------------------------------ queues
-
-
-@dataclass(frozen=True)
-class Queue:
-    """A Buildkite agent queue and the hardware every agent on it has."""
-
-    name: str
-    gpus: int = 0
-    gpu_memory_gb: float = 0  # per GPU
-    compute_capability: str = "0.0"
-    example: str = ""
-
-
-CPU_QUEUE = Queue("cpu", example="x86_64 CPU agent, 2+ cores")
-# The GPU agent queues, smallest first. A cell goes to the first queue that has at least its GPU
-# count, per-GPU memory and compute capability. Queue names say what they hold: gpu-<n>x<mem>gb.
-GPU_QUEUES: tuple[Queue, ...] = tuple(
-    Queue(f"gpu-{n}x{mem}gb", n, mem, cc, f"{n} x {card}")
-    for n in (1, 2, 4, 8)
-    for mem, cc, card in ((24, "8.9", "L4"), (48, "8.9", "L40S"), (80, "9.0", "H100"))
-)
-
-
-def _cc(v: str | None) -> tuple[int, int]:
-    if not v:
-        return (0, 0)
-    major, minor = v.split(".")
-    return int(major), int(minor)
-
-
-def queue_for(cell: Cell, queues: Sequence[Queue] = GPU_QUEUES) -> Queue:
-    """The agent queue for a cell's hardware needs (``cpu`` when it needs no GPU)."""
-    hw = cell.hardware
-    gpus = hw.gpus or 0
-    if gpus == 0:
-        return CPU_QUEUE
-    for q in queues:
-        if (q.gpus >= gpus and q.gpu_memory_gb >= (hw.gpu_memory_gb or 0)
-                and _cc(q.compute_capability) >= _cc(hw.compute_capability)):
-            return q
-    raise MatrixError(f"{cell.id}: no GPU queue has {gpus} GPU(s) with {hw.gpu_memory_gb or 0:g} GB and compute "
-                      f"capability {hw.compute_capability or 'any'} (queues: {', '.join(q.name for q in queues)})")
-
 
 # -------------------------------------------------------------------------------- step keys
 
@@ -106,7 +65,7 @@ def step_key(cell_id: str, prefix: str = "cell:") -> str:
     return f"{cleaned}-{digest}"
 
 
-# ------------------------------------------------------------------------------ environments
+# ------------------------------------------------------------------------------ step setup
 
 # Minutes a step may spend before the cell itself runs: the environment install (or an image
 # pull), the fixture build and the harness's own start. timeout_in_minutes = this + the cell's
@@ -115,10 +74,6 @@ SETUP_MINUTES_VENV = 20
 SETUP_MINUTES_IMAGE = 30
 MARGIN_MINUTES = 5
 DOCKER_PLUGIN = "docker#v5.12.0"
-VENV = ".venv-buildkite"
-PIP = ("python3", "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off")
-# What the harness itself imports beyond an engine image's own packages (pytest: -k expressions).
-HARNESS_RUNTIME = ("pydantic>=2", "pyyaml", "packaging", "filelock", "pytest", "jinja2", "junitparser")
 # Secrets and caches an agent may provide, passed into containers by name (never by value).
 PASS_THROUGH_ENV = ("HF_TOKEN", "HF_HOME")
 # Prefetch (docs/README-buildkite.md, "Pinning and prefetch"): a step with hub cells first fetches
@@ -129,48 +84,6 @@ PREFETCH_ATTEMPTS = 3
 PREFETCH_TIMEOUT_S = 1200
 PREFETCH_BACKOFF_S = 30
 PREFETCH_FAILED = 75  # harness prefetch's exit status when a checkpoint could not be fetched (harness.hub.TEMPFAIL)
-
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$")
-_CONSTRAINT_OPTS = ("-c", "--constraint")
-
-
-def _split(value: str, where: str) -> list[str]:
-    try:
-        return shlex.split(value)
-    except ValueError as e:
-        raise MatrixError(f"{where}: {value!r} is not a list of pip arguments ({e})") from None
-
-
-def pip_commands(env_name: str, env: Environment) -> list[str]:
-    """Shell lines that install an environment's ``pip`` items, then its ``plugins``, then its
-    ``wheel``, one ``pip install`` per item, in order. A ``-c FILE`` item is a constraint that
-    applies to every install. Each argument is shell-quoted."""
-    where = f"environments.{env_name}"
-    constraints: list[str] = []
-    installs: list[list[str]] = []
-    for i, item in enumerate(env.pip):
-        args = _split(item, f"{where}.pip[{i}]")
-        if args and (args[0] in _CONSTRAINT_OPTS or args[0].startswith("--constraint=")):
-            constraints += args
-        elif args:
-            installs.append(args)
-    for i, item in enumerate(env.plugins):
-        args = _split(item, f"{where}.plugins[{i}]")
-        if args:
-            installs.append(args)
-    if env.wheel:
-        installs.append([env.wheel])
-    return [shlex.join([*PIP, *constraints, *args]) for args in installs]
-
-
-def check_environment(env_name: str, env: Environment) -> None:
-    """Values that reach fields other than commands are validated instead of quoted."""
-    for k in env.env:
-        if not _ENV_NAME.match(k):
-            raise MatrixError(f"environments.{env_name}.env: {k!r} is not an environment variable name")
-    if env.image is not None and not _IMAGE.match(env.image):
-        raise MatrixError(f"environments.{env_name}.image: {env.image!r} is not a container image reference")
 
 
 # ------------------------------------------------------------------------------------ steps
@@ -186,14 +99,6 @@ class Options:
     # engine -> a candidate build's spec (--candidate ENGINE=SPEC): each step that runs the engine
     # runs it on the pinned build and on the candidate, on the same agent (harness run --candidate)
     candidates: tuple[tuple[str, str], ...] = ()
-
-
-def exact_k(cell: Cell, universe: Iterable[Cell]) -> str:
-    """A pytest -k expression that selects exactly ``cell`` among ``universe``: its id, minus any
-    other cell whose keywords contain the id as a substring (-k matches substrings)."""
-    me = cell.id.lower()
-    others = sorted({c.id for c in universe if c.id != cell.id and any(me in k.lower() for k in c.keywords)})
-    return " and ".join([cell.id, *(f"not {o}" for o in others)])
 
 
 def _retry(prefetch: bool = False) -> dict[str, Any]:
@@ -228,12 +133,6 @@ def unit_key(unit: Sequence[Cell]) -> str:
     return step_key(f"{first.model}.{first.scheme}." + ",".join(c.engine for c in unit))
 
 
-def exact_k_many(unit: Sequence[Cell], universe: Iterable[Cell]) -> str:
-    universe = list(universe)
-    parts = [exact_k(c, universe) for c in unit]
-    return " or ".join(f"({p})" if " " in p and len(parts) > 1 else p for p in parts)
-
-
 def _timeout_minutes(unit: Sequence[Cell], image: bool) -> int:
     """The cells of a step run one after another, each under its own timeout_s; a group without
     the reference engine may first run a reference child for the scored continuation."""
@@ -244,21 +143,9 @@ def _timeout_minutes(unit: Sequence[Cell], image: bool) -> int:
     return math.ceil(seconds / 60) + setup + MARGIN_MINUTES
 
 
-def _venv_setup(lines: list[str]) -> list[str]:
-    """Build a virtualenv and install into it, unless the agent says its environment is already
-    installed (HARNESS_PREINSTALLED=1: ``python3`` on PATH already has everything)."""
-    return [
-        'if [ -z "${HARNESS_PREINSTALLED:-}" ]; then',
-        f"  python3 -m venv {VENV}",
-        f"  . {VENV}/bin/activate",
-        *(f"  {line}" for line in lines),
-        "fi",
-    ]
-
-
 def _unit_selection(unit: Sequence[Cell], universe: Sequence[Cell]) -> list[str]:
     """The ``harness run`` / ``harness prefetch`` options that select exactly the unit's cells."""
-    return ["-k", exact_k_many(unit, universe), "--tier", unit[0].tier, "--engine", ",".join(c.engine for c in unit)]
+    return ["-k", selection.exact_k_many(unit, universe), "--tier", unit[0].tier, "--engine", ",".join(c.engine for c in unit)]
 
 
 def _harness_run(unit: Sequence[Cell], selection: list[str], opts: Options, prefetch: bool) -> str:
@@ -273,19 +160,6 @@ def _harness_run(unit: Sequence[Cell], selection: list[str], opts: Options, pref
         shlex.join(selection),
         *(shlex.join(["--candidate", c]) for c in candidates),
     ])
-
-
-def _image_setup(env_name: str, env: Environment) -> list[str]:
-    # Inside the engine's image: its packages are the environment; add the environment's
-    # installs (no-ops when the image has them), the harness's light runtime, and run the
-    # harness from the checkout (no editable install writing into the mounted checkout).
-    return [
-        'if [ -z "${HARNESS_PREINSTALLED:-}" ]; then',
-        *(f"  {c}" for c in pip_commands(env_name, env)),
-        f"  {shlex.join([*PIP, *HARNESS_RUNTIME])}",
-        "fi",
-        'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
-    ]
 
 
 def _prefetch_lines(selection: list[str], opts: Options) -> list[str]:
@@ -308,9 +182,9 @@ def _unit_command(unit: Sequence[Cell], env: Environment, universe: Sequence[Cel
     run = _harness_run(unit, selection, opts, prefetch)
     lines = ["set -o pipefail", f"mkdir -p {results}"]
     if image:
-        lines += _image_setup(env_name, env)
+        lines += agents.image_setup(env_name, env)
     else:
-        lines += _venv_setup([*pip_commands(env_name, env), shlex.join([*PIP, "--no-deps", "-e", "."])])
+        lines += agents.venv_setup([*agents.pip_commands(env_name, env), shlex.join([*agents.PIP, "--no-deps", "-e", "."])])
     if prefetch:
         lines += _prefetch_lines(selection, opts)
     lines += [
@@ -352,8 +226,8 @@ def _docker_plugin(image: str, q: Queue, prefetch: bool, opts: Options) -> dict[
 def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], opts: Options) -> dict[str, Any]:
     cell = unit[0]
     env = matrix.environments[cell.environment]
-    check_environment(cell.environment, env)
-    q = max((queue_for(c) for c in unit), key=lambda q: (q.gpus, q.gpu_memory_gb, _cc(q.compute_capability)))
+    agents.check_environment(cell.environment, env)
+    q = agents.largest(agents.queue_for(c) for c in unit)
     image = env.image is not None
     prefetch = any(c.source_kind == "hub" for c in unit)
     step: dict[str, Any] = {
@@ -395,9 +269,9 @@ def final_step(cells: Sequence[Cell], depends_on: Sequence[str], opts: Options) 
     ]) + ' --expect "$HARNESS_EXPECTED_CELLS"'
     lines = [
         "set +e",
-        *_venv_setup([
-            shlex.join([*PIP, "-c", "constraints.txt", *HARNESS_RUNTIME]),
-            shlex.join([*PIP, "--no-deps", "-e", "."]),
+        *agents.venv_setup([
+            shlex.join([*agents.PIP, "-c", "constraints.txt", *agents.HARNESS_RUNTIME]),
+            shlex.join([*agents.PIP, "--no-deps", "-e", "."]),
         ]),
         f"mkdir -p {results} {reports}",
         f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/*.json')} . "
@@ -431,7 +305,7 @@ def final_step(cells: Sequence[Cell], depends_on: Sequence[str], opts: Options) 
         "label": ":bar_chart: harness report",
         "key": "harness-report",
         "command": "\n".join(lines),
-        "agents": {"queue": CPU_QUEUE.name},
+        "agents": {"queue": agents.CPU_QUEUE.name},
         "depends_on": list(depends_on),
         "allow_dependency_failure": True,
         "env": {"HARNESS_EXPECTED_CELLS": " ".join(c.id for c in cells), "PYTHONUNBUFFERED": "1"},
@@ -558,21 +432,16 @@ def _candidates(values: list[str], m: Matrix) -> tuple[tuple[str, str], ...]:
 
 
 def _read_lines(path: str) -> list[str]:
-    import sys
-
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def run(args) -> int:
-    import sys
-
-
     try:
         mpath, mrel = _matrix_arg(args.matrix)
         m = mx.load(mpath)
         universe = m.cells()
-        cells = mx.select(mx.expand(m, tier=args.tier, engines=args.engine), args.k_expr)
+        cells = selection.select(mx.expand(m, tier=args.tier, engines=args.engine), args.k_expr)
         notes = [f"harness pipeline: {len(cells)} of {len(universe)} cells of {mrel} selected by --tier/--engine/-k"]
         if not args.all and (args.changed_files or args.since or args.engine_changed_files):
             changed: list[str] = []
@@ -597,7 +466,7 @@ def run(args) -> int:
             notes += why + [f"change-based selection: {len(cells)} cell(s) to run"]
         elif args.all:
             notes.append("--all: every selected cell runs, whatever changed")
-        if not args.hub_cache.startswith("/") or not _IMAGE.match(args.hub_cache.lstrip("/")):
+        if not args.hub_cache.startswith("/") or not agents.IMAGE.match(args.hub_cache.lstrip("/")):
             raise MatrixError(f"--hub-cache {args.hub_cache!r}: expected an absolute path of letters, digits, '._/-'")
         opts = Options(matrix_path=mrel, results_dir=args.results_dir, reports_dir=args.reports_dir, context=args.context,
                        hub_cache=args.hub_cache, candidates=_candidates(args.candidate or [], m))
@@ -617,14 +486,6 @@ def run(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="harness pipeline", description="Write the Buildkite pipeline (YAML) for the matrix.")
     add_arguments(p)
     return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())
