@@ -501,6 +501,42 @@ def test_bench_quick_decode_on_a_tiny_size(monkeypatch, tmp_path, capsys):
     assert fig["load"] is None and any("load: not measured" in n for n in fig["notes"])
     assert "## Decode" in out.read_text()
 
+    # without --output, a run of one part leaves the repository's BENCHMARKS.md as it was
+    import harness.bench
+
+    monkeypatch.setattr(harness.bench, "REPO_ROOT", tmp_path / "repo")
+    committed = tmp_path / "repo" / "BENCHMARKS.md"
+    committed.parent.mkdir()
+    committed.write_text("# Benchmarks\n\nthe full run's figures\n")
+    assert cli.main(["bench", "--quick", "--parts", "decode"]) == 0
+    assert committed.read_text() == "# Benchmarks\n\nthe full run's figures\n"
+    [written] = (tmp_path / "repo" / "results").glob("bench-*/BENCHMARKS.md")
+    assert "## Decode" in written.read_text() and str(written) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, where", [
+    ([], "BENCHMARKS.md"),  # every default part at every size: what BENCHMARKS.md holds
+    (["--parts", "load,decode,detection,portability,matrix"], "BENCHMARKS.md"),
+    (["--parts", "portability"], "results"),
+    (["--quick"], "results"),
+    (["--sizes", "M"], "results"),
+    (["--parts", "portability", "--output", "/tmp/port.md"], "/tmp/port.md"),
+])
+def test_only_a_run_of_every_default_part_and_size_writes_benchmarks_md_by_default(argv, where):
+    import argparse
+
+    import harness.bench as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(argv)
+    out = bench._output(args, bench._parts(args), bench._sizes(args))
+    if where == "results":
+        assert out.name == "BENCHMARKS.md" and out.parent.parent == bench.REPO_ROOT / "results"
+        assert out.parent.name.startswith("bench-") and not out.parent.exists()
+    else:
+        assert out == (bench.REPO_ROOT / where if where == "BENCHMARKS.md" else Path(where))
+
 
 def test_floor_reads_every_weight_file(tmp_path):
     from harness.bench import load

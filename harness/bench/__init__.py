@@ -21,7 +21,9 @@ from harness import cpu
 from harness.bench import decode, detection, load, matrix_run, portability, report
 from harness.errors import UsageError
 from harness.fixtures import benchmark
+from harness.layout import default_results_dir
 from harness.loadtime import BASELINE_CHILDREN, REPO_ROOT
+from harness.records import atomic_write_text
 
 PARTS = ("load", "decode", "detection", "portability", "matrix")
 QUICK_PARTS = ("load", "decode")
@@ -66,7 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", metavar="DIR", default=str(REPO_ROOT / "baselines"),
                    help="portability: the baselines root whose cpu-load baselines are held (default: baselines/)")
     p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (the cpu-load cells)")
-    p.add_argument("--output", metavar="FILE", default=str(REPO_ROOT / "BENCHMARKS.md"), help="where to write the report")
+    p.add_argument("--output", metavar="FILE",
+                   help="where to write the report (default: BENCHMARKS.md for a run of every default part at every size; "
+                        "results/bench-<UTC time>/BENCHMARKS.md for a smaller run, which keeps BENCHMARKS.md's figures)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON on stdout")
 
 
@@ -220,6 +224,17 @@ def matrix_part(before: str, select: str | None, echo: Callable[[str], None]) ->
 # ----------------------------------------------------------------------------------- the run
 
 
+def _output(args, parts: list[str], sizes: list[str]) -> Path:
+    """--output; else BENCHMARKS.md when the run measures all it holds (every default part, every
+    size), and a new results/bench-<UTC time>/BENCHMARKS.md for a smaller run, which would
+    otherwise replace the full run's figures with "not measured"."""
+    if args.output:
+        return Path(args.output)
+    if set(DEFAULT_PARTS) <= set(parts) and sizes == list(benchmark.SIZES):
+        return REPO_ROOT / "BENCHMARKS.md"
+    return default_results_dir(REPO_ROOT / "results", prefix="bench-") / "BENCHMARKS.md"
+
+
 def run(args) -> int:
     # lazy: torch, +1.6 s (scripts/import-graph --costs)
     from harness.quant import native
@@ -257,9 +272,10 @@ def run(args) -> int:
             fig["profiles"][title] = text
     if "4" in missed:
         fig["profiles"]["matrix (after)"] = slowest
-    out = Path(args.output)
-    out.write_text(report.markdown(fig) + report.kept_by_hand(out.read_text() if out.exists() else ""))
-    echo(f"bench: done in {time.perf_counter() - t0:.0f} s; {args.output}")
+    out = _output(args, parts, sizes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, report.markdown(fig) + report.kept_by_hand(out.read_text() if out.exists() else ""))
+    echo(f"bench: done in {time.perf_counter() - t0:.0f} s; {out}")
     for t in fig["targets"]:
         echo(f"  {'n/a ' if t['ok'] is None else 'pass' if t['ok'] else 'MISS'}  {t['target']} ({t['detail']})")
     if args.json:
