@@ -36,7 +36,8 @@ input and faults").
 --candidate``). After its group is judged, each cell of that engine runs again under the
 candidate's interpreter with the same scored sequences, and is judged against the base's judged
 record of this run (:meth:`Runner.judge_candidate`, judging.judge_against_base); its files go to
-``Layout.candidate`` and it never writes a baseline (docs/design.md, "Candidate builds").
+``Layout.candidate`` and it never writes a baseline; failed or regressed, it is localised against the
+pinned build's traces (docs/design.md, "Candidate builds").
 
 **Traces.** A cell judged failed or regressed (every cell with ``trace``) is localised module by
 module against the engines it disagrees with and against its baseline's fingerprint;
@@ -473,7 +474,10 @@ class Runner:
         """The module traces' localisation (harness.traces.jobs) of a failed or regressed cell (of
         every cell under ``trace``), before its baseline is handled: a rounding flip it shows
         settles the verdict (judging.rounding_flip)."""
-        found = self.tracer.localise(result.cell, result.record, raws)
+        self._add_localisation(result, self.tracer.localise(result.cell, result.record, raws))
+
+    @staticmethod
+    def _add_localisation(result: CellResult, found: list[R.Localisation]) -> None:
         if found:
             result.record = result.record.model_copy(update={"localisation": found})
             result.messages += [f"localisation against {loc.against}: {loc.detail}" for loc in found]
@@ -492,7 +496,8 @@ class Runner:
     def judge_candidate(self, cell: Cell, base: CellResult, raws: dict[str, R.Record]) -> CellResult:
         """The cell run on its engine's candidate build, with the group's scored sequences, and
         judged against ``base``, the pinned build's judged result of this run
-        (judging.judge_against_base). It writes no baseline."""
+        (judging.judge_against_base), and localised against the pinned build when it fails
+        (harness.traces.jobs). It writes no baseline."""
         candidate = self.candidates[cell.engine]
         layout = self.candidate_layout
         rec = self.decided(cell)
@@ -505,7 +510,9 @@ class Runner:
         j = judging.judge_against_base(cell, rec, base.record, [r for e, r in raws.items() if e != cell.engine],
                                        known_failures=[k for c in group for k in c.known_failures],
                                        unfused=self.unfused(raws))
-        return CellResult(cell, j.apply(rec), sequence_source=base.sequence_source)
+        result = CellResult(cell, j.apply(rec), sequence_source=base.sequence_source)
+        self._add_localisation(result, self.tracer.against_base_build(cell, result.record, candidate.python))
+        return result
 
     # ---- entry points ---------------------------------------------------------------------
     def run_cell(self, cell: Cell) -> CellResult:

@@ -87,6 +87,26 @@ def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys):
     assert code == (1 if base.verdict not in ("pass", "waived") else 0)
 
 
+def test_a_failing_candidate_is_localised_against_the_base_build(tmp_path, setup, capsys):
+    """The candidate's cell fails (``merged-shards-swapped``: layer 0's gate_proj and up_proj rows
+    swapped at load), and its module traces against the pinned build's, both recorded in this
+    run, name one of the two swapped projections. The base passes and is not traced."""
+    matrix, baselines = setup
+    results = tmp_path / "results"
+    build = stand_in_build(tmp_path / "swapped", "merged-shards-swapped")
+    code = cli.main(["run", "--matrix", str(matrix), "--baselines", str(baselines), "--results", str(results),
+                     "-k", CELL, "--candidate", f"vllm={build}"])
+    out = capsys.readouterr().out
+    base, cand = R.load(results / f"{CELL}.json"), R.load(results / "candidate" / f"{CELL}.json")
+    assert code == 1 and base.verdict == "pass" and not base.localisation, out
+    assert cand.verdict == "failed", cand.verdict_reason
+    [found] = cand.localisation
+    assert found.against == "base build" and found.kind == "weights", found.detail
+    assert found.module in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"), found.detail
+    assert "localisation against base build: " in out
+    assert (results / "traces" / f"{CELL}.candidate.pt").exists() and (results / "traces" / f"{CELL}.pt").exists()
+
+
 def test_bisect_names_the_first_build_with_the_mutation(tmp_path, setup, capsys):
     matrix, baselines = setup
     builds = [stand_in_build(tmp_path / "b1", None), stand_in_build(tmp_path / "b2", "merged-shards-swapped"),

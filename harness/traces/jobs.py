@@ -10,7 +10,9 @@ is judged ``failed`` or ``regressed``: then each engine involved runs once more 
   unfused where the other engine does not fuse (the cross-engine rule's witness), with the
   per-module noise of a baseline fingerprint measured that way, else measured now;
 - against the baseline, the cell's trace against the fingerprint the baseline stores
-  (harness.traces.fingerprint).
+  (harness.traces.fingerprint);
+- a candidate build's failed or regressed cell (``harness run --candidate``): its trace, from a
+  trace child under the candidate's interpreter, against the pinned build's of the same sequences.
 
 ``--update-fingerprints`` adds or refreshes the fingerprint of the baseline of each cell that
 passes against it, nothing else of the file.
@@ -39,6 +41,10 @@ if TYPE_CHECKING:
     from harness.traces import PromptTrace
     from harness.traces.noise import Measured, ModuleNoise
 
+CANDIDATE = ".candidate"  # the file name variant of a candidate build's traces
+BASE_BUILD = "base build"  # what a candidate build's cell is localised against
+
+
 class TraceUnavailable(Exception):
     """A trace child did not record traces; ``str()`` is one line."""
 
@@ -51,7 +57,7 @@ class TraceHost(Protocol):
     groups: dict[str, list[Cell]]
 
     def run_child(self, cell: Cell, *, mode: str, sequences, record_path: Path, log: Path,
-                  extra: dict | None = None) -> R.Record | None: ...
+                  extra: dict | None = None, python: str | None = None) -> R.Record | None: ...
 
 
 class Tracer:
@@ -69,27 +75,29 @@ class Tracer:
     def forget(self, cell_ids: list[str]) -> None:
         """Remove the traces an earlier run into the same results directory left for these cells."""
         for cell_id in cell_ids:
-            for variant in ("", ".fused", ".unfused"):
+            for variant in ("", ".fused", ".unfused", CANDIDATE):
                 self._path(cell_id, variant).unlink(missing_ok=True)
 
-    def traces(self, cell: Cell, fuse: bool | None, sequences: dict[str, list[int]]) -> list[PromptTrace]:
+    def traces(self, cell: Cell, fuse: bool | None, sequences: dict[str, list[int]],
+               candidate: str | None = None) -> list[PromptTrace]:
         """The cell's traces of ``sequences`` (the reference executed fused or not as ``fuse``
-        says; None: as the engine executes), from a trace child, once per run (a file lock shares
-        them between the runner's threads and pytest-xdist workers)."""
-
+        says; None: as the engine executes; ``candidate``: under that build's interpreter), from a
+        trace child, once per run (a file lock shares them between the runner's threads and
+        pytest-xdist workers)."""
         variant = "" if fuse is None or fuse == fuses_shards(cell.engine) else ".fused" if fuse else ".unfused"
+        variant += CANDIDATE if candidate else ""
         out = self._path(cell.id, variant)
         out.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(out) + ".lock"):
             if not out.exists():
-                self._record(cell, variant, fuse, sequences, out)
+                self._record(cell, variant, fuse, sequences, out, candidate)
             return traces.load(out)
 
-    def _record(self, cell: Cell, variant: str, fuse: bool | None, sequences, out: Path) -> None:
+    def _record(self, cell: Cell, variant: str, fuse: bool | None, sequences, out: Path, python: str | None) -> None:
         layout = self.runner.layout
         failed = self.runner.run_child(cell, mode="trace", sequences=sequences,
                                        record_path=layout.root / "raw" / f"{cell.id}{variant}.trace.json",
-                                       log=layout.log(f"{cell.id}{variant}.trace"),
+                                       log=layout.log(f"{cell.id}{variant}.trace"), python=python,
                                        extra={"trace": str(out), "options": None if fuse is None else {"fuse": fuse}})
         if failed is not None:
             why = failed.error.message if failed.error else failed.unsupported_reason or failed.status
@@ -124,6 +132,22 @@ class Tracer:
         out = [self._against_engine(cell, engine, record) for engine in self._engines(record, raws)]
         out.append(self._against_baseline(cell, record))
         return [loc for loc in out if loc is not None]
+
+    def against_base_build(self, cell: Cell, record: R.Record, python: str) -> list[R.Localisation]:
+        """A candidate build's cell (``record``, its children under ``python``) localised against
+        the pinned build's traces of the same sequences, with the per-module noise the cross-engine
+        localisation uses and the engine's kernel floor (a build may change its kernels); empty
+        when the cell is not traced."""
+        if not self.wanted(record):
+            return []
+        sequences = scored(record)
+        try:
+            mine = self.traces(cell, None, sequences, candidate=python)
+            theirs = self.traces(cell, None, sequences)
+        except TraceUnavailable as e:
+            return [R.Localisation(against=BASE_BUILD, detail=str(e))]
+        noise, note = self._noise_for(cell, fuses_shards(cell.engine), record)
+        return [diff.cross_engine(mine, theirs, BASE_BUILD, noise, note, diff.kernel_rtol(cell.engine))]
 
     def _engines(self, record: R.Record, raws: dict[str, R.Record]) -> list[str]:
         if self.always:
