@@ -338,6 +338,19 @@ def test_load_time_calibration_does_not_absorb_a_slower_loader():
     assert lt.data["ratio"] == pytest.approx(1.2) and lt.detail.startswith("slower than bound")
 
 
+def test_a_load_over_its_bound_says_when_the_baseline_comes_from_other_kernels():
+    epyc = XEON.model_copy(update={"vendor": "AuthenticAMD", "model": "EPYC", "flags": ["avx2"], "capability": "avx2"})
+    recorded_on_xeon = baseline(record(load=_calibrated(1.0, 0.1), engine_info=INFO.model_copy(update={"cpu": XEON})))
+    tight = BOUNDS.model_copy(update={"load_time": 1.1})
+    for seconds, verdict in ((1.5, "regressed"), (0.5, "improved"), (1.0, "pass")):
+        for here, said in ((epyc, True), (XEON, False)):
+            obtained = record(load=_calibrated(seconds, 0.1), engine_info=INFO.model_copy(update={"cpu": here}))
+            j = judging.verdict(obtained, recorded_on_xeon, bounds=tight, gate_load_time=True)
+            (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
+            assert j.verdict == verdict
+            assert ("recorded on other kernels (xeon-avx512f-" in lt.detail) == (said and verdict != "pass"), lt.detail
+
+
 def test_load_time_without_calibration_on_either_side_is_the_plain_ratio():
     for obtained, base in ((_calibrated(2.0, 0.2), _load(1.0)), (_load(2.0), _calibrated(1.0, 0.1))):
         ratio, calibrated = C.load_ratio(obtained, base)
