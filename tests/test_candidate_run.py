@@ -87,22 +87,26 @@ def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys):
     assert code == (1 if base.verdict not in ("pass", "waived") else 0)
 
 
-def test_a_failing_candidate_is_localised_against_the_base_build(tmp_path, setup, capsys):
-    """The candidate's cell fails (``merged-shards-swapped``: layer 0's gate_proj and up_proj rows
-    swapped at load), and its module traces against the pinned build's, both recorded in this
-    run, name one of the two swapped projections. The base passes and is not traced."""
+@pytest.mark.parametrize("mutation, verdict, modules, kind", [
+    # layer 0's gate_proj and up_proj rows swapped at load: either is the right name
+    ("merged-shards-swapped", "failed", ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"), "weights"),
+    # layer 3's causal mask off by one: a compute fault, the loaded state is the base's
+    ("mask-shifted-layer", "regressed", ("model.layers.3.self_attn",), "attention"),
+])
+def test_a_failing_candidate_is_localised_against_the_base_build(tmp_path, setup, capsys, mutation, verdict, modules, kind):
+    """The candidate's cell fails, and its module traces against the pinned build's, both recorded
+    in this run, name the module the mutation breaks. The base passes and is not traced."""
     matrix, baselines = setup
     results = tmp_path / "results"
-    build = stand_in_build(tmp_path / "swapped", "merged-shards-swapped")
+    build = stand_in_build(tmp_path / "mutated", mutation)
     code = cli.main(["run", "--matrix", str(matrix), "--baselines", str(baselines), "--results", str(results),
                      "-k", CELL, "--candidate", f"vllm={build}"])
     out = capsys.readouterr().out
     base, cand = R.load(results / f"{CELL}.json"), R.load(results / "candidate" / f"{CELL}.json")
     assert code == 1 and base.verdict == "pass" and not base.localisation, out
-    assert cand.verdict == "failed", cand.verdict_reason
+    assert cand.verdict == verdict, cand.verdict_reason
     [found] = cand.localisation
-    assert found.against == "base build" and found.kind == "weights", found.detail
-    assert found.module in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"), found.detail
+    assert found.against == "base build" and found.kind == kind and found.module in modules, found.detail
     assert "localisation against base build: " in out
     assert (results / "traces" / f"{CELL}.candidate.pt").exists() and (results / "traces" / f"{CELL}.pt").exists()
 

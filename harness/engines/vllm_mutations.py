@@ -138,9 +138,11 @@ def _mutate_mask_shifted_layer() -> None:
     the shift is added to its output: the kernel's result plus (plain-torch attention with the
     shifted mask - the same with the right one), both over the same q/k/v. The kernel's own rounding
     stays in the output, so every other position and layer is bit for bit the clean engine's, and
-    what moves is the mask's effect alone. Applied only where the batch is one sequence prefilled
-    from its first position (as the trace scores each sequence): elsewhere (batched or decode steps,
-    the profile run) the positions of one sequence are not known, and the layer is left alone."""
+    what moves is the mask's effect alone. Applied to a batch whose every sequence is prefilled
+    from its first position (the trace scores one sequence at a time, a cell its prompts together),
+    sequence by sequence; a batch with a decode step or a chunk of a longer prefill in it is left
+    alone (a decode's query has no next position to see, and a chunk's positions are not its
+    sequence's)."""
     import os
 
     import torch
@@ -150,21 +152,23 @@ def _mutate_mask_shifted_layer() -> None:
     target = re.compile(rf"(^|\.)layers\.{int(os.environ.get(MASK_LAYER_ENV, '3'))}\.self_attn\.attn$")
     original = Attention.forward
 
-    def lone_prefill(layer_name: str, n: int) -> bool:
+    def whole_prefills(layer_name: str, n: int) -> list[tuple[int, int]] | None:
+        """(first row, length) of each sequence of the batch, when every one is prefilled from its
+        first position and together they are the batch's ``n`` rows; else None."""
         try:
             meta = get_forward_context().attn_metadata
         except AssertionError:
-            return False
+            return None
         meta = meta.get(layer_name) if isinstance(meta, dict) else meta
         starts, lens = getattr(meta, "query_start_loc", None), getattr(meta, "seq_lens", None)
-        return (starts is not None and lens is not None and starts.numel() == 2 and lens.numel() == 1
-                and int(lens[0]) == n and int(starts[1]) == n)
+        if starts is None or lens is None or starts.numel() != lens.numel() + 1 or int(starts[-1]) != n:
+            return None
+        rows = [(int(a), int(b) - int(a)) for a, b in zip(starts[:-1], starts[1:])]
+        return rows if all(length == int(seq) for (_, length), seq in zip(rows, lens)) else None
 
-    def forward(self, query, key, value, *args, **kwargs):
-        out = original(self, query, key, value, *args, **kwargs)
+    def shifted(self, query, key, value) -> torch.Tensor:
+        """The shifted mask's effect on one sequence's attention output, [rows, heads * size]."""
         n = query.shape[0]
-        if n < 2 or key is None or not target.search(self.layer_name) or not lone_prefill(self.layer_name, n):
-            return out
         heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
         q = query.reshape(n, heads, size).transpose(0, 1).float()
         k, v = (t.reshape(n, kv_heads, size).transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=0)
@@ -174,7 +178,21 @@ def _mutate_mask_shifted_layer() -> None:
         def attention(mask):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.impl.scale)
 
-        shift = (attention(ones.tril(1)) - attention(ones.tril(0))).transpose(0, 1).reshape(n, -1)
+        return (attention(ones.tril(1)) - attention(ones.tril(0))).transpose(0, 1).reshape(n, -1)
+
+    def forward(self, query, key, value, *args, **kwargs):
+        out = original(self, query, key, value, *args, **kwargs)
+        n = query.shape[0]
+        if key is None or not target.search(self.layer_name):
+            return out
+        sequences = whole_prefills(self.layer_name, n)
+        if not sequences:
+            return out
+        shift = torch.zeros(n, out.numel() // n, dtype=torch.float32, device=query.device)
+        for first, length in sequences:
+            if length > 1:
+                rows = slice(first, first + length)
+                shift[rows] = shifted(self, query[rows], key[rows], value[rows])
         return out + shift.to(out.dtype).reshape(out.shape)
 
     Attention.forward = forward
