@@ -366,8 +366,8 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
     elif regressed or improved:
         text = ("slower than bound: " if regressed else "faster than 1/bound: ") + text
         if other_kernels(record, baseline) and baseline.provenance.cpu is not None:
-            # the calibration carries a machine's speed, not every kernel's: where the reading
-            # comes from is half of what it says (docs/design.md, "Where the rule stands")
+            # the calibration carries a machine's speed, not every kernel's, so such a reading may
+            # be the kernels' as much as the loader's (docs/design.md, "Where the rule stands")
             text += f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())})"
     return Check(name="load-time:baseline", ok=not (gated and regressed), detail=text,
                  data={"ratio": _safe(ratio), "calibrated": calibrated, "seconds": s_obt, "baseline_seconds": s_base,
