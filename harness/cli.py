@@ -342,8 +342,9 @@ def _add_run(sub) -> None:
     run.add_argument("--baselines", metavar="DIR", default=None,
                      help="baselines root (default: baselines/ of this checkout)")
     run.add_argument("--later-look", type=_seconds, default=None, metavar="SECONDS",
-                     help="on a gated tier, how long after its first child a cell over its load-time bound in every "
-                          "child is timed again before it is called regressed (default: 600; README, 'Troubleshooting')")
+                     help="on a gated tier, how long at least after its first child a cell over its load-time bound in "
+                          "every child is timed again before it is called regressed; the other gated cells are timed "
+                          "meanwhile (default: 600; README, 'Troubleshooting')")
     run.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                      help="run N (model, scheme) groups at once, each engine in its own child process (default: "
                           "one per core, as many as the available memory holds; the cpu-load groups, whose load "
