@@ -72,14 +72,21 @@ def setup(tmp_path, monkeypatch):
     return matrix, tmp_path / "baselines"
 
 
-def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys):
+def run_candidate(tmp_path: Path, setup, capsys, mutation: str | None):
+    """``harness run --candidate`` with a stand-in build: (exit code, output, base record, candidate
+    record, results directory)."""
     matrix, baselines = setup
     results = tmp_path / "results"
-    build = stand_in_build(tmp_path / "same", None)
+    build = stand_in_build(tmp_path / (mutation or "same"), mutation)
     code = cli.main(["run", "--matrix", str(matrix), "--baselines", str(baselines), "--results", str(results),
                      "-k", CELL, "--candidate", f"vllm={build}"])
-    out = capsys.readouterr().out
     base, cand = R.load(results / f"{CELL}.json"), R.load(results / "candidate" / f"{CELL}.json")
+    return code, capsys.readouterr().out, base, cand, results
+
+
+def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys):
+    code, out, base, cand, _ = run_candidate(tmp_path, setup, capsys, None)
+    build = tmp_path / "same"
     assert base.candidate is None and cand.candidate == str(build)
     assert cand.verdict == "pass", cand.verdict_reason
     assert cand.verdict_reason.startswith("against base vllm 0.32.0: ")
@@ -96,13 +103,7 @@ def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys):
 def test_a_failing_candidate_is_localised_against_the_base_build(tmp_path, setup, capsys, mutation, verdict, modules, kind):
     """The candidate's cell fails, and its module traces against the pinned build's, both recorded
     in this run, name the module the mutation breaks. The base passes and is not traced."""
-    matrix, baselines = setup
-    results = tmp_path / "results"
-    build = stand_in_build(tmp_path / "mutated", mutation)
-    code = cli.main(["run", "--matrix", str(matrix), "--baselines", str(baselines), "--results", str(results),
-                     "-k", CELL, "--candidate", f"vllm={build}"])
-    out = capsys.readouterr().out
-    base, cand = R.load(results / f"{CELL}.json"), R.load(results / "candidate" / f"{CELL}.json")
+    code, out, base, cand, results = run_candidate(tmp_path, setup, capsys, mutation)
     assert code == 1 and base.verdict == "pass" and not base.localisation, out
     assert cand.verdict == verdict, cand.verdict_reason
     [found] = cand.localisation
