@@ -326,6 +326,10 @@ def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[Seq
     return checks
 
 
+# The load-time check's name: what a module trace cannot localise (harness.traces.jobs).
+LOAD_TIME_CHECK = "load-time:baseline"
+
+
 def load_ratio(obtained: LoadInfo, baseline: LoadInfo) -> tuple[float, bool]:
     """(ratio, calibrated): the calibrated ratio (obtained load / its calibration) over (baseline
     load / its calibration) when both recorded the ``calibration`` phase of the same workload
@@ -369,7 +373,7 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
             # the calibration carries a machine's speed, not every kernel's, so such a reading may
             # be the kernels' as much as the loader's (docs/design.md, "Where the rule stands")
             text += f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())})"
-    return Check(name="load-time:baseline", ok=not (gated and regressed), detail=text,
+    return Check(name=LOAD_TIME_CHECK, ok=not (gated and regressed), detail=text,
                  data={"ratio": _safe(ratio), "calibrated": calibrated, "seconds": s_obt, "baseline_seconds": s_base,
                        "bound": bound, "gated": gated, "regressed": gated and regressed, "improved": gated and improved})
 

@@ -8,6 +8,9 @@
     raw/<model>.<scheme>.continuation.json   a continuation-only reference child's record
     raw/<cell id>.load<N>.json       a gated cell's load timed again in fresh child N (harness.records.LoadInfo;
                                      its log logs/<cell id>.load<N>.log, an error record beside it if it failed)
+    candidate/                       a candidate build's files, laid out as these (harness run --candidate);
+                                     raw/<cell id>.base.load<N>.json there: the pinned build's load timed
+                                     in pairs with the candidate's
     witness/<cell id>.unfused.json   the reference executed unfused
     sequences/<model>.<scheme>.json  the scored sequences of a group computed in this run
     traces/<cell id>[.fused|.unfused].pt   module traces (harness.traces.jobs)

@@ -416,23 +416,7 @@ class Runner:
         if not cell.gate_load_time or record.status != "ok" or record.load is None:
             return record, []
         messages: list[str] = []
-        children = itertools.count(1)
-
-        def retime() -> R.LoadInfo | None:
-            n = next(children)
-            out, log = self.layout.load_child(cell.id, n), self.layout.log(f"{cell.id}.load{n}")
-            out.unlink(missing_ok=True)
-            failed = self.run_child(cell, mode="load", sequences=None, record_path=out.with_suffix(".error.json"),
-                                     log=log, extra={"load_out": str(out)})
-            try:
-                if failed is None:
-                    return R.LoadInfo.model_validate_json(out.read_text())
-                why = f"{failed.error.type}: {failed.error.message}" if failed.error else failed.status
-            except (OSError, ValueError) as e:
-                why = f"its timing is unreadable: {e}"
-            messages.append(f"load time: timing it again in a fresh child failed ({terminal.one_line(why, 120)}; {log})")
-            return None
-
+        retime = self._load_timer(cell, self.layout, cell.id, messages)
         if self.update_baselines:
             load = loadtime.baseline_load(record.load, retime)
             what = "median of"
@@ -446,10 +430,50 @@ class Runner:
             what = "over the bound: fastest of"
         else:
             return record, []
-        said = [f"load time: {what} {len(load.children)} children (load / calibration: "
-                + ", ".join(f"{c.seconds:.4g} / {c.calibration or 0:.4g} s" for c in load.children) + ")"
+        said = [f"load time: {what} {len(load.children)} children (load / calibration: {_children(load)})"
                 ] if load.children else []
         return record.model_copy(update={"load": load}), said + messages
+
+    def _load_timer(self, cell: Cell, layout: Layout, name: str, messages: list[str],
+                    python: str | None = None) -> Callable[[], R.LoadInfo | None]:
+        """A function that times the cell's load in a fresh ``load`` child (under ``python``) and
+        returns its LoadInfo; None, with a line in ``messages``, when that child failed. Child N's
+        files: ``layout``'s ``raw/<name>.load<N>.json`` and its log."""
+        children = itertools.count(1)
+
+        def retime() -> R.LoadInfo | None:
+            n = next(children)
+            out, log = layout.load_child(name, n), layout.log(f"{name}.load{n}")
+            out.unlink(missing_ok=True)
+            failed = self.run_child(cell, mode="load", sequences=None, record_path=out.with_suffix(".error.json"),
+                                    log=log, extra={"load_out": str(out)}, python=python)
+            try:
+                if failed is None:
+                    return R.LoadInfo.model_validate_json(out.read_text())
+                why = f"{failed.error.type}: {failed.error.message}" if failed.error else failed.status
+            except (OSError, ValueError) as e:
+                why = f"its timing is unreadable: {e}"
+            messages.append(f"load time: timing it again in a fresh child failed ({terminal.one_line(why, 120)}; {log})")
+            return None
+        return retime
+
+    def _pair_load_time(self, cell: Cell, record: R.Record, base: R.Record) -> tuple[R.Record, R.Record, list[str]]:
+        """A gated candidate cell's load against the pinned build's of this run, pair by pair
+        (harness.loadtime.paired): (the candidate's record, the base's record to judge it against,
+        what to say). The base's own record is left as it was judged."""
+        if (not cell.gate_load_time or record.status != "ok" or record.load is None
+                or base.status != "ok" or base.load is None):
+            return record, base, []
+        messages: list[str] = []
+        layout = self.candidate_layout
+        mine, theirs = loadtime.paired(
+            record.load, base.load, self._load_timer(cell, layout, cell.id, messages, self.candidates[cell.engine].python),
+            self._load_timer(cell, layout, f"{cell.id}.base", messages), cell.bounds.load_time)
+        if mine.children:
+            messages.insert(0, "load time: over the bound against the base build, so both timed again in fresh children, "
+                            "pair by pair (load / calibration, candidate: " + _children(mine) + "; base: "
+                            + _children(theirs) + ")")
+        return record.model_copy(update={"load": mine}), base.model_copy(update={"load": theirs}), messages
 
     def _later_look(self, cell: Cell, messages: list[str]) -> Callable[[], None]:
         """What a cell over its bound in every child of its first look does before its later look:
@@ -506,11 +530,12 @@ class Runner:
                                  record_path=layout.raw(cell.id), log=layout.log(cell.id), python=candidate.python)
         rec = rec.model_copy(update={"candidate": candidate.spec})
         R.save(layout.raw(cell.id), rec)
+        rec, against, retimed = self._pair_load_time(cell, rec, base.record)
         group = self.groups[group_key(cell)]
-        j = judging.judge_against_base(cell, rec, base.record, [r for e, r in raws.items() if e != cell.engine],
+        j = judging.judge_against_base(cell, rec, against, [r for e, r in raws.items() if e != cell.engine],
                                        known_failures=[k for c in group for k in c.known_failures],
                                        unfused=self.unfused(raws))
-        result = CellResult(cell, j.apply(rec), sequence_source=base.sequence_source)
+        result = CellResult(cell, j.apply(rec), messages=retimed, sequence_source=base.sequence_source)
         self._add_localisation(result, self.tracer.against_base_build(cell, result.record, candidate.python))
         return result
 
@@ -586,6 +611,10 @@ class Runner:
             self._timed_still_to_run.popleft()()
         order = {c.id: i for i, c in enumerate(self.cells)}
         return sorted(done, key=lambda r: (order[r.cell.id], r.record.candidate is not None))
+
+
+def _children(load: R.LoadInfo) -> str:
+    return ", ".join(f"{c.seconds:.4g} / {c.calibration or 0:.4g} s" for c in load.children)
 
 
 def untimed_and_timed(groups: dict[str, list[Cell]]) -> tuple[list[str], list[str]]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from harness.compare import LOAD_TIME_CHECK
 from harness.matrix import TIERS
 from harness.records import Record
 from harness.registry import ENGINE_NAMES
@@ -180,7 +181,7 @@ def _topk_rows(a: list, b: list, tok_a: Any, tok_b: Any) -> list[list[dict | Non
 def _load(rec: Record, history: Sequence[Entry]) -> dict | None:
     if rec.load is None:
         return None
-    lc = next((c for c in rec.checks if c.name.startswith("load-time") and c.data), None)
+    lc = next((c for c in rec.checks if c.name == LOAD_TIME_CHECK and c.data), None)
     base = ratio = bound = None
     if lc is not None:
         base, ratio, bound = lc.data.get("baseline_seconds"), lc.data.get("ratio"), lc.data.get("bound")

@@ -123,7 +123,12 @@ class Tracer:
 
     # ---- localisation ----------------------------------------------------------------------
     def wanted(self, record: R.Record) -> bool:
-        return record.status == "ok" and (self.always or record.verdict in verdicts.LOCALISED)
+        """Whether to trace the cell: every cell under ``trace``; else one judged failed or
+        regressed by a check other than its load time, which traces of the loaded model cannot
+        place."""
+        failing = {c.name for c in record.checks if not c.ok}
+        load_time_alone = failing == {C.LOAD_TIME_CHECK}
+        return record.status == "ok" and (self.always or (record.verdict in verdicts.LOCALISED and not load_time_alone))
 
     def localise(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> list[R.Localisation]:
         """The record's localisations (empty when the cell is not traced)."""
