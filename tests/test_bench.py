@@ -222,6 +222,32 @@ def test_a_cell_over_in_every_child_is_looked_at_again_and_over_only_when_over_t
     assert over(loadtime.confirm(_info(1.5), iter([_info(1.4), _info(1.3), None]).__next__, over, later=lambda: None))
 
 
+def test_a_candidate_is_timed_again_in_alternating_pairs_with_the_base_only_while_over():
+    """harness.loadtime.paired: the base build's host moments are the candidate's, so the pair's
+    fastest children are compared; the first pair starts with the candidate (the base loaded first
+    before it), the next with the base."""
+    order = []
+
+    def timer(who, queue):
+        return lambda: (order.append(who), queue.pop(0))[1]
+
+    mine, theirs = [_info(1.25), _info(1.3)], [_info(1.0), _info(0.98)]
+    cand, base = loadtime.paired(_info(1.3), _info(1.05), timer("candidate", mine), timer("base", theirs), 1.1)
+    assert order == ["candidate", "base", "base", "candidate"]
+    assert (cand.seconds, base.seconds) == (1.25, 0.98) and len(cand.children) == len(base.children) == 3
+    # the base loads slower in its second child: the candidate's fastest against the base's fastest
+    order.clear()
+    cand, base = loadtime.paired(_info(1.3), _info(1.05), timer("candidate", [_info(1.1)]),
+                                 timer("base", [_info(1.2)]), 1.1)
+    assert order == ["candidate", "base"] and loadtime.calibrated(cand) / loadtime.calibrated(base) < 1.1
+    # within the bound: nothing timed again, the records as they were
+    within = loadtime.paired(_info(1.1), _info(1.05), lambda: pytest.fail("retimed"), lambda: pytest.fail("retimed"), 1.1)
+    assert within == (_info(1.1), _info(1.05))
+    # a failed child ends the pairs: judged on what was timed
+    cand, base = loadtime.paired(_info(1.3), _info(1.0), lambda: None, timer("base", [_info(1.0)]), 1.1)
+    assert loadtime.calibrated(cand) / loadtime.calibrated(base) > 1.1
+
+
 def test_baseline_load_is_the_median_child_by_calibrated_value():
     queue = [_info(2.0, 2.0), _info(3.0, 1.0), _info(0.5, 1.0), _info(1.2, 1.0)]
     got = loadtime.baseline_load(_info(1.1, 1.0), lambda: queue.pop(0), children=5)

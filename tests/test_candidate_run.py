@@ -21,6 +21,7 @@ import pytest
 from harness import cli
 from harness import records as R
 from harness.engines.vllm import MUTATION_ENV
+from tests.stand_in_build import stand_in_build as make_stand_in
 
 if importlib.util.find_spec("vllm") is None:  # not imported here: the engine children import it
     pytest.skip("vLLM is not installed", allow_module_level=True)
@@ -52,13 +53,8 @@ models:
 
 
 def stand_in_build(root: Path, mutation: str | None) -> Path:
-    """A Python environment that is this venv's interpreter, with ``mutation`` in its environment."""
-    (root / "bin").mkdir(parents=True)
-    python = root / "bin" / "python"
-    setting = f"export {MUTATION_ENV}={mutation}\n" if mutation else f"unset {MUTATION_ENV}\n"
-    python.write_text(f"#!/bin/sh\n{setting}exec {sys.executable} \"$@\"\n")
-    python.chmod(0o755)
-    return root
+    """A stand-in build with ``mutation`` in its environment alone."""
+    return make_stand_in(root, {MUTATION_ENV: mutation})
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import pytest
 from harness import cli, cpu, runner, supervise
 from harness import records as R
 from harness import selection
+from tests.stand_in_build import stand_in_build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -533,6 +534,37 @@ def test_a_gated_cell_is_timed_in_several_children_for_its_baseline_and_confirme
     assert out.index(f"{second}: load time over") < verdict_line[second] < verdict_line[first]
     looked = [int(s) for s in re.findall(r"looked again (\d+) s after it", out)]
     assert len(looked) == 2 and min(looked) >= 20
+
+
+@pytest.mark.parametrize("hook", [None, "slow=3"])
+def test_a_candidate_builds_gated_load_is_judged_pair_by_pair_against_the_pinned_build(tmp_path, capsys, hook):
+    """A candidate's load is compared with the pinned build's of the same run, needing no stored
+    load baseline of this machine: the same build passes on one child each; one whose loader the
+    test hook slows is over in its first child, both builds are timed again in fresh children in
+    alternating order (harness.loadtime.paired), and it is regressed on load time alone, untraced."""
+    from harness import loadtime
+
+    matrix = tmp_path / "models.yaml"
+    matrix.write_text(GATED_MATRIX)
+    build = stand_in_build(tmp_path / "build", {"HARNESS_TEST_HOOK": hook})
+    results = tmp_path / "r"
+    _, out, _ = harness(capsys, "run", "--matrix", matrix, "--baselines", tmp_path / "b", "--tier", "cpu-load",
+                        "-k", "whisper and not again", "--results", results, "--candidate", f"reference={build}")
+    cell = GATED[0]
+    cand, base = R.load(results / "candidate" / f"{cell}.json"), R.load(results / f"{cell}.json")
+    check = next(c for c in cand.checks if c.name == "load-time:baseline")
+    if hook is None:
+        assert cand.verdict == "pass" and check.ok and not cand.load.children, out
+        return
+    assert cand.verdict == "regressed" and not check.ok and check.data["ratio"] > 1.5, out
+    assert not cand.localisation and "pair by pair" in out
+    pairs = loadtime.CONFIRMATIONS
+    assert len(cand.load.children) == 1 + pairs
+    timed = {name: [(results / "candidate" / "raw" / f"{name}.load{n}.json").stat().st_mtime_ns for n in (1, 2)]
+             for name in (cell, f"{cell}.base")}
+    # the first child of each build was the base's, then the candidate's: candidate, base; base, candidate
+    assert timed[cell][0] < timed[f"{cell}.base"][0] < timed[f"{cell}.base"][1] < timed[cell][1]
+    assert not base.load.children  # the pinned build's own record stays as it was judged
 
 
 def test_a_cell_child_ends_once_its_record_is_written_without_closing_its_engine(tmp_path):
