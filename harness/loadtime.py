@@ -281,20 +281,22 @@ def paired(first: R.LoadInfo, base: R.LoadInfo, retime: Callable[[], R.LoadInfo 
            retime_base: Callable[[], R.LoadInfo | None], bound: float,
            confirmations: int | None = None) -> tuple[R.LoadInfo, R.LoadInfo]:
     """A candidate build's load (``first``) against the pinned build's of the same run (``base``,
-    timed before it): while the candidate's fastest child over the base's fastest is above
-    ``bound``, both builds are timed again in fresh children (``retime``, ``retime_base``; None when
-    a child failed), at most ``confirmations`` pairs, in alternating order (base, candidate; then
-    candidate, base; then base, candidate) so that neither build always loads second. Both builds
-    see the host of the same minutes, so there is no later look. Returns (candidate, base), each
-    its fastest child with every child listed."""
+    timed before it): while the candidate's fastest child over the base's fastest is outside
+    [1/``bound``, ``bound``], both builds are timed again in fresh children (``retime``,
+    ``retime_base``; None when a child failed), at most ``confirmations`` pairs, in alternating
+    order (base, candidate; then candidate, base; then base, candidate) so that neither build
+    always loads second. Below the band too: one slow child of the base would make a slower
+    candidate read faster. Both builds see the host of the same minutes, so there is no later
+    look. Returns (candidate, base), each its fastest child with every child listed."""
     confirmations = CONFIRMATIONS if confirmations is None else confirmations
     mine, theirs = [first], [base]
 
-    def over() -> bool:
-        return calibrated(min(mine, key=calibrated)) / calibrated(min(theirs, key=calibrated)) > bound
+    def outside() -> bool:
+        ratio = calibrated(min(mine, key=calibrated)) / calibrated(min(theirs, key=calibrated))
+        return not 1 / bound <= ratio <= bound
 
     for n in range(confirmations):
-        if not over():
+        if not outside():
             break
         order = ((retime_base, theirs), (retime, mine)) if n % 2 else ((retime, mine), (retime_base, theirs))
         timed = [(into, timer()) for timer, into in order]

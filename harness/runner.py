@@ -470,8 +470,8 @@ class Runner:
             record.load, base.load, self._load_timer(cell, layout, cell.id, messages, self.candidates[cell.engine].python),
             self._load_timer(cell, layout, f"{cell.id}.base", messages), cell.bounds.load_time)
         if mine.children:
-            messages.insert(0, "load time: over the bound against the base build, so both timed again in fresh children, "
-                            "pair by pair (load / calibration, candidate: " + _children(mine) + "; base: "
+            messages.insert(0, "load time: outside the bound against the base build, so both builds timed again in fresh "
+                            "children, pair by pair (load / calibration, candidate: " + _children(mine) + "; base: "
                             + _children(theirs) + ")")
         return record.model_copy(update={"load": mine}), base.model_copy(update={"load": theirs}), messages
 

@@ -12,7 +12,7 @@ import pytest
 from harness import cli, cpu, loadtime
 from harness import matrix as M
 from harness import records as R
-from harness.bench import decode, detection, portability, report
+from harness.bench import decode, detection, pairs, portability, report
 from harness.fixtures import benchmark
 from harness.hooks import slowdown
 from harness.bench.detection import CellRun
@@ -224,8 +224,8 @@ def test_a_cell_over_in_every_child_is_looked_at_again_and_over_only_when_over_t
 
 def test_a_candidate_is_timed_again_in_alternating_pairs_with_the_base_only_while_over():
     """harness.loadtime.paired: the base build's host moments are the candidate's, so the pair's
-    fastest children are compared; the first pair starts with the candidate (the base loaded first
-    before it), the next with the base."""
+    fastest children are compared, while their ratio is outside [1/bound, bound]; the first pair
+    starts with the candidate (the base loaded first before it), the next with the base."""
     order = []
 
     def timer(who, queue):
@@ -240,6 +240,11 @@ def test_a_candidate_is_timed_again_in_alternating_pairs_with_the_base_only_whil
     cand, base = loadtime.paired(_info(1.3), _info(1.05), timer("candidate", [_info(1.1)]),
                                  timer("base", [_info(1.2)]), 1.1)
     assert order == ["candidate", "base"] and loadtime.calibrated(cand) / loadtime.calibrated(base) < 1.1
+    # one slow child of the base makes the candidate read faster than 1/bound: timed again too
+    order.clear()
+    cand, base = loadtime.paired(_info(1.2), _info(2.0), timer("candidate", [_info(1.25), _info(1.3)]),
+                                 timer("base", [_info(1.0), _info(1.05)]), 1.1)
+    assert len(order) == 4 and loadtime.calibrated(cand) / loadtime.calibrated(base) > 1.1
     # within the bound: nothing timed again, the records as they were
     within = loadtime.paired(_info(1.1), _info(1.05), lambda: pytest.fail("retimed"), lambda: pytest.fail("retimed"), 1.1)
     assert within == (_info(1.1), _info(1.05))
@@ -705,3 +710,46 @@ def test_the_memory_pass_reads_the_file_into_buffers_it_reuses(small_calibration
     loadtime.memory_pass(path)
     assert loadtime.memory_buffers(path.stat().st_size)[1] is wide
     assert np.array_equal(wide.numpy(), np.fromfile(path, dtype=np.float16).astype(np.float32))
+
+
+def test_the_pairs_part_counts_a_clean_candidate_and_catches_a_slowed_one(monkeypatch):
+    """harness.bench.pairs through loadtime.paired, with children that load in a fixed time, 20%
+    slower for a slowed candidate and for one that breaks the one cell a mutation applies to."""
+    cells = [types.SimpleNamespace(id=f"c{i}", engine=engine, scheme=scheme, bounds=types.SimpleNamespace(load_time=1.113))
+             for i, (engine, scheme) in enumerate([("reference", "torchao-int8wo"), ("vllm", "torchao-int8wo")])]
+    timed = []
+
+    def cell_run(cell, path, repeats, slow=0.0, mutation=None):
+        timed.append((cell.id, slow, mutation))
+        seconds = 1.0 + slow + (0.4 if mutation else 0.0) + 0.01 * (len(timed) % 3)
+        return CellRun(cell.id, (seconds,), 1.0, slow)
+
+    monkeypatch.setattr(detection, "cell_run", cell_run)
+    monkeypatch.setattr(detection, "preload", lambda cells, paths: None)
+    out = pairs.measure(cells, {c.id: None for c in cells}, clean_runs=4, slowed_runs=3, slowdowns=(0.2,), echo=lambda _: None)
+    assert out["clean"]["flagged_runs"] == 0 and out["clean"]["runs"] == 4
+    assert out["slowdown_20"]["flagged_runs"] == 3
+    assert all(v["pairs"] == 3 * loadtime.CONFIRMATIONS for v in out["slowdown_20"]["cells"].values())
+    mutated = out["torchao-full-size-dummy"]
+    assert list(mutated["cells"]) == ["c1"] and mutated["flagged_runs"] == 3
+    assert {m for _, _, m in timed if m} == {"torchao-full-size-dummy"}
+    assert out["predicted_false_alarm"] is not None and out["predicted_false_alarm"] < 0.01
+    fig = {"pairs": out}
+    target = next(t for t in report.targets(fig) if t["target"].startswith("6 "))
+    assert target["ok"] is True and "slowdown_20: 3 of 3 runs flagged" in target["detail"]
+    assert "| slowdown_20 | c0 | 3 |" in report.markdown(fig)
+
+
+def test_the_pairs_target_needs_the_catches_and_few_enough_clean_flags():
+    def fig(clean_flagged, clean_runs, caught, predicted=0.001):
+        return {"pairs": {"clean": {"runs": clean_runs, "flagged_runs": clean_flagged, "cells": {}},
+                          "slowdown_20": {"runs": 20, "flagged_runs": caught, "cells": {}},
+                          "predicted_false_alarm": predicted}}
+
+    ok = lambda f: next(t for t in report.targets(f) if t["target"].startswith("6 "))["ok"]  # noqa: E731
+    assert ok(fig(0, 30, 20)) is True
+    assert ok(fig(0, 30, 18)) is False  # 90% caught
+    assert ok(fig(1, 30, 20)) is False
+    assert ok(fig(0, 30, 20, predicted=0.05)) is False  # too few runs to show < 1%, and the model says more
+    assert ok(fig(0, 100, 20, predicted=0.05)) is True
+    assert ok({"pairs": None}) is None

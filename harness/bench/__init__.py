@@ -4,7 +4,8 @@ docs/bench.md).
 Parts, each selectable with ``--parts``: ``load`` (harness.bench.load, on the sizes of
 harness.fixtures.benchmark), ``decode`` (harness.bench.decode), ``detection`` (harness.bench.detection,
 on models.yaml's cpu-load cells), ``portability`` (harness.bench.portability: stored cpu-load
-baselines under each kernel condition; only when named) and ``matrix`` (harness.bench.matrix_run, ``--before REF`` vs
+baselines under each kernel condition; only when named), ``pairs`` (harness.bench.pairs: a
+candidate build's load-time gate against the pinned build, pair by pair; only when named) and ``matrix`` (harness.bench.matrix_run, ``--before REF`` vs
 HEAD). ``--quick`` runs the S size only, and by default the load and decode parts. The figures go
 to BENCHMARKS.md (``--output``) and, with ``--json``, to stdout (harness.bench.report).
 """
@@ -18,17 +19,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import cpu
-from harness.bench import decode, detection, load, matrix_run, portability, report
+from harness.bench import decode, detection, load, matrix_run, pairs, portability, report
 from harness.errors import UsageError
 from harness.fixtures import benchmark
 from harness.layout import default_results_dir
 from harness.loadtime import BASELINE_CHILDREN, REPO_ROOT
 from harness.records import atomic_write_text
 
-PARTS = ("load", "decode", "detection", "portability", "matrix")
+PARTS = ("load", "decode", "detection", "portability", "pairs", "matrix")
 QUICK_PARTS = ("load", "decode")
-# portability only when named: it times every cpu-load cell under three kernel conditions (~15 min)
-DEFAULT_PARTS = tuple(p for p in PARTS if p != "portability")
+# only when named: portability times every cpu-load cell under three kernel conditions (~15 min),
+# pairs two builds' every cell in every run
+NAMED_ONLY = ("portability", "pairs")
+DEFAULT_PARTS = tuple(p for p in PARTS if p not in NAMED_ONLY)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,15 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-children", type=int, default=BASELINE_CHILDREN, metavar="N",
                    help=f"detection: the choice runs whose median child is each cell's baseline, as --update-baselines "
                         f"records one (default {BASELINE_CHILDREN}, harness.loadtime.BASELINE_CHILDREN)")
-    p.add_argument("--detection-k", metavar="EXPR", help="detection and portability: only the cpu-load cells of this -k "
-                                                          "expression (say, vllm); detection chooses its rule on those alone")
+    p.add_argument("--detection-k", metavar="EXPR", help="detection, portability and pairs: only the cpu-load cells of this "
+                                                          "-k expression (say, vllm); detection chooses its rule on those alone")
     p.add_argument("--detection-loads", type=int, default=max(detection.REPEATS), metavar="N",
                    help="detection: loads per child of the choice runs; the candidate rules time at most N "
                         f"(default {max(detection.REPEATS)}; 1 for vLLM's cells, each load a whole engine)")
-    p.add_argument("--held-out-runs", type=int, default=13, metavar="N", help="detection: held-out clean runs")
-    p.add_argument("--slowed-runs", type=int, default=8, metavar="N", help="detection: held-out runs per slowdown")
+    p.add_argument("--held-out-runs", type=int, default=13, metavar="N", help="detection: held-out clean runs; pairs: clean runs")
+    p.add_argument("--slowed-runs", type=int, default=8, metavar="N",
+                   help="detection: held-out runs per slowdown; pairs: runs per slowdown and per mutation")
     p.add_argument("--slowdowns", type=_fractions, default=detection.SLOWDOWNS, metavar="F[,F]",
-                   help="detection: the slowdowns of the held-out runs (default "
+                   help="detection and pairs: the slowdowns of the held-out runs (default "
                         f"{','.join(map(str, detection.SLOWDOWNS))}; {detection.SLOWDOWN_TARGET} is the one the gate must catch)")
     p.add_argument("--portability-runs", type=int, default=report.PORTABLE_RUNS, metavar="N",
                    help=f"portability: clean runs of the gate per kernel condition (default {report.PORTABLE_RUNS}, "
@@ -213,6 +217,23 @@ def portability_part(args, echo: Callable[[str], None]) -> dict:
         raise UsageError(str(e)) from None
 
 
+def pairs_part(args, echo: Callable[[str], None]) -> dict:
+    # lazy: yaml, +60 ms (scripts/import-graph --costs)
+    from harness import matrix, selection
+
+    m = matrix.load(args.matrix)
+    cells = selection.select(m.cells(tier="cpu-load"), args.detection_k)
+    if not cells:
+        raise UsageError(f"{args.matrix}: no cpu-load cells{' match ' + repr(args.detection_k) if args.detection_k else ''}: "
+                         "the pairs part needs the load-time set")
+    benchmark.ensure_for_cells(m, cells, echo)
+    paths = {c.id: (m._dir / c.path).resolve() for c in cells}
+    t0 = time.perf_counter()
+    out = pairs.measure(cells, paths, clean_runs=args.held_out_runs, slowed_runs=args.slowed_runs,
+                        slowdowns=args.slowdowns, echo=echo)
+    return {**out, "selected": args.detection_k, "seconds": time.perf_counter() - t0}
+
+
 def matrix_part(before: str, select: str | None, echo: Callable[[str], None]) -> tuple[dict, str]:
     b, a = matrix_run.measure(before, echo, select)
     slowest = "\n".join(f"{cell}: {s:.1f} s" for cell, s in a.slowest)
@@ -242,7 +263,8 @@ def run(args) -> int:
     parts, sizes = _parts(args), _sizes(args)
     echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is for --json
     # native.describe() builds the C decoders (once per machine) before any timed child could pay for it
-    fig: dict = {"load": None, "decode": None, "detection": None, "portability": None, "matrix": None, "machine": cpu.describe(),
+    fig: dict = {"load": None, "decode": None, "detection": None, "portability": None, "pairs": None, "matrix": None,
+                 "machine": cpu.describe(),
                  "decoders": native.describe(), "cores": os.cpu_count(), "profiles": {}, "notes": []}
     t0 = time.perf_counter()
     if "load" in parts:
@@ -258,6 +280,9 @@ def run(args) -> int:
     if "portability" in parts:
         echo(f"bench: portability (the cpu-load baselines in {args.baselines}, per kernel condition)")
         fig["portability"] = portability_part(args, echo)
+    if "pairs" in parts:
+        echo("bench: pairs (a candidate build's load-time gate against the pinned build, cpu-load cells)")
+        fig["pairs"] = pairs_part(args, echo)
     if "matrix" in parts:
         echo(f"bench: matrix, {args.before} vs HEAD")
         fig["matrix"], slowest = matrix_part(args.before, args.matrix_k, echo)

@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from harness import loadtime
+from harness import records as R
 from harness.engines import base, reference, transformers  # noqa: F401
 from harness.loadtime import BASELINE_CHILDREN, load_statistic, lower_median, retimed
 from harness.registry import ENGINES
@@ -87,6 +88,11 @@ class CellRun:
         """load/calibration under a rule (the first ``k`` loads, their ``statistic``)."""
 
         return load_statistic(list(self.samples[:k]), statistic) / self.calibration
+
+    def load_info(self) -> R.LoadInfo:
+        """The child as the gate records it (its loads' ``loadtime.STATISTIC``)."""
+        return R.LoadInfo(seconds=load_statistic(list(self.samples)), phases={"calibration": self.calibration},
+                          calibration_workload=self.workload)
 
 
 # One cell's children in one run: the first, then its confirmations.
@@ -143,7 +149,7 @@ class Detection:
 # ------------------------------------------------------------------------------ the statistics
 
 
-def _robust_sd(values: Sequence[float]) -> float:
+def robust_sd(values: Sequence[float]) -> float:
     med = statistics.median(values)
     return MAD_TO_SD * statistics.median(abs(v - med) for v in values)
 
@@ -155,7 +161,7 @@ def _spread(runs: Sequence[Sequence[CellRun]], k: int, stat: str) -> float:
         for cr in run:
             by_cell.setdefault(cr.cell, []).append(math.log(cr.value(k, stat)))
     deviations = [v - statistics.median(vs) for vs in by_cell.values() for v in vs]
-    return max(_robust_sd(deviations), 1e-6)
+    return max(robust_sd(deviations), 1e-6)
 
 
 @dataclass(frozen=True)
@@ -217,7 +223,7 @@ def _back_to_back_sd(pairs: Sequence[tuple[CellRun, CellRun]], k: int, stat: str
     of their log difference over sqrt(2). None without pairs."""
     if not pairs:
         return None
-    return max(_robust_sd([math.log(a.value(k, stat) / b.value(k, stat)) for a, b in pairs]) / math.sqrt(2), 1e-6)
+    return max(robust_sd([math.log(a.value(k, stat) / b.value(k, stat)) for a, b in pairs]) / math.sqrt(2), 1e-6)
 
 
 def baseline_of(choice: Sequence[Sequence[CellRun]], k: int, stat: str, children: int) -> dict[str, float]:
@@ -272,7 +278,7 @@ def predicted_false_alarm(rule: Rule, clean: Sequence[Sequence[Children]], base:
     """The per-run false-alarm rate of the normal model fitted to held-out clean first children
     (their mean and spread; the back-to-back part of the spread as the rule's choice measured it)."""
     logs = [math.log(ch[0].value(rule.repeats, rule.statistic) / base[ch[0].cell]) for run in clean for ch in run]
-    mu, sd = statistics.fmean(logs), max(_robust_sd(logs), 1e-6)
+    mu, sd = statistics.fmean(logs), max(robust_sd(logs), 1e-6)
     within = sd if rule.within is None else min(rule.within, sd)
     noise = Noise(math.sqrt(sd ** 2 - within ** 2), within)
     return _modelled_flag(rule.threshold, noise, rule.confirmations, len(base), 0.0, mu)

@@ -44,9 +44,7 @@ def conditions() -> dict[str, dict[str, str]]:
 
 
 def _ratio(cr: detection.CellRun, baseline: R.LoadInfo) -> float:
-    info = R.LoadInfo(seconds=loadtime.load_statistic(list(cr.samples)), phases={"calibration": cr.calibration},
-                      calibration_workload=cr.workload)
-    return load_ratio(info, baseline)[0]
+    return load_ratio(cr.load_info(), baseline)[0]
 
 
 def time_runs(cells, paths: dict, baseline_loads: dict[str, R.LoadInfo], runs: int,

@@ -9,6 +9,8 @@
      "detection": {slowdown_10, slowdown_20, slowdown_50, false_alarm, ...},
      "portability": {condition: {environment, runs, complete_runs, false_alarm_runs, improved_runs,
                                  cells: {cell: {reported, children, error, bound, regressed, improved}}}},
+     "pairs": {clean | slowdown_20 | <mutation>: {runs, flagged_runs, cells: {cell: {bound, first, ratios, flagged, pairs}}},
+               predicted_false_alarm, selected, seconds},
      "matrix": {before_s, after_s, before, after},
      "machine": harness.cpu.describe(), "decoders": harness.quant.native.describe(), "cores", "load_repeats",
      "targets": [...], "profiles": {...}, "notes": [...]}
@@ -111,6 +113,8 @@ def targets(fig: dict) -> list[dict]:
         (f"4 matrix after <= {MATRIX_SPEEDUP}x before", _matrix_ok(mx), _matrix_detail(mx)),
         (f"5 stored cpu-load baselines: no false alarm in >= {PORTABLE_RUNS} clean runs under each kernel condition",
          _portability_ok(fig.get("portability")), _portability_detail(fig.get("portability"))),
+        (f"6 a candidate build's load against the pinned build's, pair by pair: >= {100 * DETECT_AT_20:g}% caught at 20%, "
+         f"false alarms < {100 * FALSE_ALARM:g}%", _pairs_ok(fig.get("pairs")), _pairs_detail(fig.get("pairs"))),
     ]
     return [{"target": t, "ok": ok, "detail": d} for t, ok, d in out]
 
@@ -203,6 +207,50 @@ def _portability_lines(port: dict | None) -> list[str]:
                          f"{v['bound']:.3f} | {v['later_looks']} | {v['regressed']} | {v['improved']} |")
     lines += ["", "; ".join(f"{name}: {c['false_alarm_runs']} of {c['complete_runs']} runs with a false alarm, "
                             f"{c['improved_runs']} reading improved" for name, c in port.items()) + "."]
+    return lines
+
+
+def _pairs_ok(pairs: dict | None) -> bool | None:
+    """Runs slowed by 20% caught in >= 95%; clean runs flagged in < 1%, by count over 100 runs or
+    more, else by the normal model's upper bound too (harness.bench.pairs)."""
+    if not pairs or "slowdown_20" not in pairs or not pairs["clean"]["runs"]:
+        return None
+    clean, slowed = pairs["clean"], pairs["slowdown_20"]
+    if slowed["flagged_runs"] < DETECT_AT_20 * slowed["runs"] or clean["flagged_runs"] >= FALSE_ALARM * clean["runs"]:
+        return False
+    predicted = pairs.get("predicted_false_alarm")
+    return clean["runs"] >= 1 / FALSE_ALARM or (predicted is not None and predicted < FALSE_ALARM)
+
+
+def _pairs_detail(pairs: dict | None) -> str:
+    if not pairs:
+        return "not measured"
+    said = [f"{key}: {v['flagged_runs']} of {v['runs']} runs flagged" for key, v in pairs.items() if isinstance(v, dict) and "runs" in v]
+    predicted = pairs.get("predicted_false_alarm")
+    if predicted is not None:
+        said.append(f"clean, model-predicted at most {100 * predicted:.2g}% per run")
+    return "; ".join(said)
+
+
+def _pairs_lines(pairs: dict | None) -> list[str]:
+    if not pairs:
+        return ["not measured"]
+    lines = ["A candidate build against the pinned build in the same run (harness.bench.pairs): per cell and "
+             "change, the calibrated ratio of the candidate's fastest child over the base's, as the gate reports "
+             "it after its confirmation pairs; `first`: the first pair's ratio; `pairs`: confirmation pairs timed. "
+             "No baseline is stored or read.", "",
+             "| candidate | cell | runs | first: median | ratio: min | median | max | bound | pairs | flagged |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, v in pairs.items():
+        if not isinstance(v, dict) or "cells" not in v:
+            continue
+        for cell, c in v["cells"].items():
+            r = sorted(c["ratios"])
+            mid = (len(r) - 1) // 2
+            lines.append(f"| {key} | {cell} | {len(r)} | {_num(sorted(c['first'])[mid] if r else None)} | "
+                         f"{_num(r[0] if r else None)} | {_num(r[mid] if r else None)} | {_num(r[-1] if r else None)} | "
+                         f"{c['bound']:.3f} | {c['pairs']} | {c['flagged']} |")
+    lines += ["", _pairs_detail(pairs) + f" ({pairs.get('seconds', 0):.0f} s)."]
     return lines
 
 
@@ -312,6 +360,8 @@ def markdown(fig: dict) -> str:
     lines += ["", "## Load-time detection (cpu-load)", ""] + _detection_lines(fig.get("detection") or {})
     lines += ["", "## Stored load-time baselines across kernel conditions (cpu-load)", ""]
     lines += _portability_lines(fig.get("portability"))
+    lines += ["", "## A candidate build's load-time gate, pair by pair (cpu-load)", ""]
+    lines += _pairs_lines(fig.get("pairs"))
     mx = fig.get("matrix") or {}
     lines += ["", "## Matrix (`harness run`, cpu-tiny, default options)", ""]
     lines += ([f"Before ({mx['before']}): {mx['before_s']:.0f} s. After ({mx['after']}): {mx['after_s']:.0f} s."]

@@ -1,0 +1,101 @@
+"""The candidate build's load-time gate, pair by pair (issue 31; ``harness run --candidate`` on a
+gated tier, harness.loadtime.paired): how often does a candidate the same as the pinned build read
+over its bound, and how often is a slower one caught? No baseline is stored or read, so the answer
+does not depend on the machine kind a baseline was recorded on.
+
+A *pair-run* of a cell is what the runner's gate does for a candidate cell: the base's load in a
+fresh child, then the candidate's (harness.bench.detection.cell_run), then ``loadtime.paired``
+with the cell's bound from models.yaml. The candidate differs from the base only by the test-only
+slowdown hook (what a stand-in build's environment sets: tests/test_runner.py) or by a test-only
+vLLM mutation (harness.bench.detection.MUTATIONS). A *run* is one pair-run of every cell the change
+applies to; it is flagged when any of them is. Clean runs give the false alarms, runs with the
+candidate slowed by each slowdown (and with each mutation) the detection.
+
+Fewer than 100 clean runs cannot show a false-alarm rate under 1% by count, so each cell's first
+pair's log ratio is also fitted with a normal model (median, robust spread): the chance that a
+first pair is over the bound bounds the chance that the pair-run flags (which needs its
+confirmation pairs over too) from above.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+
+from harness import loadtime
+from harness.bench import detection
+
+CLEAN = "clean"
+
+
+def pair_run(cell, path, *, slow: float = 0.0, mutation: str | None = None) -> dict:
+    """One pair-run of ``cell``: {first (the first pair's calibrated ratio), ratio (as the gate
+    reports it), flagged, pairs (confirmation pairs timed)}."""
+
+    def base():
+        return detection.cell_run(cell, path, 1).load_info()
+
+    def candidate():
+        return detection.cell_run(cell, path, 1, slow=slow, mutation=mutation).load_info()
+
+    first_base = base()
+    first = candidate()
+    mine, theirs = loadtime.paired(first, first_base, candidate, base, cell.bounds.load_time)
+    ratio = loadtime.calibrated(mine) / loadtime.calibrated(theirs)
+    return {"first": loadtime.calibrated(first) / loadtime.calibrated(first_base), "ratio": ratio,
+            "flagged": ratio > cell.bounds.load_time, "pairs": max(len(mine.children) - 1, 0)}
+
+
+def changes(cells, slowdowns: Sequence[float]) -> list[tuple[str, dict, list]]:
+    """(key, what the candidate changes, the cells it applies to): clean, each slowdown, each mutation."""
+    out = [(CLEAN, {}, list(cells))]
+    out += [(detection.slowdown_key(f), {"slow": f}, list(cells)) for f in slowdowns]
+    for name, applies in detection.MUTATIONS.items():
+        subjects = [c for c in cells if applies(c)]
+        if subjects:
+            out.append((name, {"mutation": name}, subjects))
+    return out
+
+
+def over_chance(firsts: Sequence[float], bound: float) -> float | None:
+    """The normal model's chance that a first pair's calibrated ratio is over ``bound``."""
+    if len(firsts) < 3:
+        return None
+    logs = [math.log(r) for r in firsts]
+    sd = detection.robust_sd(logs)
+    if sd <= 0:
+        return 0.0 if statistics.median(logs) <= math.log(bound) else 1.0
+    return 1 - statistics.NormalDist(statistics.median(logs), sd).cdf(math.log(bound))
+
+
+def measure(cells, paths: dict, *, clean_runs: int, slowed_runs: int, slowdowns: Sequence[float],
+            echo: Callable[[str], None] = print) -> dict:
+    """{key: {runs, flagged_runs, cells: {cell: {bound, first, ratios, flagged, pairs}}}, "predicted_false_alarm"}:
+    the clean runs and the changed ones (module docstring)."""
+    detection.preload(cells, paths)
+    out: dict = {}
+    for key, change, subjects in changes(cells, slowdowns):
+        runs = clean_runs if key == CLEAN else slowed_runs
+        by_cell = {c.id: {"bound": c.bounds.load_time, "first": [], "ratios": [], "flagged": 0, "pairs": 0} for c in subjects}
+        flagged_runs = 0
+        for n in range(runs):
+            flags = []
+            for c in subjects:
+                try:
+                    r = pair_run(c, paths[c.id], **change)
+                except RuntimeError as e:
+                    raise RuntimeError(f"{c.id}: {e}") from None
+                v = by_cell[c.id]
+                v["first"].append(r["first"])
+                v["ratios"].append(r["ratio"])
+                v["flagged"] += r["flagged"]
+                v["pairs"] += r["pairs"]
+                flags.append(r["flagged"])
+            flagged_runs += any(flags)
+            echo(f"  pairs {key} {n + 1}/{runs}: " + ", ".join(f"{cid} {v['ratios'][-1]:.3f}" for cid, v in by_cell.items())
+                 + (" FLAGGED" if any(flags) else ""))
+        out[key] = {"runs": runs, "flagged_runs": flagged_runs, "cells": by_cell}
+    chances = [over_chance(v["first"], v["bound"]) for v in out[CLEAN]["cells"].values()]
+    out["predicted_false_alarm"] = (None if None in chances or not chances
+                                    else 1 - math.prod(1 - p for p in chances))
+    return out
