@@ -18,7 +18,7 @@ not fuse shards (transformers) is in the group (docs/design.md, "Fusion rule").
 
 **Load time across children.** On a load-time gated tier, a cell over its bound is timed again in
 fresh ``load`` children before its verdict, and ``update_baselines`` stores the median of several
-(:meth:`Runner._settle_load_time`, harness.loadtime). A cell over in every one waits for its
+(harness.gate, harness.loadtime). A cell over in every one waits for its
 later look; in ``harness run`` the gated groups still to run are timed meanwhile, so a slowdown
 every gated cell shares costs one wait, not one per cell.
 
@@ -47,11 +47,8 @@ module against the engines it disagrees with and against its baseline's fingerpr
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,9 +62,10 @@ from harness import compare as C
 from harness import judging
 from harness import cpu, loadtime, measure_noise, probes
 from harness import records as R
-from harness import store, supervise, terminal
+from harness import store, supervise
 from harness.accuracy import store as accuracy_store
 from harness.files import Written
+from harness.gate import LoadGate
 from harness.fixtures import benchmark, cache
 from harness.layout import Layout, default_results_dir, group_key
 from harness.matrix import CPU_TIERS, ENGINES, Cell, Matrix, expand
@@ -134,11 +132,7 @@ class Runner:
         self.update_baselines = update_baselines
         self.update_fingerprints = update_fingerprints
         self.update_kernel_baselines = update_kernel_baselines
-        # seconds after a gated cell's first child that a cell over its bound in every child is
-        # timed again (harness.loadtime.LATER_LOOK_S)
-        self.later_look_s = later_look_s
-        # the timed groups run() has still to start: a cell waiting for its later look runs them
-        self._timed_still_to_run: deque[Callable[[], object]] = deque()
+        self.gate = LoadGate(self, later_look_s)
         self.tracer = Tracer(self, always=trace)
         self.matrix_dir = Path(matrix_path).resolve().parent if matrix_path else supervise.REPO_ROOT
         self.threads = threads or int(os.environ.get(supervise.THREADS_ENV) or 1)
@@ -360,7 +354,7 @@ class Runner:
         except B.BaselineError as e:
             checks = self._judge(cell, record, None, raws).checks
             return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", checks).apply(record))
-        record, retimed = self._settle_load_time(cell, record, baseline)
+        record, retimed = self.gate.settle(cell, record, baseline)
         j = self._judge(cell, record, baseline, raws, acc_baseline)
         result = CellResult(cell, j.apply(record), messages=retimed)
         if root != self.baselines_root:
@@ -409,91 +403,6 @@ class Runner:
                 result.messages.append(done)
         return result
 
-    def _settle_load_time(self, cell: Cell, record: R.Record, baseline) -> tuple[R.Record, list[str]]:
-        """A gated cell's load timed in more fresh children (harness.loadtime): the median
-        of several when a baseline may be written, a confirmation when the first is over the bound,
-        and a later look when every child of those is."""
-        if not cell.gate_load_time or record.status != "ok" or record.load is None:
-            return record, []
-        messages: list[str] = []
-        retime = self._load_timer(cell, self.layout, cell.id, messages)
-        if self.update_baselines:
-            load = loadtime.baseline_load(record.load, retime)
-            what = "median of"
-            unsteady = loadtime.unsteady_baseline(load, cell.bounds.load_time)
-            if unsteady:
-                messages.append(unsteady)
-        elif baseline is not None and baseline.load is not None and baseline.load.seconds > 0:
-            bound = cell.bounds.load_time
-            load = loadtime.confirm(record.load, retime, lambda info: C.load_ratio(info, baseline.load)[0] > bound,
-                                    later=self._later_look(cell, messages))
-            what = "over the bound: fastest of"
-        else:
-            return record, []
-        said = [f"load time: {what} {len(load.children)} children (load / calibration: {_children(load)})"
-                ] if load.children else []
-        return record.model_copy(update={"load": load}), said + messages
-
-    def _load_timer(self, cell: Cell, layout: Layout, name: str, messages: list[str],
-                    python: str | None = None) -> Callable[[], R.LoadInfo | None]:
-        """A function that times the cell's load in a fresh ``load`` child (under ``python``) and
-        returns its LoadInfo; None, with a line in ``messages``, when that child failed. Child N's
-        files: ``layout``'s ``raw/<name>.load<N>.json`` and its log."""
-        children = itertools.count(1)
-
-        def retime() -> R.LoadInfo | None:
-            n = next(children)
-            out, log = layout.load_child(name, n), layout.log(f"{name}.load{n}")
-            out.unlink(missing_ok=True)
-            failed = self.run_child(cell, mode="load", sequences=None, record_path=out.with_suffix(".error.json"),
-                                    log=log, extra={"load_out": str(out)}, python=python)
-            try:
-                if failed is None:
-                    return R.LoadInfo.model_validate_json(out.read_text())
-                why = f"{failed.error.type}: {failed.error.message}" if failed.error else failed.status
-            except (OSError, ValueError) as e:
-                why = f"its timing is unreadable: {e}"
-            messages.append(f"load time: timing it again in a fresh child failed ({terminal.one_line(why, 120)}; {log})")
-            return None
-        return retime
-
-    def _pair_load_time(self, cell: Cell, record: R.Record, base: R.Record) -> tuple[R.Record, R.Record, list[str]]:
-        """A gated candidate cell's load against the pinned build's of this run, pair by pair
-        (harness.loadtime.paired): (the candidate's record, the base's record to judge it against,
-        what to say). The base's own record is left as it was judged."""
-        if (not cell.gate_load_time or record.status != "ok" or record.load is None
-                or base.status != "ok" or base.load is None):
-            return record, base, []
-        messages: list[str] = []
-        layout = self.candidate_layout
-        mine, theirs = loadtime.paired(
-            record.load, base.load, self._load_timer(cell, layout, cell.id, messages, self.candidates[cell.engine].python),
-            self._load_timer(cell, layout, f"{cell.id}.base", messages), cell.bounds.load_time)
-        if mine.children:
-            messages.insert(0, "load time: outside the bound against the base build, so both builds timed again in fresh "
-                            "children, pair by pair (load / calibration, candidate: " + _children(mine) + "; base: "
-                            + _children(theirs) + ")")
-        return record.model_copy(update={"load": mine}), base.model_copy(update={"load": theirs}), messages
-
-    def _later_look(self, cell: Cell, messages: list[str]) -> Callable[[], None]:
-        """What a cell over its bound in every child of its first look does before its later look:
-        says so, runs the timed groups :meth:`run` has still to start (their cells see the same host,
-        one at a time) while the look is not yet due, and waits out the rest of ``later_look_s``
-        after now (its first child was timed moments ago)."""
-        due = time.monotonic() + self.later_look_s
-
-        def wait() -> None:
-            meanwhile = ", timing the other gated cells meanwhile" if self._timed_still_to_run else ""
-            self.say(f"        {cell.id}: load time over its bound in every child; looking again in "
-                     f"{max(0.0, due - time.monotonic()):.0f} s{meanwhile} "
-                     "(the host's level wanders over minutes; harness run --later-look)")
-            while self._timed_still_to_run and time.monotonic() < due:
-                self._timed_still_to_run.popleft()()
-            time.sleep(max(0.0, due - time.monotonic()))
-            messages.append(f"load time: over the bound in every child of its first look; looked again "
-                            f"{time.monotonic() - due + self.later_look_s:.0f} s after it")
-        return wait
-
     def _localise(self, result: CellResult, raws: dict[str, R.Record]) -> None:
         """The module traces' localisation (harness.traces.jobs) of a failed or regressed cell (of
         every cell under ``trace``), before its baseline is handled: a rounding flip it shows
@@ -530,7 +439,7 @@ class Runner:
                                  record_path=layout.raw(cell.id), log=layout.log(cell.id), python=candidate.python)
         rec = rec.model_copy(update={"candidate": candidate.spec})
         R.save(layout.raw(cell.id), rec)
-        rec, against, retimed = self._pair_load_time(cell, rec, base.record)
+        rec, against, retimed = self.gate.pair(cell, rec, base.record, layout, candidate.python)
         group = self.groups[group_key(cell)]
         j = judging.judge_against_base(cell, rec, against, [r for e, r in raws.items() if e != cell.engine],
                                        known_failures=[k for c in group for k in c.known_failures],
@@ -606,15 +515,11 @@ class Runner:
                 self.supervisor.kill_all()
                 raise
             ex.shutdown()
-        self._timed_still_to_run.extend(functools.partial(work, k) for k in timed)
-        while self._timed_still_to_run:
-            self._timed_still_to_run.popleft()()
+        self.gate.meanwhile.extend(functools.partial(work, k) for k in timed)
+        while self.gate.meanwhile:
+            self.gate.meanwhile.popleft()()
         order = {c.id: i for i, c in enumerate(self.cells)}
         return sorted(done, key=lambda r: (order[r.cell.id], r.record.candidate is not None))
-
-
-def _children(load: R.LoadInfo) -> str:
-    return ", ".join(f"{c.seconds:.4g} / {c.calibration or 0:.4g} s" for c in load.children)
 
 
 def untimed_and_timed(groups: dict[str, list[Cell]]) -> tuple[list[str], list[str]]:
