@@ -8,7 +8,7 @@ builds"): what a gated cell's first child does not settle alone.
   :meth:`harness.runner.Runner.run` fills), so a slowdown every gated cell shares costs the run one
   wait, not one per cell.
 - :meth:`LoadGate.pair`: a candidate build's cell against the pinned build's of the same run,
-  both builds timed again pair by pair while outside the bound (``loadtime.paired``).
+  both builds timed in balanced pairs of fresh children (``loadtime.paired``).
 
 Child N of a cell is ``raw/<cell id>.load<N>.json`` in the run's layout (the candidate's layout for
 a candidate; the pinned build's children timed in pairs: ``<cell id>.base.load<N>``).
@@ -80,19 +80,22 @@ class LoadGate:
     def pair(self, cell: Cell, record: R.Record, base: R.Record, layout: Layout,
              python: str) -> tuple[R.Record, R.Record, list[str]]:
         """A gated candidate cell (``record``, its children under ``python``, its files in
-        ``layout``) against the pinned build's record of this run, pair by pair: (the candidate's
-        record, the base's record to judge it against, what to say). The base's own record is
-        left as it was judged."""
+        ``layout``) against the pinned build of this run, in balanced pairs of load children:
+        (the candidate's record, the base's record to judge it against, what to say). The base's
+        own record is left as it was judged; where a child failed, the two cell children's loads
+        are compared instead."""
         if (not cell.gate_load_time or record.status != "ok" or record.load is None
                 or base.status != "ok" or base.load is None):
             return record, base, []
         messages: list[str] = []
-        mine, theirs = loadtime.paired(record.load, base.load, self.timer(cell, layout, cell.id, messages, python),
-                                       self.timer(cell, layout, f"{cell.id}.base", messages), cell.bounds.load_time)
-        if mine.children:
-            messages.insert(0, "load time: outside the bound against the base build, so both builds timed again in fresh "
-                            f"children, pair by pair (load / calibration, candidate: {_children(mine)}; base: "
-                            f"{_children(theirs)})")
+        timed = loadtime.paired(self.timer(cell, layout, cell.id, messages, python),
+                                self.timer(cell, layout, f"{cell.id}.base", messages))
+        if timed is None:
+            return record, base, messages
+        mine, theirs = timed
+        messages.insert(0, f"load time: against the base build in {loadtime.CANDIDATE_PAIRS} pairs of fresh children, "
+                        f"each build first as often (load / calibration, candidate: {_children(mine)}; base: "
+                        f"{_children(theirs)})")
         return record.model_copy(update={"load": mine}), base.model_copy(update={"load": theirs}), messages
 
     def timer(self, cell: Cell, layout: Layout, name: str, messages: list[str],

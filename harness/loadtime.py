@@ -71,6 +71,9 @@ CONFIRMATIONS = 2
 # host's level measured (over for at least 3.5 minutes, back by 18; docs/decisions.md, 2026-12-05).
 # Paid only by a cell over its bound in every child of its first look, so by a real regression.
 LATER_LOOK_S = 600.0
+# The pairs of fresh children that time a candidate build's gated load against the pinned build's
+# (:func:`paired`): even, so that each build loads first as often as second.
+CANDIDATE_PAIRS = 2
 # The children a gated baseline is the median of (the detection bench takes its baseline the same way).
 BASELINE_CHILDREN = 5
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -277,34 +280,23 @@ def confirm(first: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
     return _reported(infos, min(infos, key=calibrated))
 
 
-def paired(first: R.LoadInfo, base: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
-           retime_base: Callable[[], R.LoadInfo | None], bound: float,
-           confirmations: int | None = None) -> tuple[R.LoadInfo, R.LoadInfo]:
-    """A candidate build's load (``first``) against the pinned build's of the same run (``base``,
-    timed before it): while the candidate's fastest child over the base's fastest is outside
-    [1/``bound``, ``bound``], both builds are timed again in fresh children (``retime``,
-    ``retime_base``; None when a child failed), at most ``confirmations`` pairs, in alternating
-    order (base, candidate; then candidate, base; then base, candidate) so that neither build
-    always loads second. Below the band too: one slow child of the base would make a slower
-    candidate read faster. Both builds see the host of the same minutes, so there is no later
-    look. Returns (candidate, base), each its fastest child with every child listed."""
-    confirmations = CONFIRMATIONS if confirmations is None else confirmations
-    mine, theirs = [first], [base]
-
-    def outside() -> bool:
-        ratio = calibrated(min(mine, key=calibrated)) / calibrated(min(theirs, key=calibrated))
-        return not 1 / bound <= ratio <= bound
-
-    for n in range(confirmations):
-        if not outside():
-            break
+def paired(retime: Callable[[], R.LoadInfo | None], retime_base: Callable[[], R.LoadInfo | None],
+           pairs: int = CANDIDATE_PAIRS) -> tuple[R.LoadInfo, R.LoadInfo] | None:
+    """A candidate build's load against the pinned build's, timed in ``pairs`` pairs of fresh
+    children (``retime``, ``retime_base``; None when a child failed) in alternating order: the
+    candidate first, then the base first. A child timed right after another loads a few percent
+    slower (vLLM's bnb cell on the AMX Xeon: 3% by the median of 12 pairs, none with a second's
+    pause; docs/decisions.md, 2026-12-05, third session), so each build loads first as often as
+    second. Both builds see the host of the same minutes, so there is no later look. Returns
+    (candidate, base), each its fastest child with every child listed; None when a child failed."""
+    mine, theirs = [], []
+    for n in range(pairs):
         order = ((retime_base, theirs), (retime, mine)) if n % 2 else ((retime, mine), (retime_base, theirs))
-        timed = [(into, timer()) for timer, into in order]
-        for into, info in timed:
-            if info is not None:
-                into.append(info)
-        if any(info is None for _, info in timed):
-            break
+        for timer, into in order:
+            again = timer()
+            if again is None:
+                return None
+            into.append(again)
     return _reported(mine, min(mine, key=calibrated)), _reported(theirs, min(theirs, key=calibrated))
 
 

@@ -537,11 +537,11 @@ def test_a_gated_cell_is_timed_in_several_children_for_its_baseline_and_confirme
 
 
 @pytest.mark.parametrize("hook", [None, "slow=3"])
-def test_a_candidate_builds_gated_load_is_judged_pair_by_pair_against_the_pinned_build(tmp_path, capsys, hook):
+def test_a_candidate_builds_gated_load_is_judged_in_pairs_against_the_pinned_build(tmp_path, capsys, hook):
     """A candidate's load is compared with the pinned build's of the same run, needing no stored
-    load baseline of this machine: the same build passes on one child each; one whose loader the
-    test hook slows is over in its first child, both builds are timed again in fresh children in
-    alternating order (harness.loadtime.paired), and it is regressed on load time alone, untraced."""
+    load baseline of this machine: both builds are timed in balanced pairs of fresh children
+    (harness.loadtime.paired); the same build passes, one whose loader the test hook slows is
+    regressed on load time alone, untraced."""
     from harness import loadtime
 
     matrix = tmp_path / "models.yaml"
@@ -553,18 +553,18 @@ def test_a_candidate_builds_gated_load_is_judged_pair_by_pair_against_the_pinned
     cell = GATED[0]
     cand, base = R.load(results / "candidate" / f"{cell}.json"), R.load(results / f"{cell}.json")
     check = next(c for c in cand.checks if c.name == "load-time:baseline")
-    if hook is None:
-        assert cand.verdict == "pass" and check.ok and not cand.load.children, out
-        return
-    assert cand.verdict == "regressed" and not check.ok and check.data["ratio"] > 1.5, out
-    assert not cand.localisation and "pair by pair" in out
-    pairs = loadtime.CONFIRMATIONS
-    assert len(cand.load.children) == 1 + pairs
+    pairs = loadtime.CANDIDATE_PAIRS
+    assert len(cand.load.children) == pairs and "pairs of fresh children" in out
     timed = {name: [(results / "candidate" / "raw" / f"{name}.load{n}.json").stat().st_mtime_ns for n in (1, 2)]
              for name in (cell, f"{cell}.base")}
-    # the first child of each build was the base's, then the candidate's: candidate, base; base, candidate
+    # candidate, base; base, candidate
     assert timed[cell][0] < timed[f"{cell}.base"][0] < timed[f"{cell}.base"][1] < timed[cell][1]
     assert not base.load.children  # the pinned build's own record stays as it was judged
+    if hook is None:
+        assert cand.verdict == "pass" and check.ok, out
+    else:
+        assert cand.verdict == "regressed" and not check.ok and check.data["ratio"] > 1.5, out
+        assert not cand.localisation
 
 
 def test_a_cell_child_ends_once_its_record_is_written_without_closing_its_engine(tmp_path):

@@ -3,18 +3,18 @@ gated tier, harness.loadtime.paired): how often does a candidate the same as the
 over its bound, and how often is a slower one caught? No baseline is stored or read, so the answer
 does not depend on the machine kind a baseline was recorded on.
 
-A *pair-run* of a cell is what the runner's gate does for a candidate cell: the base's load in a
-fresh child, then the candidate's (harness.bench.detection.cell_run), then ``loadtime.paired``
-with the cell's bound from models.yaml. The candidate differs from the base only by the test-only
-slowdown hook (what a stand-in build's environment sets: tests/test_runner.py) or by a test-only
-vLLM mutation (harness.bench.detection.MUTATIONS). A *run* is one pair-run of every cell the change
-applies to; it is flagged when any of them is. Clean runs give the false alarms, runs with the
-candidate slowed by each slowdown (and with each mutation) the detection.
+A *pair-run* of a cell is what the runner's gate does for a candidate cell (harness.gate): the
+two builds' loads in ``loadtime.CANDIDATE_PAIRS`` balanced pairs of fresh children
+(harness.bench.detection.cell_run, ``loadtime.paired``), the candidate's fastest over the base's
+against the cell's bound from models.yaml. The candidate differs from the base only by the
+test-only slowdown hook (what a stand-in build's environment sets: tests/test_runner.py) or by a
+test-only vLLM mutation (harness.bench.detection.MUTATIONS). A *run* is one pair-run of every cell
+the change applies to; it is flagged when any of them is. Clean runs give the false alarms, runs
+with the candidate slowed by each slowdown (and with each mutation) the detection.
 
-Fewer than 100 clean runs cannot show a false-alarm rate under 1% by count, so each cell's first
-pair's log ratio is also fitted with a normal model (median, robust spread): the chance that a
-first pair is over the bound bounds the chance that the pair-run flags (which needs its
-confirmation pairs over too) from above.
+Fewer than 100 clean runs cannot show a false-alarm rate under 1% by count, so each cell's clean
+log ratios are also fitted with a normal model (median, robust spread), and the run's predicted
+rate is the chance that any cell is over its bound.
 """
 from __future__ import annotations
 
@@ -29,21 +29,13 @@ CLEAN = "clean"
 
 
 def pair_run(cell, path, *, slow: float = 0.0, mutation: str | None = None) -> dict:
-    """One pair-run of ``cell``: {first (the first pair's calibrated ratio), ratio (as the gate
-    reports it), flagged, pairs (confirmation pairs timed)}."""
-
-    def base():
-        return detection.cell_run(cell, path, 1).load_info()
-
-    def candidate():
-        return detection.cell_run(cell, path, 1, slow=slow, mutation=mutation).load_info()
-
-    first_base = base()
-    first = candidate()
-    mine, theirs = loadtime.paired(first, first_base, candidate, base, cell.bounds.load_time)
+    """One pair-run of ``cell``: {ratio (the candidate's fastest child over the base's,
+    calibrated), flagged}."""
+    timed = loadtime.paired(lambda: detection.cell_run(cell, path, 1, slow=slow, mutation=mutation).load_info(),
+                            lambda: detection.cell_run(cell, path, 1).load_info())
+    mine, theirs = timed  # cell_run raises where a child fails
     ratio = loadtime.calibrated(mine) / loadtime.calibrated(theirs)
-    return {"first": loadtime.calibrated(first) / loadtime.calibrated(first_base), "ratio": ratio,
-            "flagged": ratio > cell.bounds.load_time, "pairs": max(len(mine.children) - 1, 0)}
+    return {"ratio": ratio, "flagged": ratio > cell.bounds.load_time}
 
 
 def changes(cells, slowdowns: Sequence[float]) -> list[tuple[str, dict, list]]:
@@ -57,11 +49,11 @@ def changes(cells, slowdowns: Sequence[float]) -> list[tuple[str, dict, list]]:
     return out
 
 
-def over_chance(firsts: Sequence[float], bound: float) -> float | None:
-    """The normal model's chance that a first pair's calibrated ratio is over ``bound``."""
-    if len(firsts) < 3:
+def over_chance(ratios: Sequence[float], bound: float) -> float | None:
+    """The normal model's chance that a pair-run's ratio is over ``bound``."""
+    if len(ratios) < 3:
         return None
-    logs = [math.log(r) for r in firsts]
+    logs = [math.log(r) for r in ratios]
     sd = detection.robust_sd(logs)
     if sd <= 0:
         return 0.0 if statistics.median(logs) <= math.log(bound) else 1.0
@@ -70,13 +62,13 @@ def over_chance(firsts: Sequence[float], bound: float) -> float | None:
 
 def measure(cells, paths: dict, *, clean_runs: int, slowed_runs: int, slowdowns: Sequence[float],
             echo: Callable[[str], None] = print) -> dict:
-    """{key: {runs, flagged_runs, cells: {cell: {bound, first, ratios, flagged, pairs}}}, "predicted_false_alarm"}:
+    """{key: {runs, flagged_runs, cells: {cell: {bound, ratios, flagged}}}, "predicted_false_alarm"}:
     the clean runs and the changed ones (module docstring)."""
     detection.preload(cells, paths)
     out: dict = {}
     for key, change, subjects in changes(cells, slowdowns):
         runs = clean_runs if key == CLEAN else slowed_runs
-        by_cell = {c.id: {"bound": c.bounds.load_time, "first": [], "ratios": [], "flagged": 0, "pairs": 0} for c in subjects}
+        by_cell = {c.id: {"bound": c.bounds.load_time, "ratios": [], "flagged": 0} for c in subjects}
         flagged_runs = 0
         for n in range(runs):
             flags = []
@@ -86,16 +78,14 @@ def measure(cells, paths: dict, *, clean_runs: int, slowed_runs: int, slowdowns:
                 except RuntimeError as e:
                     raise RuntimeError(f"{c.id}: {e}") from None
                 v = by_cell[c.id]
-                v["first"].append(r["first"])
                 v["ratios"].append(r["ratio"])
                 v["flagged"] += r["flagged"]
-                v["pairs"] += r["pairs"]
                 flags.append(r["flagged"])
             flagged_runs += any(flags)
             echo(f"  pairs {key} {n + 1}/{runs}: " + ", ".join(f"{cid} {v['ratios'][-1]:.3f}" for cid, v in by_cell.items())
                  + (" FLAGGED" if any(flags) else ""))
         out[key] = {"runs": runs, "flagged_runs": flagged_runs, "cells": by_cell}
-    chances = [over_chance(v["first"], v["bound"]) for v in out[CLEAN]["cells"].values()]
+    chances = [over_chance(v["ratios"], v["bound"]) for v in out[CLEAN]["cells"].values()]
     out["predicted_false_alarm"] = (None if None in chances or not chances
                                     else 1 - math.prod(1 - p for p in chances))
     return out

@@ -9,7 +9,7 @@
      "detection": {slowdown_10, slowdown_20, slowdown_50, false_alarm, ...},
      "portability": {condition: {environment, runs, complete_runs, false_alarm_runs, improved_runs,
                                  cells: {cell: {reported, children, error, bound, regressed, improved}}}},
-     "pairs": {clean | slowdown_20 | <mutation>: {runs, flagged_runs, cells: {cell: {bound, first, ratios, flagged, pairs}}},
+     "pairs": {clean | slowdown_20 | <mutation>: {runs, flagged_runs, cells: {cell: {bound, ratios, flagged}}},
                predicted_false_alarm, selected, seconds},
      "matrix": {before_s, after_s, before, after},
      "machine": harness.cpu.describe(), "decoders": harness.quant.native.describe(), "cores", "load_repeats",
@@ -236,20 +236,18 @@ def _pairs_lines(pairs: dict | None) -> list[str]:
     if not pairs:
         return ["not measured"]
     lines = ["A candidate build against the pinned build in the same run (harness.bench.pairs): per cell and "
-             "change, the calibrated ratio of the candidate's fastest child over the base's, as the gate reports "
-             "it after its confirmation pairs; `first`: the first pair's ratio; `pairs`: confirmation pairs timed. "
-             "No baseline is stored or read.", "",
-             "| candidate | cell | runs | first: median | ratio: min | median | max | bound | pairs | flagged |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "change, the calibrated ratio of the candidate's fastest child over the base's in two pairs of fresh "
+             "children, each build first once, as the gate decides it. No baseline is stored or read.", "",
+             "| candidate | cell | runs | ratio: min | median | max | bound | flagged |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for key, v in pairs.items():
         if not isinstance(v, dict) or "cells" not in v:
             continue
         for cell, c in v["cells"].items():
             r = sorted(c["ratios"])
-            mid = (len(r) - 1) // 2
-            lines.append(f"| {key} | {cell} | {len(r)} | {_num(sorted(c['first'])[mid] if r else None)} | "
-                         f"{_num(r[0] if r else None)} | {_num(r[mid] if r else None)} | {_num(r[-1] if r else None)} | "
-                         f"{c['bound']:.3f} | {c['pairs']} | {c['flagged']} |")
+            lines.append(f"| {key} | {cell} | {len(r)} | {_num(r[0] if r else None)} | "
+                         f"{_num(r[(len(r) - 1) // 2] if r else None)} | {_num(r[-1] if r else None)} | "
+                         f"{c['bound']:.3f} | {c['flagged']} |")
     lines += ["", _pairs_detail(pairs) + f" ({pairs.get('seconds', 0):.0f} s)."]
     return lines
 
