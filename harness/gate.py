@@ -94,8 +94,8 @@ class LoadGate:
             return record, base, messages
         mine, theirs = timed
         messages.insert(0, f"load time: against the base build in {loadtime.CANDIDATE_PAIRS} pairs of fresh children, "
-                        f"each build first as often (load / calibration, candidate: {_children(mine)}; base: "
-                        f"{_children(theirs)})")
+                        f"each build first as often, their medians uncalibrated (load / calibration, candidate: "
+                        f"{_children(mine)}; base: {_children(theirs)})")
         return record.model_copy(update={"load": mine}), base.model_copy(update={"load": theirs}), messages
 
     def timer(self, cell: Cell, layout: Layout, name: str, messages: list[str],

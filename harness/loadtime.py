@@ -72,8 +72,10 @@ CONFIRMATIONS = 2
 # Paid only by a cell over its bound in every child of its first look, so by a real regression.
 LATER_LOOK_S = 600.0
 # The pairs of fresh children that time a candidate build's gated load against the pinned build's
-# (:func:`paired`): even, so that each build loads first as often as second.
-CANDIDATE_PAIRS = 2
+# (:func:`paired`): even, so that each build loads first as often as second; four, because the
+# median of four children is the steadiest of the rules tried on vLLM's cells (docs/decisions.md,
+# 2026-12-05, third session).
+CANDIDATE_PAIRS = 4
 # The children a gated baseline is the median of (the detection bench takes its baseline the same way).
 BASELINE_CHILDREN = 5
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -284,11 +286,12 @@ def paired(retime: Callable[[], R.LoadInfo | None], retime_base: Callable[[], R.
            pairs: int = CANDIDATE_PAIRS) -> tuple[R.LoadInfo, R.LoadInfo] | None:
     """A candidate build's load against the pinned build's, timed in ``pairs`` pairs of fresh
     children (``retime``, ``retime_base``; None when a child failed) in alternating order: the
-    candidate first, then the base first. A child timed right after another loads a few percent
-    slower (vLLM's bnb cell on the AMX Xeon: 3% by the median of 12 pairs, none with a second's
-    pause; docs/decisions.md, 2026-12-05, third session), so each build loads first as often as
-    second. Both builds see the host of the same minutes, so there is no later look. Returns
-    (candidate, base), each its fastest child with every child listed; None when a child failed."""
+    candidate first, then the base first, so that neither build always loads right after the
+    other. Returns (candidate, base), each its median child by load seconds (the lower of an even
+    count) with every child listed, and without the ``calibration`` phase: the two builds share the
+    host of the same minutes, which is what the calibration stands in for elsewhere, and its own
+    noise would only add to the ratio (docs/decisions.md, 2026-12-05, third session). So there is
+    no later look either. None when a child failed."""
     mine, theirs = [], []
     for n in range(pairs):
         order = ((retime_base, theirs), (retime, mine)) if n % 2 else ((retime, mine), (retime_base, theirs))
@@ -297,7 +300,13 @@ def paired(retime: Callable[[], R.LoadInfo | None], retime_base: Callable[[], R.
             if again is None:
                 return None
             into.append(again)
-    return _reported(mine, min(mine, key=calibrated)), _reported(theirs, min(theirs, key=calibrated))
+    return _median_uncalibrated(mine), _median_uncalibrated(theirs)
+
+
+def _median_uncalibrated(infos: list[R.LoadInfo]) -> R.LoadInfo:
+    chosen = lower_median(infos, key=lambda info: info.seconds)
+    phases = {k: v for k, v in chosen.phases.items() if k != "calibration"}
+    return _reported(infos, chosen.model_copy(update={"phases": phases}))
 
 
 def lower_median(items: list, key: Callable):

@@ -222,19 +222,25 @@ def test_a_cell_over_in_every_child_is_looked_at_again_and_over_only_when_over_t
     assert over(loadtime.confirm(_info(1.5), iter([_info(1.4), _info(1.3), None]).__next__, over, later=lambda: None))
 
 
-def test_a_candidate_is_timed_against_the_base_in_balanced_pairs():
-    """harness.loadtime.paired: CANDIDATE_PAIRS pairs of fresh children, the first candidate first,
-    the next base first, so a child slowed by loading right after another counts against each
-    build equally; the fastest of each build is reported."""
+def test_a_candidate_is_timed_against_the_base_in_balanced_pairs_and_their_medians_compared():
+    """harness.loadtime.paired: CANDIDATE_PAIRS pairs of fresh children, alternately candidate
+    first and base first; each build's median child (the lower of an even count), by load seconds
+    and without its calibration, is reported, every child listed."""
     order = []
 
     def timer(who, queue):
         return lambda: (order.append(who), queue.pop(0))[1]
 
-    assert loadtime.CANDIDATE_PAIRS % 2 == 0
-    cand, base = loadtime.paired(timer("candidate", [_info(1.25), _info(1.3)]), timer("base", [_info(1.04), _info(1.0)]))
-    assert order == ["candidate", "base", "base", "candidate"]
-    assert (cand.seconds, base.seconds) == (1.25, 1.0) and len(cand.children) == len(base.children) == 2
+    assert loadtime.CANDIDATE_PAIRS == 4
+    mine = [_info(1.3, 0.5), _info(1.2, 2.0), _info(1.25, 1.0), _info(3.0, 1.0)]
+    theirs = [_info(1.0, 1.0), _info(0.5, 1.0), _info(1.1, 1.0), _info(1.05, 9.0)]
+    cand, base = loadtime.paired(timer("candidate", list(mine)), timer("base", list(theirs)))
+    assert order == ["candidate", "base", "base", "candidate"] * 2
+    assert (cand.seconds, base.seconds) == (1.25, 1.0)  # one slow or fast child moves neither
+    assert "calibration" not in cand.phases and "calibration" not in base.phases
+    assert [c.seconds for c in cand.children] == [1.3, 1.2, 1.25, 3.0] and base.children[3].calibration == 9.0
+    # compared uncalibrated: the plain ratio of the medians
+    assert loadtime.calibrated(cand) / loadtime.calibrated(base) == pytest.approx(1.25)
     # a failed child: nothing to judge by
     assert loadtime.paired(lambda: None, timer("base", [_info(1.0)])) is None
     assert loadtime.paired(timer("candidate", [_info(1.0)]), lambda: None) is None
@@ -701,8 +707,8 @@ def test_the_memory_pass_reads_the_file_into_buffers_it_reuses(small_calibration
 
 def test_the_pairs_part_counts_a_clean_candidate_and_catches_a_slowed_one(monkeypatch):
     """harness.bench.pairs through loadtime.paired, with children that load in a fixed time (a
-    little noise), 20% slower for a slowed candidate, 40% for one with the mutation of the one cell
-    it applies to."""
+    little noise, and a calibration that would mislead), 20% slower for a slowed candidate, 40% for
+    one with the mutation of the one cell it applies to."""
     cells = [types.SimpleNamespace(id=f"c{i}", engine=engine, scheme=scheme, bounds=types.SimpleNamespace(load_time=1.113))
              for i, (engine, scheme) in enumerate([("reference", "torchao-int8wo"), ("vllm", "torchao-int8wo")])]
     timed = []
@@ -710,7 +716,7 @@ def test_the_pairs_part_counts_a_clean_candidate_and_catches_a_slowed_one(monkey
     def cell_run(cell, path, repeats, slow=0.0, mutation=None):
         timed.append((cell.id, slow, mutation))
         seconds = 1.0 + slow + (0.4 if mutation else 0.0) + 0.01 * (len(timed) % 3)
-        return CellRun(cell.id, (seconds,), 1.0, slow)
+        return CellRun(cell.id, (seconds,), 1.0 + slow, slow)
 
     monkeypatch.setattr(detection, "cell_run", cell_run)
     monkeypatch.setattr(detection, "preload", lambda cells, paths: None)

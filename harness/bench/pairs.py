@@ -5,8 +5,8 @@ does not depend on the machine kind a baseline was recorded on.
 
 A *pair-run* of a cell is what the runner's gate does for a candidate cell (harness.gate): the
 two builds' loads in ``loadtime.CANDIDATE_PAIRS`` balanced pairs of fresh children
-(harness.bench.detection.cell_run, ``loadtime.paired``), the candidate's fastest over the base's
-against the cell's bound from models.yaml. The candidate differs from the base only by the
+(harness.bench.detection.cell_run, ``loadtime.paired``), the candidate's median over the base's,
+uncalibrated, against the cell's bound from models.yaml. The candidate differs from the base only by the
 test-only slowdown hook (what a stand-in build's environment sets: tests/test_runner.py) or by a
 test-only vLLM mutation (harness.bench.detection.MUTATIONS). A *run* is one pair-run of every cell
 the change applies to; it is flagged when any of them is. Clean runs give the false alarms, runs
@@ -29,12 +29,12 @@ CLEAN = "clean"
 
 
 def pair_run(cell, path, *, slow: float = 0.0, mutation: str | None = None) -> dict:
-    """One pair-run of ``cell``: {ratio (the candidate's fastest child over the base's,
-    calibrated), flagged}."""
+    """One pair-run of ``cell``: {ratio (the candidate's median child over the base's, as the gate
+    compares them), flagged}."""
     timed = loadtime.paired(lambda: detection.cell_run(cell, path, 1, slow=slow, mutation=mutation).load_info(),
                             lambda: detection.cell_run(cell, path, 1).load_info())
     mine, theirs = timed  # cell_run raises where a child fails
-    ratio = loadtime.calibrated(mine) / loadtime.calibrated(theirs)
+    ratio = mine.seconds / theirs.seconds
     return {"ratio": ratio, "flagged": ratio > cell.bounds.load_time}
 
 

@@ -236,8 +236,9 @@ def _pairs_lines(pairs: dict | None) -> list[str]:
     if not pairs:
         return ["not measured"]
     lines = ["A candidate build against the pinned build in the same run (harness.bench.pairs): per cell and "
-             "change, the calibrated ratio of the candidate's fastest child over the base's in two pairs of fresh "
-             "children, each build first once, as the gate decides it. No baseline is stored or read.", "",
+             "change, the ratio of the candidate's median load child over the base's in `loadtime.CANDIDATE_PAIRS` "
+             "pairs of fresh children, each build first as often, uncalibrated, as the gate decides it. No baseline "
+             "is stored or read.", "",
              "| candidate | cell | runs | ratio: min | median | max | bound | flagged |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for key, v in pairs.items():
