@@ -89,13 +89,14 @@ class LoadGate:
             return record, base, []
         messages: list[str] = []
         timed = loadtime.paired(self.timer(cell, layout, cell.id, messages, python),
-                                self.timer(cell, layout, f"{cell.id}.base", messages))
+                                self.timer(cell, layout, f"{cell.id}.base", messages), cell.bounds.load_time)
         if timed is None:
             return record, base, messages
         mine, theirs = timed
-        messages.insert(0, f"load time: against the base build in {loadtime.CANDIDATE_PAIRS} pairs of fresh children, "
-                        f"each build first as often, their medians uncalibrated (load / calibration, candidate: "
-                        f"{_children(mine)}; base: {_children(theirs)})")
+        rounds = len(mine.children) // loadtime.CANDIDATE_PAIRS
+        messages.insert(0, f"load time: against the base build in {rounds} round(s) of {loadtime.CANDIDATE_PAIRS} pairs of "
+                        f"fresh children, each build first as often, their medians uncalibrated (load / calibration, "
+                        f"candidate: {_children(mine)}; base: {_children(theirs)})")
         return record.model_copy(update={"load": mine}), base.model_copy(update={"load": theirs}), messages
 
     def timer(self, cell: Cell, layout: Layout, name: str, messages: list[str],

@@ -76,6 +76,9 @@ LATER_LOOK_S = 600.0
 # median of four children is the steadiest of the rules tried on vLLM's cells (docs/decisions.md,
 # 2026-12-05, third session).
 CANDIDATE_PAIRS = 4
+# The rounds of such pairs a candidate over its bound is timed in, at most: over only when over in
+# every one (one clean round in 14 read over, docs/decisions.md, 2026-12-05, third session).
+CANDIDATE_ROUNDS = 2
 # The children a gated baseline is the median of (the detection bench takes its baseline the same way).
 BASELINE_CHILDREN = 5
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -282,16 +285,34 @@ def confirm(first: R.LoadInfo, retime: Callable[[], R.LoadInfo | None],
     return _reported(infos, min(infos, key=calibrated))
 
 
-def paired(retime: Callable[[], R.LoadInfo | None], retime_base: Callable[[], R.LoadInfo | None],
-           pairs: int = CANDIDATE_PAIRS) -> tuple[R.LoadInfo, R.LoadInfo] | None:
-    """A candidate build's load against the pinned build's, timed in ``pairs`` pairs of fresh
-    children (``retime``, ``retime_base``; None when a child failed) in alternating order: the
+def paired(retime: Callable[[], R.LoadInfo | None], retime_base: Callable[[], R.LoadInfo | None], bound: float,
+           pairs: int = CANDIDATE_PAIRS, rounds: int = CANDIDATE_ROUNDS) -> tuple[R.LoadInfo, R.LoadInfo] | None:
+    """A candidate build's load against the pinned build's: a round is ``pairs`` pairs of fresh
+    children (``retime``, ``retime_base``; None when a child failed) in alternating order, the
     candidate first, then the base first, so that neither build always loads right after the
-    other. Returns (candidate, base), each its median child by load seconds (the lower of an even
-    count) with every child listed, and without the ``calibration`` phase: the two builds share the
-    host of the same minutes, which is what the calibration stands in for elsewhere, and its own
-    noise would only add to the ratio (docs/decisions.md, 2026-12-05, third session). So there is
-    no later look either. None when a child failed."""
+    other, and its ratio is the candidate's median child over the base's (the lower of an even
+    count), by load seconds. A round over ``bound`` is confirmed by another, at most ``rounds`` in
+    all; the round with the smallest ratio decides, so the candidate is over only when every round
+    is (a spell of the host can cover a round). Uncalibrated: the two builds share the host of the
+    same minutes, which is what the calibration stands in for elsewhere, and its own noise would
+    only widen the ratio (docs/decisions.md, 2026-12-05, third session); for the same reason no
+    later look. Returns (candidate, base), each the deciding round's median child without its
+    ``calibration`` phase, every child of every round listed; None when no round was completed."""
+    done: list[tuple[list[R.LoadInfo], list[R.LoadInfo]]] = []
+    while len(done) < rounds and (not done or _ratio_of(done[-1]) > bound):
+        timed = _round(retime, retime_base, pairs)
+        if timed is None:
+            break
+        done.append(timed)
+    if not done:
+        return None
+    mine, theirs = min(done, key=_ratio_of)
+    every_mine = [info for timed, _ in done for info in timed]
+    every_theirs = [info for _, timed in done for info in timed]
+    return _median_uncalibrated(every_mine, mine), _median_uncalibrated(every_theirs, theirs)
+
+
+def _round(retime, retime_base, pairs: int) -> tuple[list[R.LoadInfo], list[R.LoadInfo]] | None:
     mine, theirs = [], []
     for n in range(pairs):
         order = ((retime_base, theirs), (retime, mine)) if n % 2 else ((retime, mine), (retime_base, theirs))
@@ -300,13 +321,22 @@ def paired(retime: Callable[[], R.LoadInfo | None], retime_base: Callable[[], R.
             if again is None:
                 return None
             into.append(again)
-    return _median_uncalibrated(mine), _median_uncalibrated(theirs)
+    return mine, theirs
 
 
-def _median_uncalibrated(infos: list[R.LoadInfo]) -> R.LoadInfo:
-    chosen = lower_median(infos, key=lambda info: info.seconds)
+def _ratio_of(timed: tuple[list[R.LoadInfo], list[R.LoadInfo]]) -> float:
+    mine, theirs = timed
+    return _median_child(mine).seconds / _median_child(theirs).seconds
+
+
+def _median_child(infos: list[R.LoadInfo]) -> R.LoadInfo:
+    return lower_median(infos, key=lambda info: info.seconds)
+
+
+def _median_uncalibrated(every: list[R.LoadInfo], deciding: list[R.LoadInfo]) -> R.LoadInfo:
+    chosen = _median_child(deciding)
     phases = {k: v for k, v in chosen.phases.items() if k != "calibration"}
-    return _reported(infos, chosen.model_copy(update={"phases": phases}))
+    return _reported(every, chosen.model_copy(update={"phases": phases}))
 
 
 def lower_median(items: list, key: Callable):

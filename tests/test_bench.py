@@ -223,27 +223,43 @@ def test_a_cell_over_in_every_child_is_looked_at_again_and_over_only_when_over_t
 
 
 def test_a_candidate_is_timed_against_the_base_in_balanced_pairs_and_their_medians_compared():
-    """harness.loadtime.paired: CANDIDATE_PAIRS pairs of fresh children, alternately candidate
-    first and base first; each build's median child (the lower of an even count), by load seconds
-    and without its calibration, is reported, every child listed."""
+    """harness.loadtime.paired: a round of CANDIDATE_PAIRS pairs of fresh children, alternately
+    candidate first and base first; each build's median child (the lower of an even count), by load
+    seconds and without its calibration, is reported, every child listed."""
     order = []
 
     def timer(who, queue):
         return lambda: (order.append(who), queue.pop(0))[1]
 
     assert loadtime.CANDIDATE_PAIRS == 4
-    mine = [_info(1.3, 0.5), _info(1.2, 2.0), _info(1.25, 1.0), _info(3.0, 1.0)]
+    mine = [_info(1.3, 0.5), _info(1.0, 2.0), _info(1.05, 1.0), _info(3.0, 1.0)]
     theirs = [_info(1.0, 1.0), _info(0.5, 1.0), _info(1.1, 1.0), _info(1.05, 9.0)]
-    cand, base = loadtime.paired(timer("candidate", list(mine)), timer("base", list(theirs)))
-    assert order == ["candidate", "base", "base", "candidate"] * 2
-    assert (cand.seconds, base.seconds) == (1.25, 1.0)  # one slow or fast child moves neither
+    cand, base = loadtime.paired(timer("candidate", list(mine)), timer("base", list(theirs)), 1.1)
+    assert order == ["candidate", "base", "base", "candidate"] * 2  # within the bound: one round
+    assert (cand.seconds, base.seconds) == (1.05, 1.0)  # one slow or fast child moves neither
     assert "calibration" not in cand.phases and "calibration" not in base.phases
-    assert [c.seconds for c in cand.children] == [1.3, 1.2, 1.25, 3.0] and base.children[3].calibration == 9.0
+    assert [c.seconds for c in cand.children] == [1.3, 1.0, 1.05, 3.0] and base.children[3].calibration == 9.0
     # compared uncalibrated: the plain ratio of the medians
-    assert loadtime.calibrated(cand) / loadtime.calibrated(base) == pytest.approx(1.25)
+    assert loadtime.calibrated(cand) / loadtime.calibrated(base) == pytest.approx(1.05)
     # a failed child: nothing to judge by
-    assert loadtime.paired(lambda: None, timer("base", [_info(1.0)])) is None
-    assert loadtime.paired(timer("candidate", [_info(1.0)]), lambda: None) is None
+    assert loadtime.paired(lambda: None, timer("base", [_info(1.0)]), 1.1) is None
+    assert loadtime.paired(timer("candidate", [_info(1.0)]), lambda: None, 1.1) is None
+
+
+def test_a_candidate_round_over_the_bound_is_confirmed_by_another():
+    """A round over the bound is timed again; the candidate is over only when every round is, and
+    the round with the smaller ratio is reported, with every child of both."""
+    def timer(values):  # None once the values are spent: a failed child
+        queue = [_info(v) for v in values]
+        return lambda: queue.pop(0) if queue else None
+
+    spell = loadtime.paired(timer([1.2] * 4 + [1.0] * 4), timer([1.0] * 8), 1.1)
+    assert spell[0].seconds / spell[1].seconds == pytest.approx(1.0) and len(spell[0].children) == 8
+    slower = loadtime.paired(timer([1.3] * 4 + [1.2] * 4), timer([1.0] * 8), 1.1)
+    assert slower[0].seconds / slower[1].seconds == pytest.approx(1.2) and len(slower[1].children) == 8
+    # the confirming round failed: the first round decides
+    first_only = loadtime.paired(timer([1.3] * 4 + [1.2]), timer([1.0] * 4), 1.1)
+    assert first_only[0].seconds == 1.3 and len(first_only[0].children) == 4
 
 
 def test_baseline_load_is_the_median_child_by_calibrated_value():
@@ -723,7 +739,9 @@ def test_the_pairs_part_counts_a_clean_candidate_and_catches_a_slowed_one(monkey
     out = pairs.measure(cells, {c.id: None for c in cells}, clean_runs=4, slowed_runs=3, slowdowns=(0.2,), echo=lambda _: None)
     assert out["clean"]["flagged_runs"] == 0 and out["clean"]["runs"] == 4
     assert out["slowdown_20"]["flagged_runs"] == 3
-    assert len(timed) == 2 * loadtime.CANDIDATE_PAIRS * (4 * 2 + 3 * 2 + 3)  # every pair-run's children
+    # every pair-run's children: one round when clean, a confirming second when over
+    assert len(timed) == 2 * loadtime.CANDIDATE_PAIRS * (4 * 2 + 2 * (3 * 2 + 3))
+    assert out["slowdown_20"]["cells"]["c0"]["second_rounds"] == 3 and out["clean"]["cells"]["c0"]["second_rounds"] == 0
     mutated = out["torchao-full-size-dummy"]
     assert list(mutated["cells"]) == ["c1"] and mutated["flagged_runs"] == 3
     assert {m for _, _, m in timed if m} == {"torchao-full-size-dummy"}

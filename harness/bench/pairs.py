@@ -4,9 +4,9 @@ over its bound, and how often is a slower one caught? No baseline is stored or r
 does not depend on the machine kind a baseline was recorded on.
 
 A *pair-run* of a cell is what the runner's gate does for a candidate cell (harness.gate): the
-two builds' loads in ``loadtime.CANDIDATE_PAIRS`` balanced pairs of fresh children
+two builds' loads in rounds of ``loadtime.CANDIDATE_PAIRS`` balanced pairs of fresh children
 (harness.bench.detection.cell_run, ``loadtime.paired``), the candidate's median over the base's,
-uncalibrated, against the cell's bound from models.yaml. The candidate differs from the base only by the
+uncalibrated, against the cell's bound from models.yaml, a round over it confirmed by another. The candidate differs from the base only by the
 test-only slowdown hook (what a stand-in build's environment sets: tests/test_runner.py) or by a
 test-only vLLM mutation (harness.bench.detection.MUTATIONS). A *run* is one pair-run of every cell
 the change applies to; it is flagged when any of them is. Clean runs give the false alarms, runs
@@ -30,12 +30,13 @@ CLEAN = "clean"
 
 def pair_run(cell, path, *, slow: float = 0.0, mutation: str | None = None) -> dict:
     """One pair-run of ``cell``: {ratio (the candidate's median child over the base's, as the gate
-    compares them), flagged}."""
+    compares them), flagged, rounds}."""
     timed = loadtime.paired(lambda: detection.cell_run(cell, path, 1, slow=slow, mutation=mutation).load_info(),
-                            lambda: detection.cell_run(cell, path, 1).load_info())
+                            lambda: detection.cell_run(cell, path, 1).load_info(), cell.bounds.load_time)
     mine, theirs = timed  # cell_run raises where a child fails
     ratio = mine.seconds / theirs.seconds
-    return {"ratio": ratio, "flagged": ratio > cell.bounds.load_time}
+    return {"ratio": ratio, "flagged": ratio > cell.bounds.load_time,
+            "rounds": len(mine.children) // loadtime.CANDIDATE_PAIRS}
 
 
 def changes(cells, slowdowns: Sequence[float]) -> list[tuple[str, dict, list]]:
@@ -62,13 +63,13 @@ def over_chance(ratios: Sequence[float], bound: float) -> float | None:
 
 def measure(cells, paths: dict, *, clean_runs: int, slowed_runs: int, slowdowns: Sequence[float],
             echo: Callable[[str], None] = print) -> dict:
-    """{key: {runs, flagged_runs, cells: {cell: {bound, ratios, flagged}}}, "predicted_false_alarm"}:
+    """{key: {runs, flagged_runs, cells: {cell: {bound, ratios, flagged, second_rounds}}}, "predicted_false_alarm"}:
     the clean runs and the changed ones (module docstring)."""
     detection.preload(cells, paths)
     out: dict = {}
     for key, change, subjects in changes(cells, slowdowns):
         runs = clean_runs if key == CLEAN else slowed_runs
-        by_cell = {c.id: {"bound": c.bounds.load_time, "ratios": [], "flagged": 0} for c in subjects}
+        by_cell = {c.id: {"bound": c.bounds.load_time, "ratios": [], "flagged": 0, "second_rounds": 0} for c in subjects}
         flagged_runs = 0
         for n in range(runs):
             flags = []
@@ -80,6 +81,7 @@ def measure(cells, paths: dict, *, clean_runs: int, slowed_runs: int, slowdowns:
                 v = by_cell[c.id]
                 v["ratios"].append(r["ratio"])
                 v["flagged"] += r["flagged"]
+                v["second_rounds"] += r["rounds"] > 1
                 flags.append(r["flagged"])
             flagged_runs += any(flags)
             echo(f"  pairs {key} {n + 1}/{runs}: " + ", ".join(f"{cid} {v['ratios'][-1]:.3f}" for cid, v in by_cell.items())
