@@ -14,7 +14,9 @@ with the candidate slowed by each slowdown (and with each mutation) the detectio
 
 Fewer than 100 clean runs cannot show a false-alarm rate under 1% by count, so each cell's clean
 log ratios are also fitted with a normal model (median, robust spread), and the run's predicted
-rate is the chance that any cell is over its bound.
+rate is the chance that any cell's round is over its bound: an upper bound, since a flag needs
+the confirming round over too, which the model does not count (rounds a minute apart are not
+independent draws of a host with spells).
 """
 from __future__ import annotations
 
