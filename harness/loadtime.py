@@ -76,8 +76,8 @@ LATER_LOOK_S = 600.0
 # median of four children is the steadiest of the rules tried on vLLM's cells (docs/decisions.md,
 # 2026-12-05, third session).
 CANDIDATE_PAIRS = 4
-# The rounds of such pairs a candidate over its bound is timed in, at most: over only when over in
-# every one (one clean round in 14 read over, docs/decisions.md, 2026-12-05, third session).
+# The rounds of such pairs a candidate outside its bound is timed in, at most: over (or under) only
+# when every one is (one clean round in 14 read over, docs/decisions.md, 2026-12-05, third session).
 CANDIDATE_ROUNDS = 2
 # The children a gated baseline is the median of (the detection bench takes its baseline the same way).
 BASELINE_CHILDREN = 5
@@ -291,22 +291,22 @@ def paired(retime: Callable[[], R.LoadInfo | None], retime_base: Callable[[], R.
     children (``retime``, ``retime_base``; None when a child failed) in alternating order, the
     candidate first, then the base first, so that neither build always loads right after the
     other, and its ratio is the candidate's median child over the base's (the lower of an even
-    count), by load seconds. A round over ``bound`` is confirmed by another, at most ``rounds`` in
-    all; the round with the smallest ratio decides, so the candidate is over only when every round
-    is (a spell of the host can cover a round). Uncalibrated: the two builds share the host of the
+    count), by load seconds. A round outside [1/``bound``, ``bound``] is confirmed by another, at
+    most ``rounds`` in all; the round nearest a ratio of 1 decides, so the candidate is over (or
+    under) only when every round is (a spell of the host can cover a round). Uncalibrated: the two builds share the host of the
     same minutes, which is what the calibration stands in for elsewhere, and its own noise would
     only widen the ratio (docs/decisions.md, 2026-12-05, third session); for the same reason no
     later look. Returns (candidate, base), each the deciding round's median child without its
     ``calibration`` phase, every child of every round listed; None when no round was completed."""
     done: list[tuple[list[R.LoadInfo], list[R.LoadInfo]]] = []
-    while len(done) < rounds and (not done or _ratio_of(done[-1]) > bound):
+    while len(done) < rounds and (not done or not 1 / bound <= _ratio_of(done[-1]) <= bound):
         timed = _round(retime, retime_base, pairs)
         if timed is None:
             break
         done.append(timed)
     if not done:
         return None
-    mine, theirs = min(done, key=_ratio_of)
+    mine, theirs = min(done, key=lambda timed: abs(math.log(_ratio_of(timed))))
     every_mine = [info for timed, _ in done for info in timed]
     every_theirs = [info for _, timed in done for info in timed]
     return _median_uncalibrated(every_mine, mine), _median_uncalibrated(every_theirs, theirs)

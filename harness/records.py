@@ -149,7 +149,8 @@ class LoadInfo(_Strict):
     decode, fuse, ...; ``calibration``: the in-run calibration workload, docs/design.md, "Load time").
     ``children``: where a gated load was timed in more than one child (a confirmation, or a
     baseline's median), every child's timing; ``seconds`` and ``phases`` are those of the child the
-    rule reports. ``calibration_workload``: the version of the workload the ``calibration`` phase
+    rule reports (a candidate build's paired load: without ``calibration``, compared uncalibrated,
+    harness.loadtime.paired). ``calibration_workload``: the version of the workload the ``calibration`` phase
     timed (harness.loadtime: the memory-and-dispatch workload's version number, or the name of
     another workload); null where none was timed, or in a record written before the version was
     kept (the first workload)."""

@@ -247,8 +247,8 @@ def test_a_candidate_is_timed_against_the_base_in_balanced_pairs_and_their_media
 
 
 def test_a_candidate_round_over_the_bound_is_confirmed_by_another():
-    """A round over the bound is timed again; the candidate is over only when every round is, and
-    the round with the smaller ratio is reported, with every child of both."""
+    """A round outside [1/bound, bound] is timed again; the candidate is over (or under) only when
+    every round is, and the round nearest 1 is reported, with every child of both."""
     def timer(values):  # None once the values are spent: a failed child
         queue = [_info(v) for v in values]
         return lambda: queue.pop(0) if queue else None
@@ -257,6 +257,9 @@ def test_a_candidate_round_over_the_bound_is_confirmed_by_another():
     assert spell[0].seconds / spell[1].seconds == pytest.approx(1.0) and len(spell[0].children) == 8
     slower = loadtime.paired(timer([1.3] * 4 + [1.2] * 4), timer([1.0] * 8), 1.1)
     assert slower[0].seconds / slower[1].seconds == pytest.approx(1.2) and len(slower[1].children) == 8
+    # under 1/bound is confirmed the same way: one fast round of the candidate is not `improved`
+    fast_spell = loadtime.paired(timer([0.8] * 4 + [0.99] * 4), timer([1.0] * 8), 1.1)
+    assert fast_spell[0].seconds / fast_spell[1].seconds == pytest.approx(0.99)
     # the confirming round failed: the first round decides
     first_only = loadtime.paired(timer([1.3] * 4 + [1.2]), timer([1.0] * 4), 1.1)
     assert first_only[0].seconds == 1.3 and len(first_only[0].children) == 4

@@ -6,7 +6,7 @@ does not depend on the machine kind a baseline was recorded on.
 A *pair-run* of a cell is what the runner's gate does for a candidate cell (harness.gate): the
 two builds' loads in rounds of ``loadtime.CANDIDATE_PAIRS`` balanced pairs of fresh children
 (harness.bench.detection.cell_run, ``loadtime.paired``), the candidate's median over the base's,
-uncalibrated, against the cell's bound from models.yaml, a round over it confirmed by another. The candidate differs from the base only by the
+uncalibrated, against the cell's bound from models.yaml, a round outside it confirmed by another. The candidate differs from the base only by the
 test-only slowdown hook (what a stand-in build's environment sets: tests/test_runner.py) or by a
 test-only vLLM mutation (harness.bench.detection.MUTATIONS). A *run* is one pair-run of every cell
 the change applies to; it is flagged when any of them is. Clean runs give the false alarms, runs

@@ -238,7 +238,7 @@ def _pairs_lines(pairs: dict | None) -> list[str]:
     lines = ["A candidate build against the pinned build in the same run (harness.bench.pairs): per cell and "
              "change, the ratio of the candidate's median load child over the base's in a round of "
              "`loadtime.CANDIDATE_PAIRS` pairs of fresh children, each build first as often, uncalibrated, as the "
-             "gate decides it (a round over the bound confirmed by a second, the smaller ratio reported; `2nd "
+             "gate decides it (a round outside the bound confirmed by a second, the one nearer 1 reported; `2nd "
              "rounds`: how many). No baseline is stored or read.", "",
              "| candidate | cell | runs | ratio: min | median | max | bound | 2nd rounds | flagged |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
