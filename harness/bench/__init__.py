@@ -171,17 +171,23 @@ def decode_profile(rows: list[dict]) -> tuple[str, str]:
     return f"decode ({worst['format']}, the slowest against fill)", out.getvalue()
 
 
-def detection_part(args, echo: Callable[[str], None]) -> dict:
+def _load_time_cells(args, echo: Callable[[str], None], needed_by: str | None) -> tuple[list, dict]:
+    """The cpu-load cells ``--detection-k`` selects, their checkpoints built, and their paths;
+    none is a usage error for the part ``needed_by`` (None: the part reports an empty set)."""
     # lazy: yaml, +60 ms (scripts/import-graph --costs)
     from harness import matrix, selection
 
     m = matrix.load(args.matrix)
     cells = selection.select(m.cells(tier="cpu-load"), args.detection_k)
-    if not cells:
+    if not cells and needed_by:
         raise UsageError(f"{args.matrix}: no cpu-load cells{' match ' + repr(args.detection_k) if args.detection_k else ''}: "
-                         "the detection part needs the load-time set")
+                         f"the {needed_by} part needs the load-time set")
     benchmark.ensure_for_cells(m, cells, echo)
-    paths = {c.id: (m._dir / c.path).resolve() for c in cells}
+    return cells, {c.id: (m._dir / c.path).resolve() for c in cells}
+
+
+def detection_part(args, echo: Callable[[str], None]) -> dict:
+    cells, paths = _load_time_cells(args, echo, "detection")
     d = detection.measure(cells, paths, choice_runs=args.choice_runs, held_out_runs=args.held_out_runs,
                           slowed_runs=args.slowed_runs, echo=echo, loads=args.detection_loads,
                           slowdowns=args.slowdowns, baseline_children=args.baseline_children)
@@ -198,18 +204,12 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
 
 
 def portability_part(args, echo: Callable[[str], None]) -> dict:
-    # lazy: yaml, +60 ms (scripts/import-graph --costs)
-    from harness import matrix, selection
-
     only = [c.strip() for c in args.conditions.split(",")] if args.conditions else None
     unknown = [c for c in only or [] if c not in portability.conditions()]
     if unknown:
         raise UsageError(f"--conditions: unknown condition {', '.join(map(repr, unknown))} "
                          f"(known: {', '.join(portability.conditions())})")
-    m = matrix.load(args.matrix)
-    cells = selection.select(m.cells(tier="cpu-load"), args.detection_k)
-    benchmark.ensure_for_cells(m, cells, echo)
-    paths = {c.id: (m._dir / c.path).resolve() for c in cells}
+    cells, paths = _load_time_cells(args, echo, None)
     try:
         return portability.measure(cells, paths, matrix_path=args.matrix, baselines_root=args.baselines,
                                    runs=args.portability_runs, only=only, echo=echo)
@@ -218,16 +218,7 @@ def portability_part(args, echo: Callable[[str], None]) -> dict:
 
 
 def pairs_part(args, echo: Callable[[str], None]) -> dict:
-    # lazy: yaml, +60 ms (scripts/import-graph --costs)
-    from harness import matrix, selection
-
-    m = matrix.load(args.matrix)
-    cells = selection.select(m.cells(tier="cpu-load"), args.detection_k)
-    if not cells:
-        raise UsageError(f"{args.matrix}: no cpu-load cells{' match ' + repr(args.detection_k) if args.detection_k else ''}: "
-                         "the pairs part needs the load-time set")
-    benchmark.ensure_for_cells(m, cells, echo)
-    paths = {c.id: (m._dir / c.path).resolve() for c in cells}
+    cells, paths = _load_time_cells(args, echo, "pairs")
     t0 = time.perf_counter()
     out = pairs.measure(cells, paths, clean_runs=args.held_out_runs, slowed_runs=args.slowed_runs,
                         slowdowns=args.slowdowns, echo=echo)
