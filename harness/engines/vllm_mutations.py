@@ -129,6 +129,41 @@ def _mutate_merged_shards_swapped() -> None:
 MASK_LAYER_ENV = "HARNESS_VLLM_MASK_LAYER"  # the decoder layer mask-shifted-layer breaks (default 3)
 
 
+def _whole_prefills(layer_name: str, n: int) -> list[tuple[int, int]] | None:
+    """(first row, length) of each sequence of the batch, when every one is prefilled from its first
+    position and together they are the batch's ``n`` rows; else None."""
+    from vllm.forward_context import get_forward_context
+
+    try:
+        meta = get_forward_context().attn_metadata
+    except AssertionError:
+        return None
+    meta = meta.get(layer_name) if isinstance(meta, dict) else meta
+    starts, lens = getattr(meta, "query_start_loc", None), getattr(meta, "seq_lens", None)
+    if starts is None or lens is None or starts.numel() != lens.numel() + 1 or int(starts[-1]) != n:
+        return None
+    rows = [(int(a), int(b) - int(a)) for a, b in zip(starts[:-1], starts[1:])]
+    return rows if all(length == int(seq) for (_, length), seq in zip(rows, lens)) else None
+
+
+def _shifted_mask_effect(attn, query, key, value):
+    """The shifted mask's effect on one sequence's attention output, [rows, heads * size]: plain-torch
+    attention with ``tril(1)`` minus the same with ``tril(0)``, over the same q/k/v."""
+    import torch
+
+    n = query.shape[0]
+    heads, kv_heads, size = attn.num_heads, attn.num_kv_heads, attn.head_size
+    q = query.reshape(n, heads, size).transpose(0, 1).float()
+    k, v = (t.reshape(n, kv_heads, size).transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=0)
+            for t in (key, value))
+    ones = torch.ones(n, n, dtype=torch.bool, device=query.device)
+
+    def attention(mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.impl.scale)
+
+    return (attention(ones.tril(1)) - attention(ones.tril(0))).transpose(0, 1).reshape(n, -1)
+
+
 def _mutate_mask_shifted_layer() -> None:
     """One decoder layer's causal mask is off by one during a prefill: each position also sees the
     next one (``tril(1)`` instead of ``tril(0)``), in layer ``HARNESS_VLLM_MASK_LAYER`` (default 3)
@@ -146,53 +181,24 @@ def _mutate_mask_shifted_layer() -> None:
     import os
 
     import torch
-    from vllm.forward_context import get_forward_context
     from vllm.model_executor.layers.attention.attention import Attention
 
     target = re.compile(rf"(^|\.)layers\.{int(os.environ.get(MASK_LAYER_ENV, '3'))}\.self_attn\.attn$")
     original = Attention.forward
-
-    def whole_prefills(layer_name: str, n: int) -> list[tuple[int, int]] | None:
-        """(first row, length) of each sequence of the batch, when every one is prefilled from its
-        first position and together they are the batch's ``n`` rows; else None."""
-        try:
-            meta = get_forward_context().attn_metadata
-        except AssertionError:
-            return None
-        meta = meta.get(layer_name) if isinstance(meta, dict) else meta
-        starts, lens = getattr(meta, "query_start_loc", None), getattr(meta, "seq_lens", None)
-        if starts is None or lens is None or starts.numel() != lens.numel() + 1 or int(starts[-1]) != n:
-            return None
-        rows = [(int(a), int(b) - int(a)) for a, b in zip(starts[:-1], starts[1:])]
-        return rows if all(length == int(seq) for (_, length), seq in zip(rows, lens)) else None
-
-    def shifted(self, query, key, value) -> torch.Tensor:
-        """The shifted mask's effect on one sequence's attention output, [rows, heads * size]."""
-        n = query.shape[0]
-        heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
-        q = query.reshape(n, heads, size).transpose(0, 1).float()
-        k, v = (t.reshape(n, kv_heads, size).transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=0)
-                for t in (key, value))
-        ones = torch.ones(n, n, dtype=torch.bool, device=query.device)
-
-        def attention(mask):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.impl.scale)
-
-        return (attention(ones.tril(1)) - attention(ones.tril(0))).transpose(0, 1).reshape(n, -1)
 
     def forward(self, query, key, value, *args, **kwargs):
         out = original(self, query, key, value, *args, **kwargs)
         n = query.shape[0]
         if key is None or not target.search(self.layer_name):
             return out
-        sequences = whole_prefills(self.layer_name, n)
+        sequences = _whole_prefills(self.layer_name, n)
         if not sequences:
             return out
         shift = torch.zeros(n, out.numel() // n, dtype=torch.float32, device=query.device)
         for first, length in sequences:
             if length > 1:
                 rows = slice(first, first + length)
-                shift[rows] = shifted(self, query[rows], key[rows], value[rows])
+                shift[rows] = _shifted_mask_effect(self, query[rows], key[rows], value[rows])
         return out + shift.to(out.dtype).reshape(out.shape)
 
     Attention.forward = forward
