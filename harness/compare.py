@@ -372,7 +372,9 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
         if other_kernels(record, baseline) and baseline.provenance.cpu is not None:
             # the calibration carries a machine's speed, not every kernel's, so such a reading may
             # be the kernels' as much as the loader's (docs/design.md, "Where the rule stands")
-            text += f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())})"
+            text += (f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())}): "
+                     "harness run --update-kernel-baselines records these kernels' once, and --candidate times a "
+                     "build against the pinned one here")
     return Check(name=LOAD_TIME_CHECK, ok=not (gated and regressed), detail=text,
                  data={"ratio": _safe(ratio), "calibrated": calibrated, "seconds": s_obt, "baseline_seconds": s_base,
                        "bound": bound, "gated": gated, "regressed": gated and regressed, "improved": gated and improved})

@@ -35,7 +35,6 @@ class GateHost(Protocol):
     """What the gate uses of the run it serves (harness.runner.Runner, which owns it)."""
 
     layout: Layout
-    update_baselines: bool
 
     def run_child(self, cell: Cell, *, mode: str, sequences, record_path: Path, log: Path,
                   extra: dict | None = None, python: str | None = None) -> R.Record | None: ...
@@ -52,15 +51,15 @@ class LoadGate:
         # the timed groups the run has still to start: a cell waiting for its later look runs them
         self.meanwhile: deque[Callable[[], object]] = deque()
 
-    def settle(self, cell: Cell, record: R.Record, baseline) -> tuple[R.Record, list[str]]:
-        """A gated cell's load timed in more fresh children: the median of several when a baseline
-        may be written, a confirmation when the first is over the bound, and a later look when
-        every child of those is. (the record with that load, what to say)"""
+    def settle(self, cell: Cell, record: R.Record, baseline, *, recording: bool) -> tuple[R.Record, list[str]]:
+        """A gated cell's load timed in more fresh children: the median of several when its
+        baseline may be written (``recording``), a confirmation when the first is over the bound,
+        and a later look when every child of those is. (the record with that load, what to say)"""
         if not cell.gate_load_time or record.status != "ok" or record.load is None:
             return record, []
         messages: list[str] = []
         retime = self.timer(cell, self.runner.layout, cell.id, messages)
-        if self.runner.update_baselines:
+        if recording:
             load = loadtime.baseline_load(record.load, retime)
             what = "median of"
             unsteady = loadtime.unsteady_baseline(load, cell.bounds.load_time)

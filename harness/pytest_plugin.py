@@ -73,7 +73,8 @@ def pytest_addoption(parser):
     g.addoption("--update-baselines", action="store_true", default=False,
                 help="write the baselines of cells that may become one (never failed/error/unsupported)")
     g.addoption("--update-kernel-baselines", action="store_true", default=False,
-                help="write a baseline for this machine's kernels of each cell held to its loaded state alone "
+                help="write a baseline for this machine's kernels of each cell held to its loaded state alone, "
+                     "and of each load-time gated cell whose baseline is from other kernels "
                      "(harness run --update-kernel-baselines)")
     g.addoption("--candidate", action="append", default=[], metavar="ENGINE=SPEC",
                 help="also run each selected cell of ENGINE on a candidate build (harness run --candidate), as the "

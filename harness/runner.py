@@ -17,7 +17,8 @@ the reference executed unfused: the reference child writes that witness when an 
 not fuse shards (transformers) is in the group (docs/design.md, "Fusion rule").
 
 **Load time across children.** On a load-time gated tier, a cell over its bound is timed again in
-fresh ``load`` children before its verdict, and ``update_baselines`` stores the median of several
+fresh ``load`` children before its verdict, and a baseline written of it (``update_baselines``,
+or ``update_kernel_baselines`` where its own is from other kernels) stores the median of several
 (harness.gate, harness.loadtime). A cell over in every one waits for its
 later look; in ``harness run`` the gated groups still to run are timed meanwhile, so a slowdown
 every gated cell shares costs one wait, not one per cell.
@@ -25,7 +26,9 @@ every gated cell shares costs one wait, not one per cell.
 **Baselines.** After the verdict, harness.baselines.handle(): with ``update_baselines``, a record
 that may become a baseline is written (printing what changed) and then judged again against what
 was written, so the run's verdict says "pass" (or "waived") with the old verdict in its reason;
-failed, error and unsupported cells are refused (harness.verdicts).
+failed, error and unsupported cells are refused (harness.verdicts). With
+``update_kernel_baselines`` the cells whose baseline does not carry from other kernels get one of
+this machine's kernels instead (:meth:`Runner._kernels_baseline`).
 
 **Writes checked first.** :meth:`Runner.writes` lists every path the run may write, derived from
 the selected cells; ``harness run`` refuses the run in one line when one cannot be written
@@ -354,7 +357,9 @@ class Runner:
         except B.BaselineError as e:
             checks = self._judge(cell, record, None, raws).checks
             return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", checks).apply(record))
-        record, retimed = self.gate.settle(cell, record, baseline)
+        load_here = (self.update_kernel_baselines and cell.gate_load_time and baseline is not None
+                     and B.other_kernels(record, baseline))
+        record, retimed = self.gate.settle(cell, record, baseline, recording=self.update_baselines or load_here)
         j = self._judge(cell, record, baseline, raws, acc_baseline)
         result = CellResult(cell, j.apply(record), messages=retimed)
         if root != self.baselines_root:
@@ -363,14 +368,8 @@ class Runner:
         flip = judging.rounding_flip(result.record, baseline)
         if flip is not None:
             result.record = flip.apply(result.record)
-        # --update-kernel-baselines: a cell held to its loaded state alone gets a baseline of its
-        # own kernels, which holds its sequences from the next run on
-        on_these_kernels = self.update_kernel_baselines and j.loaded_state_only and B.kernels_root(self.baselines_root, record)
-        if on_these_kernels:
-            root = on_these_kernels
-        elif j.loaded_state_only:
-            result.messages.append("held to its loaded state alone: its baseline records a known failure's behaviour on "
-                                   "other kernels; harness run --update-kernel-baselines records these kernels' once")
+        on_these_kernels = self._kernels_baseline(result, j, load_here)
+        root = on_these_kernels or root
         try:
             outcome = B.handle(root, result.record, update_baselines=self.update_baselines or bool(on_these_kernels),
                                measure_noise=None if on_these_kernels else measure_noise.for_cell(cell))
@@ -402,6 +401,29 @@ class Runner:
             if done:
                 result.messages.append(done)
         return result
+
+    def _kernels_baseline(self, result: CellResult, j: C.Judgement, load_here: bool) -> Path | None:
+        """The root of this machine's kernels' baselines when --update-kernel-baselines records the
+        cell's baseline there: a cell held to its loaded state alone (a known failure's behaviour
+        does not carry to other kernels), or a gated cell whose baseline is from other kernels
+        (``load_here``: a load time does not carry across machine kinds as logprobs do;
+        docs/design.md, "Where the rule stands") and fails no check but its load time. Says why
+        where such a cell's is not recorded."""
+        root = B.kernels_root(self.baselines_root, result.record)
+        if j.loaded_state_only:
+            if self.update_kernel_baselines and root:
+                return root
+            result.messages.append("held to its loaded state alone: its baseline records a known failure's behaviour on "
+                                   "other kernels; harness run --update-kernel-baselines records these kernels' once")
+            return None
+        if not load_here or root is None:
+            return None
+        failing = sorted({c.name for c in result.record.checks if not c.ok} - {C.LOAD_TIME_CHECK})
+        if failing:
+            result.messages.append(f"these kernels' baseline not recorded: {', '.join(failing)} failing, not only its "
+                                   "load time")
+            return None
+        return root
 
     def _localise(self, result: CellResult, raws: dict[str, R.Record]) -> None:
         """The module traces' localisation (harness.traces.jobs) of a failed or regressed cell (of

@@ -536,6 +536,59 @@ def test_a_gated_cell_is_timed_in_several_children_for_its_baseline_and_confirme
     assert len(looked) == 2 and min(looked) >= 20
 
 
+def _from_a_faster_machine(path: Path, *, logprob_shift: float = 0.0) -> None:
+    """Make the baseline at ``path`` one recorded on an AMD EPYC (other kernels) whose loads took a
+    third of this machine's, calibration alike; ``logprob_shift`` moves its scored logprobs too."""
+    data = json.loads(path.read_text())
+    data["provenance"]["cpu"] = {"vendor": "AuthenticAMD", "model": "AMD EPYC 7B13", "capability": "avx2",
+                                 "flags": ["avx2"], "kernel_env": {}}
+    load = data["load"]
+    load["seconds"] /= 3
+    for child in load["children"]:
+        child["seconds"] /= 3
+    for sequence in data["sequences"]:
+        for scored in sequence["scored"]:
+            if scored["logprob"] is not None:
+                scored["logprob"] += logprob_shift
+    path.write_text(json.dumps(data, indent=2))
+
+
+def test_a_gated_cells_baseline_of_these_kernels_is_recorded_where_its_own_is_from_another_machine(tmp_path, capsys):
+    """A load time does not carry across machine kinds: --update-kernel-baselines records a gated
+    cell whose baseline is from other kernels a baseline of this machine's (the median of
+    BASELINE_CHILDREN children) under <baselines>/kernels/, its own left as it was, and later runs
+    are judged against it; not where a check other than its load time fails."""
+    from harness import loadtime
+
+    matrix = tmp_path / "models.yaml"
+    matrix.write_text(GATED_MATRIX)
+    baselines = tmp_path / "b"
+    base = ["run", "--matrix", matrix, "--baselines", baselines, "--tier", "cpu-load", "--later-look", "0"]
+    assert harness(capsys, *base, "--results", tmp_path / "r0", "--update-baselines")[0] == 0
+    own = {cell: baselines / "cpu-load" / f"{cell}.json" for cell in GATED}
+    _from_a_faster_machine(own[GATED[0]])
+    _from_a_faster_machine(own[GATED[1]], logprob_shift=0.5)
+    before = {cell: path.read_text() for cell, path in own.items()}
+    assert harness(capsys, *base, "--results", tmp_path / "r1")[0] == 1
+    elsewhere = R.load(tmp_path / "r1" / f"{GATED[0]}.json")
+    assert elsewhere.verdict == "regressed" and "--update-kernel-baselines records these kernels'" in elsewhere.verdict_reason
+
+    _, out, _ = harness(capsys, *base, "--results", tmp_path / "r2", "--update-kernel-baselines")
+    recorded, refused = (R.load(tmp_path / "r2" / f"{cell}.json") for cell in GATED)
+    assert recorded.verdict == "pass" and "by --update-kernel-baselines (was regressed" in recorded.verdict_reason
+    assert len(recorded.load.children) == loadtime.BASELINE_CHILDREN
+    [kernels] = (baselines / "kernels").iterdir()
+    assert sorted(p.name for p in (kernels / "cpu-load").glob("*.json")) == [f"{GATED[0]}.json"]
+    assert refused.verdict == "regressed", refused.verdict_reason
+    assert "these kernels' baseline not recorded: teacher-forced:baseline" in out, out
+    assert {cell: path.read_text() for cell, path in own.items()} == before
+
+    code, out, _ = harness(capsys, *base, "--results", tmp_path / "r3", "-k", "not again")
+    judged = R.load(tmp_path / "r3" / f"{GATED[0]}.json")
+    assert code == 0 and judged.verdict == "pass", judged.verdict_reason
+    assert f"judged against the baseline of these kernels: {kernels / 'cpu-load' / GATED[0]}.json" in out
+
+
 @pytest.mark.parametrize("hook", [None, "slow=3"])
 def test_a_candidate_builds_gated_load_is_judged_in_pairs_against_the_pinned_build(tmp_path, capsys, hook):
     """A candidate's load is compared with the pinned build's of the same run, needing no stored
