@@ -6,6 +6,7 @@ localisation may settle after it. The checks themselves are harness.compare's.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -39,6 +40,13 @@ class _Case:
     gate_load_time: bool
     accuracy_baseline: object
     keyed_by_version: bool = True  # False against another build of the same run (judge_against_base)
+    # checks a rounding flip explained (rounding_flip(), by name), which pass in place of the same
+    # checks computed here
+    explained: tuple[Check, ...] = ()
+
+    def _settled(self, checks: list[Check]) -> list[Check]:
+        flipped = {c.name: c for c in self.explained}
+        return [flipped.get(c.name, c) if not c.ok else c for c in checks]
 
     @cached_property
     def known(self) -> list[KnownFailureLike]:
@@ -53,7 +61,7 @@ class _Case:
         md = check_module_diff(record)
         sensitivity = check_input_sensitivity(record, self.bounds.logprob,
                                               noise_for(record, baseline) if baseline is not None else None)
-        return [c for c in (md, sensitivity) if c is not None] + list(self.cross_engine_checks)
+        return [c for c in (md, sensitivity) if c is not None] + self._settled(list(self.cross_engine_checks))
 
     @cached_property
     def disagreement(self) -> Judgement | None:
@@ -88,9 +96,9 @@ class _Case:
         """The loaded state, the sequences and accuracy against the baseline (not the load time)."""
         record, baseline = self.record, self.baseline
         state = check_loaded_state(record, baseline)
-        return ([state] if state is not None else []) + compare_sequences(
+        return ([state] if state is not None else []) + self._settled(compare_sequences(
             baseline.record_sequences(), record.sequences, self.bounds, against="baseline",
-            noise=noise_for(record, baseline)) + self.accuracy.checks
+            noise=noise_for(record, baseline))) + self.accuracy.checks
 
     @cached_property
     def load_check(self) -> Check | None:
@@ -258,13 +266,16 @@ VERDICT_ORDER: tuple[Callable[[_Case], Judgement | None], ...] = (
 def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
             known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
             expected_engine_version: str | None = None, platform: str | None = None,
-            gate_load_time: bool = False, accuracy_baseline=None, keyed_by_version: bool = True) -> Judgement:
+            gate_load_time: bool = False, accuracy_baseline=None, keyed_by_version: bool = True,
+            explained: Iterable[Check] = ()) -> Judgement:
     """The verdict of one record: the judgement of the first step of VERDICT_ORDER that judges it
     (each step's docstring gives its rule and its number in docs/design.md, "Verdicts").
     ``keyed_by_version=False``: the baseline is another build's record of this run, whose engine
-    version differs on purpose."""
+    version differs on purpose. ``explained``: the checks of a rounding flip's judgement
+    (:func:`settle_flip`)."""
     case = _Case(record, baseline, bounds, tuple(known_failures), tuple(cross_engine_checks),
-                 expected_engine_version, platform, gate_load_time, accuracy_baseline, keyed_by_version)
+                 expected_engine_version, platform, gate_load_time, accuracy_baseline, keyed_by_version,
+                 tuple(explained))
     return next(j for j in (step(case) for step in VERDICT_ORDER) if j is not None)
 
 
@@ -278,7 +289,7 @@ def _kernels_note(checks: list[Check]) -> str:
 
 def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = (), *,
           known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None,
-          accuracy_baseline=None) -> Judgement:
+          accuracy_baseline=None, explained: Iterable[Check] = ()) -> Judgement:
     """verdict() with every setting taken from the cell (bounds, known failures, the pinned engine
     version, load-time gating) and the cross-engine checks against ``others``, the other engines'
     records of its (model, scheme) in this run, by cross_engine()'s rule (``known_failures``: the
@@ -293,6 +304,7 @@ def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterabl
         expected_engine_version=cell.engine_version,
         gate_load_time=cell.gate_load_time,
         accuracy_baseline=accuracy_baseline,
+        explained=explained,
     )
 
 
@@ -333,6 +345,33 @@ def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterabl
     if j.known_failure is not None and (base.known_failure is None or base.known_failure.pattern != j.known_failure.pattern):
         return Judgement(j.verdict, f"new in the candidate: {j.reason}", j.checks, j.known_failure)
     return Judgement(j.verdict, f"against {base_name}: {j.reason}", j.checks, j.known_failure)
+
+
+def settle_flip(judged: Record, baseline: Baseline | None,
+                rejudge: Callable[[list[Check]], Judgement]) -> Judgement | None:
+    """The verdict of a localised record once rounding flips explain its failing logprobs
+    (:func:`rounding_flip`): ``rejudge``, the verdict order run again with the explained checks
+    passing, its reason ending in the flips' (a pass: the flips' alone); None when no flip explains
+    them. A disagreement with another engine is judged (step 3) before the baseline is read, so
+    a flip that explains it leaves every later step to run: the baseline's key, its sequences and
+    loaded state, the load time."""
+    flip, settled = rounding_flip(judged, baseline), None
+    explained: dict[str, Check] = {}
+    reasons: list[str] = []
+    # a side explained by a flip lets a later step fail on another side, which a flip of the same
+    # localisation may explain too: once per side at most
+    while flip is not None:
+        newly = {c.name: c for c in flip.checks if c.data and "rounding_flip" in c.data and c.name not in explained}
+        if not newly:
+            break
+        explained.update(newly)
+        reasons.append(flip.reason)
+        settled = rejudge(list(explained.values()))
+        flip = rounding_flip(settled.apply(judged), baseline)
+    if settled is None:
+        return None
+    said = "; ".join(reasons)
+    return dataclasses.replace(settled, reason=said if settled.verdict == "pass" else f"{settled.reason}; {said}")
 
 
 # The checks a rounding flip can move: the logprobs, not the loaded state, the load time or accuracy.

@@ -344,11 +344,11 @@ class Runner:
         return w if w.status == "ok" else None
 
     def _judge(self, cell: Cell, record: R.Record, baseline, raws: dict[str, R.Record],
-               accuracy_baseline=None) -> C.Judgement:
+               accuracy_baseline=None, explained=()) -> C.Judgement:
         group = self.groups[group_key(cell)]
         return judging.judge(cell, record, baseline, [r for e, r in raws.items() if e != cell.engine],
                        known_failures=[k for c in group for k in c.known_failures], unfused=self.unfused(raws),
-                       accuracy_baseline=accuracy_baseline)
+                       accuracy_baseline=accuracy_baseline, explained=explained)
 
     def judge(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> CellResult:
         try:
@@ -365,9 +365,11 @@ class Runner:
         if root != self.baselines_root:
             result.messages.append(f"judged against the baseline of these kernels: {B.path_for(root, cell.tier, cell.id)}")
         self._localise(result, raws)
-        flip = judging.rounding_flip(result.record, baseline)
-        if flip is not None:
-            result.record = flip.apply(result.record)
+        settled = judging.settle_flip(result.record, baseline,
+                                      lambda explained: self._judge(cell, record, baseline, raws, acc_baseline, explained))
+        if settled is not None:
+            j = settled
+            result.record = settled.apply(result.record)
         on_these_kernels = self._kernels_baseline(result, j, load_here)
         root = on_these_kernels or root
         try:
@@ -385,10 +387,12 @@ class Runner:
         result.messages += acc.messages
         if (outcome.change is not None and outcome.change.written) or acc.written:
             written = B.read(root, cell.tier, cell.id)
-            j2 = self._judge(cell, record, written, raws, accuracy_store.read(self.baselines_root, cell.tier, cell.id))
+            acc_written = accuracy_store.read(self.baselines_root, cell.tier, cell.id)
+            j2 = self._judge(cell, record, written, raws, acc_written)
             # the localisation stands: a flip between engines is explained against any baseline
             rejudged = j2.apply(result.record)
-            j2 = judging.rounding_flip(rejudged, written) or j2
+            j2 = judging.settle_flip(rejudged, written, lambda explained: self._judge(
+                cell, record, written, raws, acc_written, explained)) or j2
             was = f"was {j.verdict}: {j.reason}"
             flag = "--update-kernel-baselines" if on_these_kernels else "--update-baselines"
             kind = outcome.change.kind if outcome.change is not None and outcome.change.written else "accuracy new or updated"

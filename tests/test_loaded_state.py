@@ -274,6 +274,33 @@ def test_a_disagreement_between_engines_needs_a_flip_shown_against_that_engine_o
                            None) is None
 
 
+def test_a_flip_between_engines_leaves_the_baseline_and_the_load_time_to_judge():
+    """A disagreement with another engine is judged before the baseline is read (step 3), so once
+    a rounding flip explains it the rest of the verdict order runs (judging.settle_flip): a load
+    over its bound is still regressed, a baseline of another engine version stale, and a cell
+    within both passes with the baseline's checks in its record."""
+    flip = _flip().model_copy(update={"against": "transformers"})
+    cross = _disagreeing(flip).checks
+
+    def settled(load_s, **provenance):
+        rec = _disagreeing(flip).model_copy(update={"load": R.LoadInfo(seconds=load_s)})
+        b = baseline(record(sequences=[seq()]), **provenance)
+
+        def judge(explained=()):
+            return judging.verdict(rec, b, bounds=BOUNDS, cross_engine_checks=cross, gate_load_time=True,
+                                   explained=explained)
+        judged = judge().apply(rec)
+        assert judged.verdict == "failed" and not any(c.name.endswith(":baseline") for c in judged.checks)
+        return judging.settle_flip(judged, b, judge)
+
+    slow = settled(2.0)
+    assert slow.verdict == "regressed" and "load-time:baseline" in slow.reason and "rounding flip at X" in slow.reason
+    assert settled(1.0, engine_version="0.31.0").verdict == "stale-baseline"
+    clean = settled(1.0)
+    assert clean.verdict == "pass" and "rounding flip at X" in clean.reason and all(c.ok for c in clean.checks)
+    assert {"teacher-forced:transformers", "teacher-forced:baseline", "load-time:baseline"} <= {c.name for c in clean.checks}
+
+
 def _across(base, fresh, element_noise=1e-5, fresh_weight=None):
     from harness.traces import diff, flips
     from harness.traces.noise import ModuleNoise
