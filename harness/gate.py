@@ -92,10 +92,11 @@ class LoadGate:
         if timed is None:
             return record, base, messages
         mine, theirs = timed
-        rounds = len(mine.children) // loadtime.CANDIDATE_PAIRS
-        messages.insert(0, f"load time: against the base build in {rounds} round(s) of {loadtime.CANDIDATE_PAIRS} pairs of "
-                        f"fresh children, each build first as often, their medians uncalibrated (load / calibration, "
-                        f"candidate: {_children(mine)}; base: {_children(theirs)})")
+        rounds = loadtime.round_ratios(mine, theirs)
+        messages.insert(0, f"load time: against the base build in {len(rounds)} round(s) of {loadtime.CANDIDATE_PAIRS} "
+                        f"pairs of fresh children, each build first as often, their medians uncalibrated (ratio "
+                        f"{', '.join(f'{r:.3f}' for r in rounds)}; load / calibration, candidate: {_children(mine)}; "
+                        f"base: {_children(theirs)})")
         return record.model_copy(update={"load": mine}), base.model_copy(update={"load": theirs}), messages
 
     def timer(self, cell: Cell, layout: Layout, name: str, messages: list[str],

@@ -43,7 +43,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from harness import cpu
@@ -324,13 +324,20 @@ def _round(retime, retime_base, pairs: int) -> tuple[list[R.LoadInfo], list[R.Lo
     return mine, theirs
 
 
-def _ratio_of(timed: tuple[list[R.LoadInfo], list[R.LoadInfo]]) -> float:
+def round_ratios(mine: R.LoadInfo, theirs: R.LoadInfo, pairs: int = CANDIDATE_PAIRS) -> list[float]:
+    """Each round's ratio, in order, of a candidate's and a base's loads as :func:`paired` returns
+    them (every child of every round listed, round by round)."""
+    return [_ratio_of((mine.children[n:n + pairs], theirs.children[n:n + pairs]))
+            for n in range(0, len(mine.children), pairs)]
+
+
+def _ratio_of(timed: tuple[Sequence[R.LoadInfo | R.ChildLoad], Sequence[R.LoadInfo | R.ChildLoad]]) -> float:
     mine, theirs = timed
     return _median_child(mine).seconds / _median_child(theirs).seconds
 
 
-def _median_child(infos: list[R.LoadInfo]) -> R.LoadInfo:
-    return lower_median(infos, key=lambda info: info.seconds)
+def _median_child(infos: Sequence[R.LoadInfo | R.ChildLoad]):
+    return lower_median(list(infos), key=lambda info: info.seconds)
 
 
 def _median_uncalibrated(every: list[R.LoadInfo], deciding: list[R.LoadInfo]) -> R.LoadInfo:

@@ -257,6 +257,7 @@ def test_a_candidate_round_over_the_bound_is_confirmed_by_another():
     assert spell[0].seconds / spell[1].seconds == pytest.approx(1.0) and len(spell[0].children) == 8
     slower = loadtime.paired(timer([1.3] * 4 + [1.2] * 4), timer([1.0] * 8), 1.1)
     assert slower[0].seconds / slower[1].seconds == pytest.approx(1.2) and len(slower[1].children) == 8
+    assert loadtime.round_ratios(*slower) == pytest.approx([1.3, 1.2])
     # under 1/bound is confirmed the same way: one fast round of the candidate is not `improved`
     fast_spell = loadtime.paired(timer([0.8] * 4 + [0.99] * 4), timer([1.0] * 8), 1.1)
     assert fast_spell[0].seconds / fast_spell[1].seconds == pytest.approx(0.99)

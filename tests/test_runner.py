@@ -608,6 +608,8 @@ def test_a_candidate_builds_gated_load_is_judged_in_pairs_against_the_pinned_bui
     check = next(c for c in cand.checks if c.name == "load-time:baseline")
     rounds = loadtime.CANDIDATE_ROUNDS if hook else 1  # a round over the bound is confirmed by another
     assert len(cand.load.children) == loadtime.CANDIDATE_PAIRS * rounds and "pairs of fresh children" in out
+    said = re.search(r"their medians uncalibrated \(ratio ([\d., ]+);", out)
+    assert said and len(said.group(1).split(", ")) == rounds, out
     timed = {name: [(results / "candidate" / "raw" / f"{name}.load{n}.json").stat().st_mtime_ns for n in (1, 2)]
              for name in (cell, f"{cell}.base")}
     # candidate, base; base, candidate

@@ -39,10 +39,8 @@ def pair_run(cell, path, *, slow: float = 0.0, mutation: str | None = None) -> d
                             lambda: detection.cell_run(cell, path, 1).load_info(), cell.bounds.load_time)
     mine, theirs = timed  # cell_run raises where a child fails
     ratio = mine.seconds / theirs.seconds
-    first = [loadtime.lower_median(children[:loadtime.CANDIDATE_PAIRS], key=lambda child: child.seconds).seconds
-             for children in (mine.children, theirs.children)]
-    return {"ratio": ratio, "first_ratio": first[0] / first[1], "flagged": ratio > cell.bounds.load_time,
-            "rounds": len(mine.children) // loadtime.CANDIDATE_PAIRS}
+    rounds = loadtime.round_ratios(mine, theirs)
+    return {"ratio": ratio, "first_ratio": rounds[0], "flagged": ratio > cell.bounds.load_time, "rounds": len(rounds)}
 
 
 def changes(cells, slowdowns: Sequence[float]) -> list[tuple[str, dict, list]]:
