@@ -194,8 +194,8 @@ class _JudgedPositions:
     judged: dict[str, list[str]] = field(default_factory=dict)
     noise_bound: dict[str, list[float | None]] = field(default_factory=dict)
     worst: dict = field(default_factory=lambda: {"delta": 0.0, "prompt": None, "position": None, "what": None})
-    # (|Δ| / bound, prompt, position, what) where a position exceeds its bound
-    excess: list[tuple[float, str, int, str]] = field(default_factory=list)
+    # (|Δ| / bound, prompt, position, what, |Δ|, bound) where a position exceeds its bound
+    excess: list[tuple[float, str, int, str, float, float]] = field(default_factory=list)
 
     @property
     def worst_tok(self) -> float:
@@ -226,7 +226,7 @@ def _judge_positions(same: list[tuple[str, SequenceResult, SequenceResult]], noi
                 if d > out.worst["delta"]:
                     out.worst = {"delta": d, "prompt": pid, "position": pos, "what": what}
                 if not d <= bound:
-                    out.excess.append((d / bound, pid, pos, what))
+                    out.excess.append((d / bound, pid, pos, what, d, bound))
     return out
 
 
@@ -236,13 +236,16 @@ def _teacher_forced_detail(positions: _JudgedPositions, against: str, logprob_bo
     where = f" at prompt {worst['prompt']} position {worst['position']} ({worst['what']})" if worst["prompt"] is not None else ""
     detail = (f"max |Δlogprob| vs {against} {fmt(worst['delta'])}{where}; scored tokens {fmt(positions.worst_tok)} "
               f"(bound {fmt(logprob_bound)}), shared top-k {fmt(positions.worst_topk)} (bound {fmt(topk_bound)})")
-    if noise is not None:
-        detail += (f"; {against} from other kernels: family bound on {positions.family_share:.0%} of positions, "
-                   "the measured noise bound past each fragile onset")
-        if positions.excess:
-            _, pid, pos, what = max(positions.excess)
-            detail += f"; worst against its position's bound: prompt {pid} position {pos} ({what})"
-    return detail
+    if noise is None:
+        return detail
+    detail += (f"; {against} from other kernels: family bound on {positions.family_share:.0%} of positions, "
+               "the measured noise bound past each fragile onset")
+    if not positions.excess:
+        return detail
+    # The largest |Δ| may lie where the noise bound allows it; what failed is said first.
+    _, pid, pos, what, d, bound = max(positions.excess)
+    which = "the family bound, before the fragile onset" if positions.judged[pid][pos - 1] == "family" else "the noise bound"
+    return f"prompt {pid} position {pos} ({what}) {fmt(d)} against {fmt(bound)}, {which}; {detail}"
 
 
 def _teacher_forced_data(positions: _JudgedPositions, same: list[tuple[str, SequenceResult, SequenceResult]],
@@ -261,7 +264,7 @@ def _teacher_forced_data(positions: _JudgedPositions, same: list[tuple[str, Sequ
         "onsets": {pid: _onset_data(noise, pid) for pid in positions.judged},
         "noise_bound": positions.noise_bound,  # the bound applied where judged "noise", else null
         "family_share": positions.family_share,
-        "exceeding_prompts": sorted({pid for _, pid, _, _ in positions.excess}),
+        "exceeding_prompts": sorted({x[1] for x in positions.excess}),
     }
 
 

@@ -3,10 +3,10 @@ parent side, which the runner and the tracer call. Each measurement runs the ref
 interpreters (harness.noise_child) under this machine's kernels and under other ones, because a
 kernel variable such as ``ATEN_CPU_CAPABILITY`` only takes effect before torch is imported.
 
-- :func:`for_cell` / :func:`measure`: the logprob noise a baseline stores (harness.noise.Noise),
-  from runs A (own kernels) and B (a lowered capability);
-- :func:`measure_modules`: the per-module noise of a fingerprint (harness.traces.noise), from
-  traces A, B and C (MKL's and oneDNN's AVX2 paths, harness.cpu.LIBRARIES_AVX2).
+- :func:`for_cell` / :func:`measure`: the logprob noise a baseline stores (harness.noise.Noise);
+- :func:`measure_modules`: the per-module noise of a fingerprint (harness.traces.noise).
+
+Both compare run A (this machine's own kernels) with one run per set of :func:`other_kernels`.
 """
 from __future__ import annotations
 
@@ -48,20 +48,34 @@ def for_cell(cell: Cell):
     return measure_record
 
 
+def other_kernels(own: str | None) -> list[tuple[str, str | None, dict[str, str]]]:
+    """``(label, capability, environment overlay)`` of each kernel set a noise is measured against,
+    beside ``own`` (the capability the record ran under): harness.cpu.KERNEL_CONDITIONS, with the
+    lowered capability the first of harness.noise.CAPABILITIES that is not ``own``, and the AVX2
+    machine left out where ``own`` is AVX2 already (it is then the libraries' AVX2 paths)."""
+    lowered = other_capability(own)
+    out = [(lowered or "?", lowered, {}), (f"{own or '?'}+libraries-avx2", own, cpu.LIBRARIES_AVX2)]
+    if own != cpu.AVX2_MACHINE["ATEN_CPU_CAPABILITY"]:
+        out.append(("avx2+libraries-avx2", None, cpu.AVX2_MACHINE))
+    return out
+
+
 def measure(cell: Cell, record: Record) -> Noise:
-    """The noise of ``cell`` on the sequences ``record`` scored, from two reference children that
+    """The noise of ``cell`` on the sequences ``record`` scored, from reference children that
     execute the checkpoint as the cell's engine does: fused per-tensor FP8 shards share one
     requantized weight, which moves every activation after them (docs/design.md, "Fusion rule"),
     so an engine that never fuses is measured on the unfused reference."""
     own = record.engine_info.cpu.capability if record.engine_info.cpu else None
-    other = other_capability(own)
     sequences = {s.prompt.id: s.scored.tokens for s in record.sequences}
     with tempfile.TemporaryDirectory(prefix="harness-noise-") as tmp:
         job = {"cell": cell.model_dump(mode="json"), "sequences": sequences, "fuse": fuses_shards(cell.engine)}
-        b_out = Path(tmp) / "b.pt"
-        _child({**job, "role": "record"}, b_out, tmp, capability=other)
+        others = []
+        for i, (label, capability, env) in enumerate(other_kernels(own)):
+            out = Path(tmp) / f"other{i}.pt"
+            _child({**job, "role": "record"}, out, tmp, capability=capability, kernel_env=env)
+            others.append({"path": str(out), "kernels": label})
         a_out = Path(tmp) / "a.json"
-        _child({**job, "role": "analyse", "other": str(b_out)}, a_out, tmp, capability=own)
+        _child({**job, "role": "analyse", "others": others}, a_out, tmp, capability=own)
         return Noise.model_validate_json(a_out.read_text())
 
 
@@ -86,17 +100,17 @@ def _child(job: dict, out: Path, tmp: str, capability: str | None, kernel_env: d
 
 
 def measure_modules(cell: Cell, sequences: dict[str, list[int]], fuse: bool, own: str | None) -> Measured:
-    """Three reference children: the traces A, B and C (harness.traces.noise) and the noise of every
-    module. ``own`` is the capability the cell's record ran under (its ``engine_info.cpu``). Raises
-    NoiseError with one line when a child fails."""
-    other = other_capability(own)
+    """The traces of reference children, A under ``own`` (the capability the cell's record ran
+    under, its ``engine_info.cpu``) and one per set of :func:`other_kernels`, and the noise of every
+    module (harness.traces.noise). Raises NoiseError with one line when a child fails."""
     job = {"cell": cell.model_dump(mode="json"), "sequences": sequences, "fuse": fuse, "role": "trace"}
+    kernels = [(own or "?", own, {}), *other_kernels(own)]
     with tempfile.TemporaryDirectory(prefix="harness-trace-noise-") as tmp:
         runs = []
-        for name, capability, env in (("a", own, None), ("b", other, None), ("c", own, cpu.LIBRARIES_AVX2)):
-            out = Path(tmp) / f"{name}.pt"
+        for i, (_, capability, env) in enumerate(kernels):
+            out = Path(tmp) / f"run{i}.pt"
             _child(job, out, tmp, capability=capability, kernel_env=env)
             runs.append(traces.load(out))
-    a, b, c = runs
-    kernels = [own or "?", other or "?", f"{own or '?'}+libraries-avx2"]
-    return Measured(noise_between(a, [b, c], "reference" if fuse else "reference-unfused", kernels), a, b, c)
+    a, others = runs[0], runs[1:]
+    labels = [label for label, _, _ in kernels]
+    return Measured(noise_between(a, others, "reference" if fuse else "reference-unfused", labels), a, others)

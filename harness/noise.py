@@ -7,14 +7,16 @@ input scales, the FP8 KV cache), such a difference can move one scaled activatio
 rounding boundary; attention then carries the flip to every later position. So the measurement
 has two parts, both made by the reference (the semantics every engine of the cell computes):
 
-1. **Kernel noise.** The reference scores the baseline's sequences twice, each in a fresh
-   interpreter: under this machine's kernels (run A, the baseline's own) and under another kernel
-   set (run B, ``ATEN_CPU_CAPABILITY`` lowered; it only takes effect before torch is imported).
-   ``logprob_noise`` is |A - B| per position; the noise of each scaled activation is
-   ``NOISE_FACTOR`` x its own |A - B| (another CPU deviates from the exact value about as much as
-   these two do, possibly the other way). ``activation_noise`` reports the largest |A - B| over
-   the quantizer calls whose inputs no flip has reached yet (up to the first call whose FP8 codes
-   differ).
+1. **Kernel noise.** The reference scores the baseline's sequences in fresh interpreters (a kernel
+   variable only takes effect before torch is imported): under this machine's kernels (run A, the
+   baseline's own) and once under each other kernel set this machine can select
+   (harness.measure_noise.other_kernels: a lowered ``ATEN_CPU_CAPABILITY``, the libraries' AVX2
+   paths, and torch's and the libraries' AVX2 kernels together, as an AVX2-only CPU runs them).
+   ``logprob_noise`` is the largest |A - B| per position over those runs B; the noise of each
+   scaled activation is ``NOISE_FACTOR`` x its own largest |A - B| (another CPU deviates from the
+   exact value about as much as these do, possibly the other way). ``activation_noise`` reports
+   the largest |A - B| over the quantizer calls whose inputs no flip has reached yet in that run
+   B (up to its first call whose FP8 codes differ).
 2. **Fragile onset.** Per prompt, the first position at which one of A's scaled activations lies
    within its noise of an FP8 rounding boundary. An activation of an encoder (audio, vision) or of
    a cross-attention key/value is seen by every decoder position, so it places the onset at 0.
@@ -23,7 +25,7 @@ has two parts, both made by the reference (the semantics every engine of the cel
    distance to the boundary and the noise it was compared with.
 
 Past the onset, the comparison applies ``bound_after_onset``: the largest |Δlogprob| (scored
-token or shared top-k) at or after the onset, over run B and ``SIMULATED_RUNS`` runs of A in
+token or shared top-k) at or after the onset, over the runs B and ``SIMULATED_RUNS`` runs of A in
 which the fragile activations (within their noise of a boundary) are moved just across it before
 rounding: all of them in the first run, each with probability 1/2 in the others (seeded). These
 are the flips another CPU can make, made on purpose. A baseline from the same CPU and
@@ -40,7 +42,7 @@ from pydantic import BaseModel, ConfigDict
 NOISE_FACTOR = 2.0
 SIMULATED_RUNS = 8
 # Lowered capabilities to measure against, in order of preference: the first one that differs
-# from this process's own.
+# from the record's own.
 CAPABILITIES = ("default", "avx2")
 
 
@@ -66,7 +68,7 @@ class PromptNoise(_Strict):
 
 class Noise(_Strict):
     measured_by: str = "reference"  # or "reference-unfused", as an engine that never fuses executes
-    kernels: list[str]  # [A's capability, B's capability]
+    kernels: list[str]  # [A's capability, then each run B's kernels (harness.measure_noise.other_kernels)]
     activation_noise: float | None = None  # ν; None where the cell quantizes no activation
     noise_factor: float = NOISE_FACTOR
     simulated_runs: int = 0

@@ -1,8 +1,9 @@
 """The noise child: ``python -m harness.noise_child JOB OUT``, started by harness.measure_noise under
 the kernels it measures. The job's ``role`` says what it does:
 
-- ``record`` (run B): score the sequences and save the quantizer calls' scaled activations;
-- ``analyse`` (run A): score them again, compare with B's, place each prompt's fragile onset and
+- ``record`` (a run on other kernels): score the sequences and save the quantizer calls' scaled
+  activations;
+- ``analyse`` (run A): score them again, compare with each other run's, place each prompt's fragile onset and
   its bound after the onset from ``SIMULATED_RUNS`` simulated flips, and write the Noise
   (harness.noise, whose docstring gives the method);
 - ``trace``: record the module traces of the sequences with FP8 rounding of activations turned off
@@ -200,20 +201,24 @@ def run(job: dict, out: Path) -> None:
         torch.save({"capability": cpu.torch_capability(), "runs": runs}, out)
         return
 
-    other = torch.load(job["other"], weights_only=False)
+    others = [(o["kernels"], torch.load(o["path"], weights_only=False)["runs"]) for o in job["others"]]
     boundaries = rounding_boundaries()
     quantizes = any(calls for _, calls in runs.values())
     clean_max = 0.0
     prompts_out = {}
     for pid, (scored, calls) in runs.items():
-        other_scored, other_calls = other["runs"][pid]
-        # The noise of each scaled activation: NOISE_FACTOR x its measured deviation. After the runs'
-        # first flip the deviations are no longer noise but the flip's effect, which makes every
-        # later activation fragile: the onset is then at the flip at the latest.
-        noises = [NOISE_FACTOR * (a[2].double() - b[2].double()).abs() for a, b in zip(calls, other_calls)]
-        first = _first_flip(calls, other_calls)
-        clean_max = max([clean_max, *(float(n.max()) / NOISE_FACTOR for n in noises[: first + 1])])
-        measured = _deltas(scored, other_scored)
+        # The noise of each scaled activation: NOISE_FACTOR x its largest deviation in any other run.
+        # After a run's first flip its deviations are no longer noise but the flip's effect, which
+        # makes every later activation fragile: the onset is then at the flip at the latest.
+        noises, measured = None, [0.0] * len(scored.logprobs)
+        for _, other in others:
+            other_scored, other_calls = other[pid]
+            deviations = [(a[2].double() - b[2].double()).abs() for a, b in zip(calls, other_calls)]
+            first = _first_flip(calls, other_calls)
+            clean_max = max([clean_max, *(float(d.max()) for d in deviations[: first + 1])])
+            noises = deviations if noises is None else [torch.maximum(n, d) for n, d in zip(noises, deviations)]
+            measured = [max(m, d) for m, d in zip(measured, _deltas(scored, other_scored))]
+        noises = [NOISE_FACTOR * n for n in noises or []]
         onset = _onset(calls, noises, boundaries)
         bound = None
         if onset is not None:
@@ -223,12 +228,13 @@ def run(job: dict, out: Path) -> None:
                 ensemble.append(_deltas(scored, simulated))
             bound = _three_up(max(max(d[onset.position:], default=0.0) for d in ensemble))
         prompts_out[pid] = PromptNoise(onset=onset, bound_after_onset=bound, logprob_noise=[_three(x) for x in measured])
+    labels = [label for label, _ in others]
     note = None
     if quantizes and clean_max == 0.0:
-        note = (f"capability {other['capability']} gave bit-identical activations: kernel noise not measured here, "
+        note = (f"kernels {', '.join(labels)} gave bit-identical activations: kernel noise not measured here, "
                 "so no fragile onset is placed and the family bound applies everywhere")
     noise = Noise(measured_by="reference" if job["fuse"] else "reference-unfused",
-                  kernels=[cpu.torch_capability() or "?", other["capability"] or "?"],
+                  kernels=[cpu.torch_capability() or "?", *labels],
                   activation_noise=_three(clean_max) if quantizes else None,
                   simulated_runs=SIMULATED_RUNS if any(p.onset for p in prompts_out.values()) else 0,
                   note=note, prompts=prompts_out)

@@ -695,7 +695,7 @@ def test_bench_reads_slowdowns_and_conditions(capsys):
     assert cli.main(["bench", "--parts", "detection", "--baseline-children", "15"]) == 2  # with 9 choice runs
     assert "--choice-runs 9: the detection part needs at least --baseline-children + 2 = 17" in capsys.readouterr().err
     assert cli.main(["bench", "--parts", "portability", "--conditions", "avx9"]) == 2
-    assert "unknown condition 'avx9' (known: native, aten-default, libraries-avx2)" in capsys.readouterr().err
+    assert "unknown condition 'avx9' (known: native, aten-default, libraries-avx2, avx2-machine)" in capsys.readouterr().err
 
 
 def test_the_bench_writes_into_this_checkout():

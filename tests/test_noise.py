@@ -4,7 +4,7 @@ against a baseline from other kernels (docs/design.md, "Portability across CPUs"
 import pytest
 import torch
 
-from harness import judging
+from harness import cpu, judging, measure_noise
 from harness import noise as N
 from harness import noise_child
 from harness import records as R
@@ -81,7 +81,12 @@ def test_other_kernels_past_the_onset_are_held_to_the_measured_noise_bound():
 def test_a_shift_before_the_onset_is_regressed_on_other_kernels():
     j = judging.verdict(_obtained(CPU_B, 2, -0.05), _noisy_baseline(), bounds=BOUNDS)
     assert j.verdict == "regressed"
-    assert "prompt p0 position 3" in j.reason
+    # what failed comes first, with its bound, even where a larger |Δ| lies within the noise bound
+    assert "prompt p0 position 3 (topk) 0.05 against 0.001, the family bound, before the fragile onset; max" in j.reason
+    shifted = _obtained(CPU_B, 2, -0.05)
+    shifted.sequences[0].scored.logprobs[6] += 0.3
+    assert "teacher-forced:baseline: exceeds bound: prompt p0 position 3 (topk)" in judging.verdict(
+        shifted, _noisy_baseline(), bounds=BOUNDS).reason
 
 
 def test_the_same_kernels_loosen_nothing():
@@ -134,3 +139,16 @@ def test_a_simulated_flip_moves_a_fragile_activation_to_the_other_neighbour():
 def test_a_stored_bound_is_rounded_up():
     assert noise_child._three_up(0.36912) == 0.37 and noise_child._three_up(0.369) == 0.369 and noise_child._three_up(1.234e-5) == 1.24e-5
     assert noise_child._three_up(0.0) == 0.0
+
+
+def test_noise_is_measured_against_every_other_kernel_set_the_machine_can_select():
+    def sets(own):
+        return [(label, {**({"ATEN_CPU_CAPABILITY": c} if c else {}), **env}) for label, c, env in measure_noise.other_kernels(own)]
+
+    assert sets("avx512") == [("default", {"ATEN_CPU_CAPABILITY": "default"}),
+                              ("avx512+libraries-avx2", {"ATEN_CPU_CAPABILITY": "avx512", **cpu.LIBRARIES_AVX2}),
+                              ("avx2+libraries-avx2", cpu.AVX2_MACHINE)]
+    # on torch's AVX2 kernels already, the libraries' AVX2 paths are the AVX2 machine: measured once
+    assert sets("avx2") == [("default", {"ATEN_CPU_CAPABILITY": "default"}),
+                            ("avx2+libraries-avx2", cpu.AVX2_MACHINE)]
+    assert sets("default")[0] == ("avx2", {"ATEN_CPU_CAPABILITY": "avx2"})

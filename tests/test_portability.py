@@ -1,9 +1,9 @@
 """CI proves portability on every run (docs/design.md, "Portability across CPUs").
 
-One machine can select other kernels for itself in two ways: a lowered torch capability
-(``ATEN_CPU_CAPABILITY``) and MKL's and oneDNN's AVX2 paths (``MKL_ENABLE_INSTRUCTIONS``,
-``ONEDNN_MAX_CPU_ISA``), which move float32 results on an AVX-512 Xeon as an AVX2-only EPYC does.
-Under each, a representative set of cells (every FP8 family, one bnb, one torchao, cross-attention)
+One machine can select other kernels for itself (``harness.cpu.KERNEL_CONDITIONS``): a lowered
+torch capability (``ATEN_CPU_CAPABILITY``), MKL's and oneDNN's AVX2 paths (``MKL_ENABLE_INSTRUCTIONS``,
+``ONEDNN_MAX_CPU_ISA``), and torch's and the libraries' AVX2 kernels together, which move float32
+results on an AVX-512 Xeon as an AVX2-only EPYC does. Under each, a representative set of cells (every FP8 family, one bnb, one torchao, cross-attention)
 gives the native verdicts against the committed baselines; every fault the suites plant is still
 caught against baselines from other kernels, in both directions; and every static-FP8 fixture
 builds with one identity.
@@ -21,7 +21,8 @@ from harness import cpu
 
 REPO = Path(__file__).resolve().parent.parent
 REPRESENTATIVE = ("llama.fp8-dynamic. or llama.fp8-static-kv. or llama.online-fp8. or whisper.fp8-static-kv. "
-                  "or whisper.fp8-dynamic. or qwen2_5_vl.fp8-dynamic. or llama.bnb-nf4. or llama.torchao-int8wo. "
+                  "or whisper.fp8-dynamic. or qwen2_5_vl.fp8-dynamic. or qwen2_5_vl.fp8-dynamic-ignore-vision. "
+                  "or llama.bnb-nf4. or llama.torchao-int8wo. "
                   "or mllama.bnb-nf4.")
 GOOD = {"pass", "unsupported", "waived"}
 CONDITIONS = cpu.KERNEL_CONDITIONS
@@ -156,6 +157,8 @@ def test_baselines_written_under_other_kernels_judge_this_machine_and_still_catc
     assert set(_verdicts(written).values()) == {"pass"}, _verdicts(written)
     b = B.read(root, "cpu-tiny", "whisper.fp8-dynamic.reference")
     assert b.provenance.cpu.capability == "default" and b.loaded_state and b.fingerprint is not None
+    # measured against every other kernel set this machine can select, the AVX2 machine's among them
+    assert b.noise.kernels == b.fingerprint.kernels == ["default", "avx2", "default+libraries-avx2", "avx2+libraries-avx2"]
     judged = _run(tmp_path, "judge", cell, root, None)
     assert set(_verdicts(judged).values()) == {"pass"}, {c: r["verdict_reason"] for c, r in judged.items()}
     faulted = _run(tmp_path, "fault", f"{cell}reference", root,

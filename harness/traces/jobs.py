@@ -228,7 +228,7 @@ class Tracer:
             mine = self.traces(cell, None, scored(record))
         except TraceUnavailable as e:
             return f"fingerprint not written: {e}"
-        fp = fingerprint.make(mine, cell.engine, fused, m.a, [m.b, m.c], m.noise)
+        fp = fingerprint.make(mine, cell.engine, fused, m.a, m.others, m.noise)
         return B.set_fingerprint(self.runner.baselines_root, cell.tier, cell.id, fp)
 
 

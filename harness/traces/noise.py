@@ -1,13 +1,14 @@
 """Each module's own noise (docs/design.md, "Localisation"): the reference traces the same
 sequences in fresh interpreters (harness.measure_noise.measure_modules), executed as the cell's engine
-executes (fused or not): A under this machine's kernels, B under a lowered ``ATEN_CPU_CAPABILITY``
-(harness.noise.other_capability), C under MKL's and oneDNN's AVX2 paths (harness.cpu.LIBRARIES_AVX2). A
-lowered torch capability alone leaves the BLAS kernels as they were, and an AVX2-only CPU moved
-modules beyond a noise measured that way (issue 26). A module's noise is ``NOISE_FACTOR`` x the
-largest |A - B| or |A - C| of its output (and of its input), measured with FP8 rounding of
-activations turned off (harness.reference.linear.without_activation_rounding): a flip in B or C
-would move every module after it by far more than the kernels' noise, which is what the noise is
-for telling a flip from (harness.traces.flips).
+executes (fused or not): A under this machine's kernels, and one trace under each other kernel set
+(harness.measure_noise.other_kernels: a lowered ``ATEN_CPU_CAPABILITY``, MKL's and oneDNN's AVX2
+paths, and both at AVX2). A lowered torch capability alone leaves the BLAS kernels as they were,
+and an AVX2-only CPU moved modules beyond a noise measured that way (issue 26). A module's noise is
+``NOISE_FACTOR`` x the largest difference between A and another trace, of its output (and of its
+input), measured with FP8 rounding of activations turned off
+(harness.reference.linear.without_activation_rounding): a flip in another trace would move every
+module after it by far more than the kernels' noise, which is what the noise is for telling a flip
+from (harness.traces.flips).
 
 This module is the data and the arithmetic; harness.noise_child records the traces.
 """
@@ -27,15 +28,14 @@ class ModuleNoise:
     outputs: dict[str, float] = field(default_factory=dict)
     inputs: dict[str, float] = field(default_factory=dict)
     measured_by: str | None = None  # "reference" or "reference-unfused"; None: not measured
-    kernels: list[str] = field(default_factory=list)  # [A's capability, B's capability]
+    kernels: list[str] = field(default_factory=list)  # [A's capability, then each other trace's kernels]
 
 
 @dataclass
 class Measured:
     noise: ModuleNoise
     a: list[PromptTrace]  # the traces under this machine's kernels (activations not rounded)
-    b: list[PromptTrace]  # under the lowered capability
-    c: list[PromptTrace]  # under the libraries' AVX2 kernels
+    others: list[list[PromptTrace]]  # one per set of harness.measure_noise.other_kernels
 
 
 def noise_between(a: list[PromptTrace], others: list[list[PromptTrace]], measured_by: str,
