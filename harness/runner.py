@@ -350,6 +350,13 @@ class Runner:
                        known_failures=[k for c in group for k in c.known_failures], unfused=self.unfused(raws),
                        accuracy_baseline=accuracy_baseline, explained=explained)
 
+    def _settled(self, j: C.Judgement, judged: R.Record, cell: Cell, record: R.Record, baseline,
+                 raws: dict[str, R.Record], accuracy_baseline) -> C.Judgement:
+        """``j``, or where ``judged`` (``j`` applied, localised) shows rounding flips that explain its
+        failing checks, the verdict order run again with them explained (judging.settle_flip)."""
+        return judging.settle_flip(judged, baseline, lambda explained: self._judge(
+            cell, record, baseline, raws, accuracy_baseline, explained)) or j
+
     def judge(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> CellResult:
         try:
             baseline, root = B.read_for(self.baselines_root, record)
@@ -365,11 +372,8 @@ class Runner:
         if root != self.baselines_root:
             result.messages.append(f"judged against the baseline of these kernels: {B.path_for(root, cell.tier, cell.id)}")
         self._localise(result, raws)
-        settled = judging.settle_flip(result.record, baseline,
-                                      lambda explained: self._judge(cell, record, baseline, raws, acc_baseline, explained))
-        if settled is not None:
-            j = settled
-            result.record = settled.apply(result.record)
+        j = self._settled(j, result.record, cell, record, baseline, raws, acc_baseline)
+        result.record = j.apply(result.record)
         on_these_kernels = self._kernels_baseline(result, j, load_here)
         root = on_these_kernels or root
         try:
@@ -390,13 +394,11 @@ class Runner:
             acc_written = accuracy_store.read(self.baselines_root, cell.tier, cell.id)
             j2 = self._judge(cell, record, written, raws, acc_written)
             # the localisation stands: a flip between engines is explained against any baseline
-            rejudged = j2.apply(result.record)
-            j2 = judging.settle_flip(rejudged, written, lambda explained: self._judge(
-                cell, record, written, raws, acc_written, explained)) or j2
+            j2 = self._settled(j2, j2.apply(result.record), cell, record, written, raws, acc_written)
             was = f"was {j.verdict}: {j.reason}"
             flag = "--update-kernel-baselines" if on_these_kernels else "--update-baselines"
             kind = outcome.change.kind if outcome.change is not None and outcome.change.written else "accuracy new or updated"
-            result.record = j2.apply(rejudged).model_copy(update={
+            result.record = j2.apply(result.record).model_copy(update={
                 "verdict_reason": f"{j2.reason}; baseline {kind} by {flag} ({was})"})
         if outcome.obtained is not None:
             result.messages.append(f"obtained result written beside the baseline: {outcome.obtained}")
