@@ -460,16 +460,27 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
 def set_fingerprint(root: str | Path, tier: str, cell_id: str, fingerprint: Fingerprint) -> str:
     """Store ``fingerprint`` in the cell's existing baseline, nothing else of the file changed
     (``harness run --update-fingerprints``); returns what was done, one line."""
+    return _set_measured(root, tier, cell_id, "fingerprint", fingerprint, "trace fingerprint",
+                         f" ({len(fingerprint.modules)} modules)")
+
+
+def set_noise(root: str | Path, tier: str, cell_id: str, noise: Noise) -> str:
+    """Store ``noise`` in the cell's existing baseline, nothing else of the file changed
+    (``harness run --update-noise``); returns what was done, one line."""
+    return _set_measured(root, tier, cell_id, "noise", noise, "measured noise", f" (kernels {', '.join(noise.kernels)})")
+
+
+def _set_measured(root: str | Path, tier: str, cell_id: str, field: str, value, what: str, detail: str) -> str:
     baseline = read(root, tier, cell_id)
     path = path_for(root, tier, cell_id)
     if baseline is None:
-        return f"{path}: no baseline, no fingerprint written"
-    if baseline.fingerprint == fingerprint:
-        return f"{path}: trace fingerprint unchanged"
-    kind = "added" if baseline.fingerprint is None else "refreshed"
-    baseline.fingerprint = fingerprint
+        return f"{path}: no baseline, no {what} written"
+    if getattr(baseline, field) == value:
+        return f"{path}: {what} unchanged"
+    kind = "added" if getattr(baseline, field) is None else "refreshed"
+    setattr(baseline, field, value)
     atomic_write_text(path, baseline.to_text())
-    return f"{path}: trace fingerprint {kind} ({len(fingerprint.modules)} modules)"
+    return f"{path}: {what} {kind}{detail}"
 
 
 def handle(root: str | Path, record: Record, *, update_baselines: bool = False,

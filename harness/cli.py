@@ -132,7 +132,7 @@ def _run(args) -> int:
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
                       matrix_path=args.matrix, trace=args.trace, update_fingerprints=args.update_fingerprints,
                       candidates=candidates, update_kernel_baselines=args.update_kernel_baselines,
-                      **({"later_look_s": args.later_look} if args.later_look is not None else {}))
+                      update_noise=args.update_noise, **({"later_look_s": args.later_look} if args.later_look is not None else {}))
     # every path the run writes, checked before anything is built or run (docs/design.md, "Bad input and faults")
     # lazy: pydantic, +150 ms (scripts/import-graph --costs)
     from harness.report import report_files
@@ -339,6 +339,9 @@ def _add_run(sub) -> None:
     run.add_argument("--update-fingerprints", action="store_true",
                      help="add or refresh the trace fingerprint of the baseline of each cell that passes against it "
                           "(nothing else of the baseline changes)")
+    run.add_argument("--update-noise", action="store_true",
+                     help="measure again, as the noise is measured now, the noise of the baseline of each cell run on "
+                          "that baseline's kernels and scoring its sequences (nothing else of the baseline changes)")
     run.add_argument("--baselines", metavar="DIR", default=None,
                      help="baselines root (default: baselines/ of this checkout)")
     run.add_argument("--later-look", type=_seconds, default=None, metavar="SECONDS",

@@ -46,6 +46,8 @@ pinned build's traces (docs/design.md, "Candidate builds").
 module against the engines it disagrees with and against its baseline's fingerprint;
 ``update_fingerprints`` refreshes the fingerprint of each baseline a cell passes against
 (harness.traces.jobs; docs/design.md, "Localisation"). A normal run records no traces.
+``update_noise`` measures again the noise of each baseline whose kernels and sequences a cell's run
+shares (harness.measure_noise), nothing else of the file changed.
 """
 from __future__ import annotations
 
@@ -72,9 +74,10 @@ from harness.gate import LoadGate
 from harness.fixtures import benchmark, cache
 from harness.layout import Layout, default_results_dir, group_key
 from harness.matrix import CPU_TIERS, ENGINES, Cell, Matrix, expand
+from harness.noise import NoiseError
 from harness.registry import fuses_shards
 from harness.sequences import ScoredSequences
-from harness.traces.jobs import Tracer
+from harness.traces.jobs import Tracer, scored
 
 if TYPE_CHECKING:
     from harness.candidates import Candidate
@@ -123,7 +126,8 @@ class Runner:
                  matrix_path: str | Path | None = None, threads: int | None = None,
                  echo: Callable[[str], None] | None = None, trace: bool = False, update_fingerprints: bool = False,
                  candidates: Mapping[str, Candidate] | None = None, candidate_dir: str = "candidate",
-                 update_kernel_baselines: bool = False, later_look_s: float = loadtime.LATER_LOOK_S):
+                 update_kernel_baselines: bool = False, later_look_s: float = loadtime.LATER_LOOK_S,
+                 update_noise: bool = False):
         self.matrix = matrix
         self.cells = sorted(cells, key=lambda c: (group_key(c), _engine_order(c)))
         self.results = Path(results)
@@ -135,6 +139,7 @@ class Runner:
         self.update_baselines = update_baselines
         self.update_fingerprints = update_fingerprints
         self.update_kernel_baselines = update_kernel_baselines
+        self.update_noise = update_noise
         self.gate = LoadGate(self, later_look_s)
         self.tracer = Tracer(self, always=trace)
         self.matrix_dir = Path(matrix_path).resolve().parent if matrix_path else supervise.REPO_ROOT
@@ -201,7 +206,7 @@ class Runner:
         return out + beside_baselines + self._cache_writes(running, bool(unbuilt))
 
     def _baseline_writes(self, cell: Cell) -> list[Written]:
-        kinds = [(B.Baseline, self.update_baselines or self.update_fingerprints)]
+        kinds = [(B.Baseline, self.update_baselines or self.update_fingerprints or self.update_noise)]
         if cell.accuracy:
             kinds.append((accuracy_store.AccuracyBaseline, self.update_baselines))
         out = []
@@ -406,7 +411,25 @@ class Runner:
             done = self.tracer.refresh_fingerprint(result.cell, result.record)
             if done:
                 result.messages.append(done)
+        if self.update_noise:
+            result.messages.append(self._refresh_noise(cell, result.record, baseline))
         return result
+
+    def _refresh_noise(self, cell: Cell, record: R.Record, baseline) -> str:
+        """Measure again the noise of ``baseline`` where ``record`` ran on its kernels and scored its
+        sequences (--update-noise: the measurement changed, the baseline did not); one line."""
+        path = B.path_for(self.baselines_root, cell.tier, cell.id)
+        if baseline is None or record.status != "ok" or B.other_kernels(record, baseline):
+            return f"{path}: noise not measured again: only a cell run on its baseline's own kernels is"
+        if scored(record) != {s.prompt.id: s.scored.tokens for s in baseline.record_sequences()}:
+            return f"{path}: noise not measured again: this run scored other sequences than the baseline's"
+        try:
+            noise = measure_noise.for_cell(cell)(record)
+        except NoiseError as e:
+            return f"{path}: noise not measured again: {e}"
+        if noise is None:
+            return f"{path}: noise not measured again: it is measured on a CPU only"
+        return B.set_noise(self.baselines_root, cell.tier, cell.id, noise)
 
     def _kernels_baseline(self, result: CellResult, j: C.Judgement, load_here: bool) -> Path | None:
         """The root of this machine's kernels' baselines when --update-kernel-baselines records the

@@ -1,6 +1,9 @@
 """Portable verdicts: FP8 rounding boundaries, fragile onsets, and the noise-aware comparison
 against a baseline from other kernels (docs/design.md, "Portability across CPUs")."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -152,3 +155,17 @@ def test_noise_is_measured_against_every_other_kernel_set_the_machine_can_select
     assert sets("avx2") == [("default", {"ATEN_CPU_CAPABILITY": "default"}),
                             ("avx2+libraries-avx2", cpu.AVX2_MACHINE)]
     assert sets("default")[0] == ("avx2", {"ATEN_CPU_CAPABILITY": "avx2"})
+
+
+def test_every_committed_baselines_noise_is_measured_as_the_noise_is_measured_now():
+    """A baseline whose noise was measured against fewer kernel sets judges other machines by a
+    narrower noise than its cell has: ``harness run --update-noise`` measures it again."""
+    stale = {}
+    for path in sorted((Path(__file__).resolve().parent.parent / "baselines").rglob("*.json")):
+        noise = json.loads(path.read_text()).get("noise")
+        if isinstance(noise, dict) and noise.get("activation_noise") is not None:
+            own, *others = noise["kernels"]
+            wanted = [label for label, _, _ in measure_noise.other_kernels(None if own == "?" else own)]
+            if others != wanted:
+                stale[path.name] = others
+    assert not stale, stale
