@@ -196,7 +196,9 @@ def _load_time_regressed(case: _Case) -> Judgement | None:
     load = case.load_check
     if load is None or load.ok:
         return None
-    return failed_or_waived("regressed", case.known, [load], case.checks)
+    # a load time is judged on any kernels; what else holds is still the loaded state alone
+    return dataclasses.replace(failed_or_waived("regressed", case.known, [load], case.checks),
+                               loaded_state_only=case.known_behaviour_elsewhere)
 
 
 def _waived(case: _Case) -> Judgement | None:

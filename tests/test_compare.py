@@ -203,6 +203,12 @@ def test_against_recorded_behaviour_from_other_kernels_a_waived_cell_is_held_to_
     loaded_other = elsewhere.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})
     j = judging.verdict(loaded_other, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "failed" and "loaded-state:baseline" in j.reason and "teacher-forced:baseline" not in j.reason
+    # a gated load over its bound is regressed, and the rest is still held to the loaded state alone:
+    # what --update-kernel-baselines needs to record these kernels' load (vLLM's bnb cpu-load cell)
+    slow = elsewhere.model_copy(update={"load": R.LoadInfo(seconds=2.0)})
+    j = judging.verdict(slow, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs,
+                        gate_load_time=True)
+    assert j.verdict == "regressed" and j.reason.startswith("load-time:baseline") and j.loaded_state_only
 
 
 def test_a_known_failure_that_does_not_show_on_other_kernels_is_a_pass_held_to_the_loaded_state():

@@ -328,3 +328,14 @@ def test_across_engines_a_flip_is_explained_and_a_moved_output_or_another_weight
     other[0, 0] += 0.5
     changed = _across(_trace(x, 1.0, w), _trace(moved, 1.0, w), fresh_weight=other @ weight_probe(w.shape[1]))
     assert not changed.explained and "q's effective weights differ from transformers's" in changed.detail
+
+
+def test_an_input_recorded_in_rows_other_than_its_features_is_not_explained_and_raises_nothing():
+    # Mllama's vision tiles: a 4-D input the traces flatten to tiles x (patches x features)
+    x, w = _inputs()
+    moved = _across_the_boundary(x)
+    base, fresh = _trace(x, 1.0, w), _trace(moved, 1.0, w, out_factor=1.02)
+    for t in (base, fresh):
+        t.inputs["q"] = t.inputs["q"].reshape(1, -1)
+    flip = _across(base, fresh)
+    assert not flip.explained and "recorded as 1 rows of 24, not of its 8 input features" in flip.detail

@@ -108,6 +108,9 @@ def _flip_at(p: PromptDeltas, m: str, trace: PromptTrace, other: PromptTrace | N
     x, norms = trace.inputs.get(m), trace.column_norms.get(m)
     if x is None or norms is None or m not in trace.input_scales:
         raise Unexplained(f"prompt {p.prompt}: {m}'s input quantization was not recorded")
+    if x.shape[1] != norms.numel():  # traces flatten a 4-D input (Mllama's vision tiles) to tiles x the rest
+        raise Unexplained(f"prompt {p.prompt}: {m}'s input is recorded as {x.shape[0]} rows of {x.shape[1]}, not of its "
+                          f"{norms.numel()} input features, which the flip model does not cover")
     noise = _input_noise(m, trace, stored)
     if not noise > 0:
         raise Unexplained(f"prompt {p.prompt}: the element noise of {m}'s input is not measured")
