@@ -279,6 +279,10 @@ def test_the_committed_cpu_load_baselines_are_recorded_as_the_gate_compares_them
     root = ROOT / "baselines" if kernel_set is None else ROOT / "baselines" / "kernels" / kernel_set
     cells = M.expand(M.load(ROOT / "models.yaml"), tier="cpu-load")
     assert NOT_RECORDED.keys() <= {c.id for c in cells}
+    if kernel_set is not None:  # each file is a cpu-load cell's, none left from a removed one
+        recorded = {p.name.removesuffix(".json") for p in (root / "cpu-load").glob("*.json")
+                    if not p.name.endswith(".obtained.json")}
+        assert recorded and recorded <= {c.id for c in cells}, sorted(recorded - {c.id for c in cells})
     for cell in cells:
         stored = B.read(root, cell.tier, cell.id)
         if kernel_set is None and cell.id in NOT_RECORDED:
