@@ -203,8 +203,7 @@ def other_kernels(record: Record, baseline: Baseline) -> bool:
     """Whether the record ran on other kernels than the baseline (another CPU, another torch
     capability, a kernel-restricting variable: harness.cpu.same_kernels)."""
     mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
-    theirs = baseline.provenance.cpu.model_dump() if baseline.provenance.cpu else None
-    return not cpu.same_kernels(mine, theirs)
+    return not cpu.same_kernels(mine, _cpu_of(baseline))
 
 
 def kernels_root(root: str | Path, record: Record) -> Path | None:
@@ -244,6 +243,32 @@ def read_for(root: str | Path, record: Record) -> tuple[Baseline | None, Path]:
         return baseline, Path(root)
     on_these = read(kernels, record.tier, record.cell)
     return (on_these, kernels) if on_these is not None else (baseline, Path(root))
+
+
+def load_baseline_for(root: str | Path, record: Record, baseline: Baseline | None) -> tuple[Baseline | None, Path | None]:
+    """The baseline ``record``'s load time is judged against, and its root where that is not
+    ``baseline`` (read by :func:`read_for`): ``baseline`` where it was recorded on the record's kind
+    of CPU (harness.cpu.same_cpu) or there is none; else the cell's load recorded on this kind of CPU
+    under another kernel condition (``<root>/kernels/*``), its own kernels first; else ``baseline``.
+    A load's calibration is timed under the record's kernel condition, so it carries a CPU's speed
+    across that CPU's kernel conditions, not across CPUs (docs/design.md, "Where the rule stands")."""
+    mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
+    if baseline is None or mine is None or cpu.same_cpu(mine, _cpu_of(baseline)):
+        return baseline, None
+    folder = Path(root, KERNELS_FOLDER)
+    found = []
+    for kernels in sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []:
+        candidate = read(kernels, record.tier, record.cell)
+        if candidate is not None and candidate.load is not None and cpu.same_cpu(mine, _cpu_of(candidate)):
+            found.append((cpu.native_first(_cpu_of(candidate)), kernels, candidate))
+    if not found:
+        return baseline, None
+    _, kernels, candidate = min(found, key=lambda f: f[:2])
+    return candidate, kernels
+
+
+def _cpu_of(baseline: Baseline) -> dict | None:
+    return baseline.provenance.cpu.model_dump() if baseline.provenance.cpu else None
 
 
 def parse(text: str, source: str = "<baseline>") -> Baseline:

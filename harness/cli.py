@@ -337,8 +337,8 @@ def _add_run(sub) -> None:
                      help="record module traces of every cell and localise it against the other engines and its "
                           "baseline's fingerprint (failed and regressed cells are always localised)")
     run.add_argument("--update-fingerprints", action="store_true",
-                     help="add or refresh the trace fingerprint of the baseline of each cell that passes against it "
-                          "(nothing else of the baseline changes)")
+                     help="add or refresh the trace fingerprint of the baseline of each cell that passes against it on "
+                          "that baseline's kernels (nothing else of the baseline changes)")
     run.add_argument("--update-noise", action="store_true",
                      help="measure again, as the noise is measured now, the noise of the baseline of each cell run on "
                           "that baseline's kernels and scoring its sequences (nothing else of the baseline changes)")

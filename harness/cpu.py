@@ -111,6 +111,22 @@ def same_kernels(a: dict | None, b: dict | None) -> bool:
     return _kernel_key(a) == _kernel_key(b)
 
 
+def same_cpu(a: dict | None, b: dict | None) -> bool:
+    """Whether two ``describe()`` results are of one kind of CPU (vendor, model, kernel flags),
+    under any kernel condition. Unknown (None) is never the same."""
+    if not a or not b:
+        return False
+    return all(a.get(k) == b.get(k) for k in ("vendor", "model", "flags"))
+
+
+def native_first(description: dict) -> tuple:
+    """A sort key putting a CPU's own kernels before the conditions that lower them: no
+    kernel-restricting variable, then the widest torch capability."""
+    widths = ("avx512", "avx2", "default")
+    capability = description.get("capability")
+    return (len(description.get("kernel_env") or {}), widths.index(capability) if capability in widths else len(widths))
+
+
 def kernel_set(description: dict) -> str:
     """A folder name for the kernels a ``describe()`` result selects, the same for two results
     exactly when :func:`same_kernels` holds: the model, the widest kernel flag and a digest of

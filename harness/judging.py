@@ -40,6 +40,8 @@ class _Case:
     gate_load_time: bool
     accuracy_baseline: object
     keyed_by_version: bool = True  # False against another build of the same run (judge_against_base)
+    # the baseline of the load time where it is not ``baseline`` (baselines.load_baseline_for)
+    load_baseline: Baseline | None = None
     # checks a rounding flip explained (rounding_flip(), by name), which pass in place of the same
     # checks computed here
     explained: tuple[Check, ...] = ()
@@ -102,7 +104,8 @@ class _Case:
 
     @cached_property
     def load_check(self) -> Check | None:
-        return check_load_time(self.record, self.baseline, bound=self.bounds.load_time, gated=self.gate_load_time)
+        return check_load_time(self.record, self.load_baseline or self.baseline, bound=self.bounds.load_time,
+                               gated=self.gate_load_time)
 
     @property
     def checks(self) -> list[Check]:
@@ -269,15 +272,16 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
             known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
             expected_engine_version: str | None = None, platform: str | None = None,
             gate_load_time: bool = False, accuracy_baseline=None, keyed_by_version: bool = True,
-            explained: Iterable[Check] = ()) -> Judgement:
+            explained: Iterable[Check] = (), load_baseline: Baseline | None = None) -> Judgement:
     """The verdict of one record: the judgement of the first step of VERDICT_ORDER that judges it
     (each step's docstring gives its rule and its number in docs/design.md, "Verdicts").
     ``keyed_by_version=False``: the baseline is another build's record of this run, whose engine
     version differs on purpose. ``explained``: the checks of a rounding flip's judgement
-    (:func:`settle_flip`)."""
+    (:func:`settle_flip`). ``load_baseline``: the load time's, where not ``baseline``'s
+    (baselines.load_baseline_for)."""
     case = _Case(record, baseline, bounds, tuple(known_failures), tuple(cross_engine_checks),
                  expected_engine_version, platform, gate_load_time, accuracy_baseline, keyed_by_version,
-                 tuple(explained))
+                 load_baseline, tuple(explained))
     return next(j for j in (step(case) for step in VERDICT_ORDER) if j is not None)
 
 
@@ -291,7 +295,7 @@ def _kernels_note(checks: list[Check]) -> str:
 
 def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = (), *,
           known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None,
-          accuracy_baseline=None, explained: Iterable[Check] = ()) -> Judgement:
+          accuracy_baseline=None, explained: Iterable[Check] = (), load_baseline: Baseline | None = None) -> Judgement:
     """verdict() with every setting taken from the cell (bounds, known failures, the pinned engine
     version, load-time gating) and the cross-engine checks against ``others``, the other engines'
     records of its (model, scheme) in this run, by cross_engine()'s rule (``known_failures``: the
@@ -307,6 +311,7 @@ def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterabl
         gate_load_time=cell.gate_load_time,
         accuracy_baseline=accuracy_baseline,
         explained=explained,
+        load_baseline=load_baseline,
     )
 
 

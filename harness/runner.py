@@ -351,9 +351,10 @@ class Runner:
     def _judge(self, cell: Cell, record: R.Record, baseline, raws: dict[str, R.Record],
                accuracy_baseline=None, explained=()) -> C.Judgement:
         group = self.groups[group_key(cell)]
+        load_baseline, _ = B.load_baseline_for(self.baselines_root, record, baseline)
         return judging.judge(cell, record, baseline, [r for e, r in raws.items() if e != cell.engine],
                        known_failures=[k for c in group for k in c.known_failures], unfused=self.unfused(raws),
-                       accuracy_baseline=accuracy_baseline, explained=explained)
+                       accuracy_baseline=accuracy_baseline, explained=explained, load_baseline=load_baseline)
 
     def _settled(self, j: C.Judgement, judged: R.Record, cell: Cell, record: R.Record, baseline,
                  raws: dict[str, R.Record], accuracy_baseline) -> C.Judgement:
@@ -369,13 +370,17 @@ class Runner:
         except B.BaselineError as e:
             checks = self._judge(cell, record, None, raws).checks
             return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", checks).apply(record))
+        load_baseline, load_root = B.load_baseline_for(self.baselines_root, record, baseline)
         load_here = (self.update_kernel_baselines and cell.gate_load_time and baseline is not None
-                     and B.other_kernels(record, baseline))
-        record, retimed = self.gate.settle(cell, record, baseline, recording=self.update_baselines or load_here)
+                     and B.other_kernels(record, load_baseline))
+        record, retimed = self.gate.settle(cell, record, load_baseline, recording=self.update_baselines or load_here)
         j = self._judge(cell, record, baseline, raws, acc_baseline)
         result = CellResult(cell, j.apply(record), messages=retimed)
         if root != self.baselines_root:
             result.messages.append(f"judged against the baseline of these kernels: {B.path_for(root, cell.tier, cell.id)}")
+        if load_root is not None and cell.gate_load_time:
+            result.messages.append("load time judged against this CPU's under another kernel condition: "
+                                   f"{B.path_for(load_root, cell.tier, cell.id)}")
         self._localise(result, raws)
         j = self._settled(j, result.record, cell, record, baseline, raws, acc_baseline)
         result.record = j.apply(result.record)

@@ -302,3 +302,37 @@ def test_the_committed_cpu_load_baselines_are_recorded_as_the_gate_compares_them
         (checkpoint / "config.json").write_text(json.dumps(config))
         engine = base.engine_class(cell.engine)(cell)
         assert load.calibration_workload == engine.calibration_workload(base.Checkpoint(checkpoint)), cell.id
+
+
+def _on(cpu_model: str, capability: str = "avx512", **kernel_env) -> R.EngineInfo:
+    cpu = R.CpuInfo(vendor="AuthenticAMD", model=cpu_model, flags=["avx2", "avx512f"], capability=capability,
+                    kernel_env=kernel_env)
+    return R.EngineInfo(name="transformers", version="5.19.0", platform="cpu-x86_64-avx512", cpu=cpu)
+
+
+def test_a_load_is_judged_against_this_cpus_own_under_any_kernel_condition(tmp_path):
+    """baselines.load_baseline_for: the cell's baseline where it is from this kind of CPU; else the
+    load recorded on this CPU under another kernel condition, its own kernels first; else the
+    cell's baseline, from another CPU."""
+    elsewhere = record(verdict="pass", engine_info=_on("Intel Xeon"), load=R.LoadInfo(seconds=1.0))
+    B.update(tmp_path, elsewhere, commit="abc")
+    here = record(engine_info=_on("AMD EPYC", "default", MKL_ENABLE_INSTRUCTIONS="AVX2"))
+    own = B.read(tmp_path, TIER, CELL)
+    assert B.load_baseline_for(tmp_path, here, own) == (own, None)
+
+    def kernels_of(engine_info: R.EngineInfo, seconds: float) -> Path:
+        root = B.kernels_root(tmp_path, record(engine_info=engine_info))
+        B.update(root, record(verdict="pass", engine_info=engine_info, load=R.LoadInfo(seconds=seconds)), commit="abc")
+        return root
+
+    lowered = kernels_of(_on("AMD EPYC", "avx2"), 3.0)
+    native = kernels_of(_on("AMD EPYC"), 2.0)
+    kernels_of(_on("AMD EPYC", MKL_ENABLE_INSTRUCTIONS="AVX2"), 4.0)
+    kernels_of(_on("Other EPYC"), 5.0)
+    chosen, root = B.load_baseline_for(tmp_path, here, own)
+    assert root == native and chosen.load.seconds == 2.0
+    (native / TIER / f"{CELL}.json").unlink()
+    chosen, root = B.load_baseline_for(tmp_path, here, own)
+    assert root == lowered and chosen.load.seconds == 3.0
+    on_xeon = record(engine_info=_on("Intel Xeon", "default"))
+    assert B.load_baseline_for(tmp_path, on_xeon, own) == (own, None)

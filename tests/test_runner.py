@@ -21,6 +21,7 @@ import pytest
 from harness import cli, cpu, runner, supervise
 from harness import records as R
 from harness import selection
+from harness.compare import LOAD_TIME_CHECK
 from tests.stand_in_build import stand_in_build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -587,6 +588,36 @@ def test_a_gated_cells_baseline_of_these_kernels_is_recorded_where_its_own_is_fr
     judged = R.load(tmp_path / "r3" / f"{GATED[0]}.json")
     assert code == 0 and judged.verdict == "pass", judged.verdict_reason
     assert f"judged against the baseline of these kernels: {kernels / 'cpu-load' / GATED[0]}.json" in out
+
+
+def test_under_a_kernel_condition_a_gated_load_is_judged_against_this_cpus_own(tmp_path, capsys, monkeypatch):
+    """A calibration is timed under the run's kernel condition, so a load time is judged against
+    the one recorded on this kind of CPU under another condition (here its own kernels) before one
+    from another CPU; the sequences are still judged against the cell's own baseline."""
+    matrix = tmp_path / "models.yaml"
+    matrix.write_text(GATED_MATRIX)
+    baselines = tmp_path / "b"
+    base = ["run", "--matrix", matrix, "--baselines", baselines, "--tier", "cpu-load", "--later-look", "0",
+            "-k", "not again"]
+    assert harness(capsys, *base, "--results", tmp_path / "r0", "--update-baselines")[0] == 0
+    own = baselines / "cpu-load" / f"{GATED[0]}.json"
+    _from_a_faster_machine(own)
+    assert harness(capsys, *base, "--results", tmp_path / "r1", "--update-kernel-baselines")[0] == 0
+    [kernels] = (baselines / "kernels").iterdir()
+
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    code, out, _ = harness(capsys, *base, "--results", tmp_path / "r2")
+    judged = R.load(tmp_path / "r2" / f"{GATED[0]}.json")
+    assert judged.engine_info.cpu.kernel_env == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert code == 0 and judged.verdict == "pass", judged.verdict_reason
+    assert (f"load time judged against this CPU's under another kernel condition: {kernels / 'cpu-load' / GATED[0]}.json"
+            in out), out
+    load = next(c for c in judged.checks if c.name == LOAD_TIME_CHECK)
+    assert load.data["baseline_seconds"] == json.loads((kernels / "cpu-load" / f"{GATED[0]}.json").read_text())["load"]["seconds"]
+
+    shutil.rmtree(kernels)  # no load of this CPU's: the other CPU's, three times as fast, is the one there is
+    assert harness(capsys, *base, "--results", tmp_path / "r3")[0] == 1
+    assert R.load(tmp_path / "r3" / f"{GATED[0]}.json").verdict == "regressed"
 
 
 @pytest.mark.parametrize("hook", [None, "slow=3"])

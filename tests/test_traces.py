@@ -9,6 +9,7 @@ synthetic differences, the fingerprint's format, and the runner end to end: a fa
 localised against the other engine and against its committed baseline's fingerprint.
 """
 import functools
+import json
 
 import pytest
 
@@ -248,21 +249,30 @@ def test_a_baseline_keeps_its_fingerprint_only_while_its_results_are_unchanged(t
 # ------------------------------------------------------------------------------ end to end
 
 
+WHISPER_FP8_STATIC_KV = ["whisper.fp8-static-kv.reference", "whisper.fp8-static-kv.transformers"]
+
+
+def _run_with_a_dropped_k_scale(tmp_path, monkeypatch, capsys) -> tuple[int, str]:
+    """``harness run`` of the Whisper fp8-static-kv cells against copies of their committed
+    baselines, the reference reading one cross-attention's k_scale as 1.0: (exit code, stdout)."""
+    baselines = tmp_path / "baselines"
+    (baselines / "cpu-tiny").mkdir(parents=True)
+    for c in WHISPER_FP8_STATIC_KV:
+        (baselines / "cpu-tiny" / f"{c}.json").write_bytes(B.path_for(B.DEFAULT_ROOT, "cpu-tiny", c).read_bytes())
+    monkeypatch.setenv("HARNESS_TEST_HOOK", "fault=fp8-scale-dropped:model.decoder.layers.1.encoder_attn.k@*.reference")
+    code = cli.main(["run", "-k", " or ".join(WHISPER_FP8_STATIC_KV), "--baselines", str(baselines),
+                     "--results", str(tmp_path / "r"), "-j", "1"])
+    return code, capsys.readouterr().out
+
+
 def test_a_failed_cell_is_localised_against_the_other_engine_and_its_baseline(tmp_path, monkeypatch, capsys):
     """The runner re-runs the failed cells' engines with tracing; the committed baselines of the
     Whisper fp8-static-kv cells carry fingerprints (and the per-module noise the comparison uses).
     The fault: the reference reads one cross-attention's k_scale as 1.0."""
-    cells = ["whisper.fp8-static-kv.reference", "whisper.fp8-static-kv.transformers"]
+    cells = WHISPER_FP8_STATIC_KV
     for c in cells:
         assert B.read(B.DEFAULT_ROOT, "cpu-tiny", c).fingerprint is not None, f"{c}: harness run --update-fingerprints"
-    baselines = tmp_path / "baselines"
-    (baselines / "cpu-tiny").mkdir(parents=True)
-    for c in cells:
-        (baselines / "cpu-tiny" / f"{c}.json").write_bytes(B.path_for(B.DEFAULT_ROOT, "cpu-tiny", c).read_bytes())
-    monkeypatch.setenv("HARNESS_TEST_HOOK", "fault=fp8-scale-dropped:model.decoder.layers.1.encoder_attn.k@*.reference")
-    code = cli.main(["run", "-k", " or ".join(cells), "--baselines", str(baselines), "--results", str(tmp_path / "r"),
-                     "-j", "1"])
-    out = capsys.readouterr().out
+    code, out = _run_with_a_dropped_k_scale(tmp_path, monkeypatch, capsys)
     assert code == 1, out
     ref = R.load(tmp_path / "r" / f"{cells[0]}.json")
     assert ref.verdict == "failed"
@@ -284,3 +294,48 @@ def test_a_failed_cell_is_localised_against_the_other_engine_and_its_baseline(tm
     assert "localisation against transformers: first diverging module model.decoder.layers.1.encoder_attn" in out
     html = (tmp_path / "r" / "report" / "report.html").read_text()
     assert "Localisation by module traces" in html and "◀ first diverging" in html
+
+
+def test_a_bug_in_localisation_costs_its_explanation_not_the_verdict_or_the_run(tmp_path, monkeypatch, capsys):
+    """A localisation that raises (here against the baseline) is recorded as failed, with the
+    error; the cell keeps its verdict, the other localisation stands, and the run goes on."""
+    from harness.traces import jobs
+
+    def broken(*args, **kwargs):
+        raise IndexError("too many indices for tensor of dimension 4\nsecond line")
+
+    monkeypatch.setattr(jobs, "against_fingerprint", broken)
+    cells = WHISPER_FP8_STATIC_KV
+    code, out = _run_with_a_dropped_k_scale(tmp_path, monkeypatch, capsys)
+    assert code == 1, out
+    ref = R.load(tmp_path / "r" / f"{cells[0]}.json")
+    assert ref.verdict == "failed", ref.verdict_reason
+    by_against = {loc.against: loc for loc in ref.localisation}
+    assert by_against["transformers"].module == "model.decoder.layers.1.encoder_attn"
+    assert by_against["baseline"].module is None
+    assert by_against["baseline"].detail == ("localisation failed (a harness bug; the verdict stands without it): "
+                                             "IndexError: too many indices for tensor of dimension 4")
+    tf = {loc.against: loc for loc in R.load(tmp_path / "r" / f"{cells[1]}.json").localisation}
+    assert tf["reference"].module == "model.decoder.layers.1.encoder_attn"
+    assert tf["baseline"].detail.startswith("localisation failed (a harness bug"), tf["baseline"].detail
+
+
+def test_a_fingerprint_is_written_only_from_the_baselines_own_kernels(tmp_path, capsys):
+    """--update-fingerprints on a run from other kernels than the baseline's leaves the baseline's
+    fingerprint as it was and says why: localisation compares a fingerprint as the traces of the
+    baseline's kernels."""
+    cell = WHISPER_FP8_STATIC_KV[0]
+    baselines = tmp_path / "baselines"
+    path = baselines / "cpu-tiny" / f"{cell}.json"
+    path.parent.mkdir(parents=True)
+    data = json.loads(B.path_for(B.DEFAULT_ROOT, "cpu-tiny", cell).read_text())
+    data["provenance"]["cpu"] = {"vendor": "AuthenticAMD", "model": "Another EPYC", "capability": "avx2",
+                                 "flags": ["avx2"], "kernel_env": {}}
+    path.write_text(json.dumps(data, indent=2))
+    before = path.read_text()
+    code = cli.main(["run", "-k", cell, "--baselines", str(baselines), "--results", str(tmp_path / "r"),
+                     "--update-fingerprints"])
+    out = capsys.readouterr().out
+    assert code == 0 and R.load(tmp_path / "r" / f"{cell}.json").verdict == "pass", out
+    assert f"{path}: fingerprint not written: only a cell run on its baseline's own kernels is" in out
+    assert path.read_text() == before

@@ -45,6 +45,18 @@ CANDIDATE = ".candidate"  # the file name variant of a candidate build's traces
 BASE_BUILD = "base build"  # what a candidate build's cell is localised against
 
 
+def _contained(against: str, step) -> R.Localisation | None:
+    """One localisation ``step``; where it raises, a localisation that says so. Localisation only
+    explains a verdict, so a bug in it costs that explanation, not the cell's verdict or the
+    rest of the run (Mllama's 4-D vision input once took a whole run down: docs/decisions.md,
+    2026-12-05)."""
+    try:
+        return step()
+    except Exception as e:  # noqa: BLE001 - any bug here; the record says which
+        return R.Localisation(against=against, detail=f"localisation failed (a harness bug; the verdict stands "
+                                                      f"without it): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+
+
 class TraceUnavailable(Exception):
     """A trace child did not record traces; ``str()`` is one line."""
 
@@ -134,8 +146,9 @@ class Tracer:
         """The record's localisations (empty when the cell is not traced)."""
         if not self.wanted(record):
             return []
-        out = [self._against_engine(cell, engine, record) for engine in self._engines(record, raws)]
-        out.append(self._against_baseline(cell, record))
+        steps = [(engine, lambda e=engine: self._against_engine(cell, e, record)) for engine in self._engines(record, raws)]
+        steps.append(("baseline", lambda: self._against_baseline(cell, record)))
+        out = [_contained(against, step) for against, step in steps]
         return [loc for loc in out if loc is not None]
 
     def against_base_build(self, cell: Cell, record: R.Record, python: str) -> list[R.Localisation]:
@@ -215,11 +228,15 @@ class Tracer:
 
     # ---- fingerprints ----------------------------------------------------------------------
     def refresh_fingerprint(self, cell: Cell, record: R.Record) -> str | None:
-        """Add or refresh the fingerprint of the baseline ``record`` passed against; returns what
-        was done, one line (None when the record did not pass)."""
-
+        """Add or refresh the fingerprint of the cell's baseline ``record`` passed against, where it
+        ran on the baseline's own kernels (a fingerprint is compared as the baseline's kernels'
+        traces); returns what was done, one line (None when the record did not pass)."""
         if record.verdict != "pass":
             return None
+        baseline = B.read(self.runner.baselines_root, cell.tier, cell.id)
+        if baseline is not None and B.other_kernels(record, baseline):
+            return (f"{B.path_for(self.runner.baselines_root, cell.tier, cell.id)}: fingerprint not written: only a "
+                    "cell run on its baseline's own kernels is")
         fused = fuses_shards(cell.engine)
         m = self.measured(cell, fused, record)
         if isinstance(m, str):
