@@ -234,35 +234,48 @@ def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
 
 
 def read_for(root: str | Path, record: Record) -> tuple[Baseline | None, Path]:
-    """The baseline ``record`` is judged against, and the root it was read from: the one recorded
-    on the record's kernels (:func:`kernels_root`) where the cell's own is from other kernels and
-    such a one exists, else the cell's own. BaselineError as :func:`read`."""
+    """The baseline ``record`` is judged against, and the root it was read from: the cell's own
+    where it was recorded on the record's kernels; else the one recorded on those kernels
+    (:func:`kernels_root`) where it exists; else the cell's own; and where the cell has none, one
+    recorded on the record's kind of CPU under another kernel condition (:func:`_on_this_cpu`).
+    BaselineError as :func:`read`."""
     baseline = read(root, record.tier, record.cell)
-    kernels = kernels_root(root, record)
-    if baseline is None or kernels is None or not other_kernels(record, baseline):
+    if baseline is not None and not other_kernels(record, baseline):
         return baseline, Path(root)
-    on_these = read(kernels, record.tier, record.cell)
-    return (on_these, kernels) if on_these is not None else (baseline, Path(root))
+    kernels = kernels_root(root, record)
+    on_these = read(kernels, record.tier, record.cell) if kernels is not None else None
+    if on_these is not None:
+        return on_these, kernels
+    return (baseline, Path(root)) if baseline is not None else _on_this_cpu(root, record) or (None, Path(root))
 
 
 def load_baseline_for(root: str | Path, record: Record, baseline: Baseline | None) -> tuple[Baseline | None, Path | None]:
     """The baseline ``record``'s load time is judged against, and its root where that is not
     ``baseline`` (read by :func:`read_for`): ``baseline`` where it was recorded on the record's kind
-    of CPU (harness.cpu.same_cpu) or there is none; else the cell's load recorded on this kind of CPU
-    under another kernel condition (``<root>/kernels/*``), its own kernels first; else ``baseline``.
-    A load's calibration is timed under the record's kernel condition, so it carries a CPU's speed
-    across that CPU's kernel conditions, not across CPUs (docs/design.md, "Where the rule stands")."""
+    of CPU (harness.cpu.same_cpu) or there is none; else the cell's baseline recorded on this kind of
+    CPU under another kernel condition (:func:`_on_this_cpu`); else ``baseline``. A load's
+    calibration is timed under the record's kernel condition, so it carries a CPU's speed across
+    that CPU's kernel conditions, not across CPUs (docs/design.md, "Where the rule stands")."""
     mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
     if baseline is None or mine is None or cpu.same_cpu(mine, _cpu_of(baseline)):
         return baseline, None
+    return _on_this_cpu(root, record) or (baseline, None)
+
+
+def _on_this_cpu(root: str | Path, record: Record) -> tuple[Baseline, Path] | None:
+    """The cell's baseline recorded on ``record``'s kind of CPU under any kernel condition
+    (``<root>/kernels/*``), its own kernels first (harness.cpu.native_first), and its root."""
+    mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
     folder = Path(root, KERNELS_FOLDER)
+    if mine is None or not folder.is_dir():
+        return None
     found = []
-    for kernels in sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []:
+    for kernels in sorted(p for p in folder.iterdir() if p.is_dir()):
         candidate = read(kernels, record.tier, record.cell)
-        if candidate is not None and candidate.load is not None and cpu.same_cpu(mine, _cpu_of(candidate)):
+        if candidate is not None and cpu.same_cpu(mine, _cpu_of(candidate)):
             found.append((cpu.native_first(_cpu_of(candidate)), kernels, candidate))
     if not found:
-        return baseline, None
+        return None
     _, kernels, candidate = min(found, key=lambda f: f[:2])
     return candidate, kernels
 

@@ -332,7 +332,8 @@ def _add_run(sub) -> None:
     run.add_argument("--update-kernel-baselines", action="store_true",
                      help="write a baseline for this machine's kernels of each cell held to its loaded state alone "
                           "(a known failure's behaviour recorded on other kernels) and of each load-time gated cell "
-                          "whose baseline is from other kernels, under <baselines>/kernels/; nothing else is written")
+                          "whose baseline is from other kernels or missing, under <baselines>/kernels/; nothing else "
+                          "is written")
     run.add_argument("--trace", action="store_true",
                      help="record module traces of every cell and localise it against the other engines and its "
                           "baseline's fingerprint (failed and regressed cells are always localised)")

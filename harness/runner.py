@@ -371,13 +371,14 @@ class Runner:
             checks = self._judge(cell, record, None, raws).checks
             return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", checks).apply(record))
         load_baseline, load_root = B.load_baseline_for(self.baselines_root, record, baseline)
-        load_here = (self.update_kernel_baselines and cell.gate_load_time and baseline is not None
-                     and B.other_kernels(record, load_baseline))
+        load_here = (self.update_kernel_baselines and cell.gate_load_time
+                     and (load_baseline is None or B.other_kernels(record, load_baseline)))
         record, retimed = self.gate.settle(cell, record, load_baseline, recording=self.update_baselines or load_here)
         j = self._judge(cell, record, baseline, raws, acc_baseline)
         result = CellResult(cell, j.apply(record), messages=retimed)
         if root != self.baselines_root:
-            result.messages.append(f"judged against the baseline of these kernels: {B.path_for(root, cell.tier, cell.id)}")
+            whose = "this CPU under another kernel condition" if B.other_kernels(record, baseline) else "these kernels"
+            result.messages.append(f"judged against the baseline of {whose}: {B.path_for(root, cell.tier, cell.id)}")
         if load_root is not None and cell.gate_load_time:
             result.messages.append("load time judged against this CPU's under another kernel condition: "
                                    f"{B.path_for(load_root, cell.tier, cell.id)}")
@@ -439,8 +440,8 @@ class Runner:
     def _kernels_baseline(self, result: CellResult, j: C.Judgement, load_here: bool) -> Path | None:
         """The root of this machine's kernels' baselines when --update-kernel-baselines records the
         cell's baseline there: a cell held to its loaded state alone (a known failure's behaviour
-        does not carry to other kernels), or a gated cell whose baseline is from other kernels
-        (``load_here``: a load time does not carry across machine kinds as logprobs do;
+        does not carry to other kernels), or a gated cell whose baseline is from other kernels or
+        missing (``load_here``: a load time does not carry across machine kinds as logprobs do;
         docs/design.md, "Where the rule stands") and fails no check but its load time. Says why
         where such a cell's is not recorded."""
         root = B.kernels_root(self.baselines_root, result.record)
@@ -452,7 +453,9 @@ class Runner:
             return None
         if not load_here or root is None:
             return None
-        failing = sorted({c.name for c in result.record.checks if not c.ok} - {C.LOAD_TIME_CHECK})
+        # missing-baseline comes after the disagreement step: what fails then, a known failure excuses
+        excused = j.verdict == "missing-baseline"
+        failing = [] if excused else sorted({c.name for c in result.record.checks if not c.ok} - {C.LOAD_TIME_CHECK})
         if failing:
             result.messages.append(f"these kernels' baseline not recorded: {', '.join(failing)} failing, not only its "
                                    "load time")

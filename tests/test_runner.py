@@ -620,6 +620,32 @@ def test_under_a_kernel_condition_a_gated_load_is_judged_against_this_cpus_own(t
     assert R.load(tmp_path / "r3" / f"{GATED[0]}.json").verdict == "regressed"
 
 
+def test_a_gated_cell_with_no_baseline_records_this_cpus_and_is_judged_against_it(tmp_path, capsys, monkeypatch):
+    """A gated cell with no baseline anywhere (vLLM's fp8-dynamic, unsupported where the committed
+    ones were recorded): --update-kernel-baselines records this machine's under <baselines>/kernels/,
+    not the cell's own, and later runs on this CPU are judged against it, under another kernel
+    condition too."""
+    matrix = tmp_path / "models.yaml"
+    matrix.write_text(GATED_MATRIX)
+    baselines = tmp_path / "b"
+    base = ["run", "--matrix", matrix, "--baselines", baselines, "--tier", "cpu-load", "--later-look", "0",
+            "-k", "not again"]
+    code, out, _ = harness(capsys, *base, "--results", tmp_path / "r0", "--update-kernel-baselines")
+    recorded = R.load(tmp_path / "r0" / f"{GATED[0]}.json")
+    assert code == 0 and "by --update-kernel-baselines (was missing-baseline" in recorded.verdict_reason, out
+    [kernels] = (baselines / "kernels").iterdir()
+    assert [p.name for p in (kernels / "cpu-load").iterdir()] == [f"{GATED[0]}.json"]
+    assert not (baselines / "cpu-load").exists()
+
+    code, out, _ = harness(capsys, *base, "--results", tmp_path / "r1")
+    assert code == 0 and f"judged against the baseline of these kernels: {kernels / 'cpu-load' / GATED[0]}.json" in out
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    code, out, _ = harness(capsys, *base, "--results", tmp_path / "r2")
+    assert R.load(tmp_path / "r2" / f"{GATED[0]}.json").verdict == "pass", out
+    assert code == 0 and (f"judged against the baseline of this CPU under another kernel condition: "
+                          f"{kernels / 'cpu-load' / GATED[0]}.json") in out
+
+
 @pytest.mark.parametrize("hook", [None, "slow=3"])
 def test_a_candidate_builds_gated_load_is_judged_in_pairs_against_the_pinned_build(tmp_path, capsys, hook):
     """A candidate's load is compared with the pinned build's of the same run, needing no stored
