@@ -20,6 +20,10 @@ environment, torch, platform, date, commit.
   is held to its loaded state alone against a baseline from other kernels; ``read_for(root,
   record)`` gives the baseline recorded for the record's own kernels instead where ``harness run
   --update-kernel-baselines`` wrote one (docs/design.md, "Verdicts").
+- ``load_baseline_for(root, record, baseline)``: the baseline a load time is judged against, one
+  recorded on the record's kind of CPU under any kernel condition before one from another CPU
+  (docs/design.md, "Where the rule stands"); ``load_baseline_here`` the same for a CPU description
+  (harness bench).
 """
 from __future__ import annotations
 
@@ -202,16 +206,17 @@ def path_for(root: str | Path, tier: str, cell_id: str) -> Path:
 def other_kernels(record: Record, baseline: Baseline) -> bool:
     """Whether the record ran on other kernels than the baseline (another CPU, another torch
     capability, a kernel-restricting variable: harness.cpu.same_kernels)."""
-    mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
-    return not cpu.same_kernels(mine, _cpu_of(baseline))
+    return not cpu.same_kernels(_cpu_of_record(record), _cpu_of(baseline))
 
 
 def kernels_root(root: str | Path, record: Record) -> Path | None:
     """The root of the baselines recorded on the kernels ``record`` ran on (``<root>/kernels/<kernel
     set>``, harness.cpu.kernel_set), None for a record that does not say its CPU."""
-    if record.engine_info.cpu is None:
-        return None
-    return Path(root, KERNELS_FOLDER, cpu.kernel_set(record.engine_info.cpu.model_dump()))
+    return _kernels_root(root, _cpu_of_record(record))
+
+
+def _kernels_root(root: str | Path, mine: dict | None) -> Path | None:
+    return Path(root, KERNELS_FOLDER, cpu.kernel_set(mine)) if mine else None
 
 
 def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
@@ -239,14 +244,7 @@ def read_for(root: str | Path, record: Record) -> tuple[Baseline | None, Path]:
     (:func:`kernels_root`) where it exists; else the cell's own; and where the cell has none, one
     recorded on the record's kind of CPU under another kernel condition (:func:`_on_this_cpu`).
     BaselineError as :func:`read`."""
-    baseline = read(root, record.tier, record.cell)
-    if baseline is not None and not other_kernels(record, baseline):
-        return baseline, Path(root)
-    kernels = kernels_root(root, record)
-    on_these = read(kernels, record.tier, record.cell) if kernels is not None else None
-    if on_these is not None:
-        return on_these, kernels
-    return (baseline, Path(root)) if baseline is not None else _on_this_cpu(root, record) or (None, Path(root))
+    return _read_on(root, record.tier, record.cell, _cpu_of_record(record))
 
 
 def load_baseline_for(root: str | Path, record: Record, baseline: Baseline | None) -> tuple[Baseline | None, Path | None]:
@@ -256,28 +254,53 @@ def load_baseline_for(root: str | Path, record: Record, baseline: Baseline | Non
     CPU under another kernel condition (:func:`_on_this_cpu`); else ``baseline``. A load's
     calibration is timed under the record's kernel condition, so it carries a CPU's speed across
     that CPU's kernel conditions, not across CPUs (docs/design.md, "Where the rule stands")."""
-    mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
+    return _load_baseline_on(root, record.tier, record.cell, _cpu_of_record(record), baseline)
+
+
+def load_baseline_here(root: str | Path, tier: str, cell_id: str, description: dict) -> Baseline | None:
+    """The baseline whose load time a run of the cell on ``description``'s CPU and kernels
+    (harness.cpu.describe) is judged against: :func:`read_for`, then :func:`load_baseline_for`."""
+    baseline, _ = _read_on(root, tier, cell_id, description)
+    return _load_baseline_on(root, tier, cell_id, description, baseline)[0]
+
+
+def _read_on(root: str | Path, tier: str, cell_id: str, mine: dict | None) -> tuple[Baseline | None, Path]:
+    baseline = read(root, tier, cell_id)
+    if baseline is not None and cpu.same_kernels(mine, _cpu_of(baseline)):
+        return baseline, Path(root)
+    kernels = _kernels_root(root, mine)
+    on_these = read(kernels, tier, cell_id) if kernels is not None else None
+    if on_these is not None:
+        return on_these, kernels
+    return (baseline, Path(root)) if baseline is not None else _on_this_cpu(root, tier, cell_id, mine) or (None, Path(root))
+
+
+def _load_baseline_on(root: str | Path, tier: str, cell_id: str, mine: dict | None,
+                      baseline: Baseline | None) -> tuple[Baseline | None, Path | None]:
     if baseline is None or mine is None or cpu.same_cpu(mine, _cpu_of(baseline)):
         return baseline, None
-    return _on_this_cpu(root, record) or (baseline, None)
+    return _on_this_cpu(root, tier, cell_id, mine) or (baseline, None)
 
 
-def _on_this_cpu(root: str | Path, record: Record) -> tuple[Baseline, Path] | None:
-    """The cell's baseline recorded on ``record``'s kind of CPU under any kernel condition
+def _on_this_cpu(root: str | Path, tier: str, cell_id: str, mine: dict | None) -> tuple[Baseline, Path] | None:
+    """The cell's baseline recorded on ``mine``'s kind of CPU under any kernel condition
     (``<root>/kernels/*``), its own kernels first (harness.cpu.native_first), and its root."""
-    mine = record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
     folder = Path(root, KERNELS_FOLDER)
     if mine is None or not folder.is_dir():
         return None
     found = []
     for kernels in sorted(p for p in folder.iterdir() if p.is_dir()):
-        candidate = read(kernels, record.tier, record.cell)
+        candidate = read(kernels, tier, cell_id)
         if candidate is not None and cpu.same_cpu(mine, _cpu_of(candidate)):
             found.append((cpu.native_first(_cpu_of(candidate)), kernels, candidate))
     if not found:
         return None
     _, kernels, candidate = min(found, key=lambda f: f[:2])
     return candidate, kernels
+
+
+def _cpu_of_record(record: Record) -> dict | None:
+    return record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
 
 
 def _cpu_of(baseline: Baseline) -> dict | None:

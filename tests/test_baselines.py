@@ -331,8 +331,11 @@ def test_a_load_is_judged_against_this_cpus_own_under_any_kernel_condition(tmp_p
     kernels_of(_on("Other EPYC"), 5.0)
     chosen, root = B.load_baseline_for(tmp_path, here, own)
     assert root == native and chosen.load.seconds == 2.0
+    assert B.load_baseline_here(tmp_path, TIER, CELL, here.engine_info.cpu.model_dump()).load.seconds == 2.0  # harness bench
     (native / TIER / f"{CELL}.json").unlink()
     chosen, root = B.load_baseline_for(tmp_path, here, own)
     assert root == lowered and chosen.load.seconds == 3.0
     on_xeon = record(engine_info=_on("Intel Xeon", "default"))
     assert B.load_baseline_for(tmp_path, on_xeon, own) == (own, None)
+    (tmp_path / TIER / f"{CELL}.json").unlink()  # no baseline of its own: this CPU's is the whole baseline
+    assert B.read_for(tmp_path, here) == (B.read(lowered, TIER, CELL), lowered)

@@ -669,7 +669,7 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
     cells = [types.SimpleNamespace(id=f"c{i}", tier="cpu-load", engine="reference",
                                    bounds=types.SimpleNamespace(load_time=1.1)) for i in range(2)]
     stored = {"c0": types.SimpleNamespace(load=R.LoadInfo(seconds=1.0))}
-    monkeypatch.setattr(portability.B, "read", lambda root, tier, cell: stored.get(cell))
+    monkeypatch.setattr(portability.B, "load_baseline_here", lambda root, tier, cell, here: stored.get(cell))
     timed = []
 
     def child(argv, **kw):
@@ -683,7 +683,7 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
     assert got["cells"]["c1"]["error"] == "no load-time baseline in B"
     assert "not timed, no load-time baseline in B: c1" in "\n".join(said)
     assert report._portability_ok({"native": got}) is True
-    monkeypatch.setattr(portability.B, "read", lambda root, tier, cell: None)
+    monkeypatch.setattr(portability.B, "load_baseline_here", lambda root, tier, cell, here: None)
     with pytest.raises(ValueError, match="no load-time baseline for c0, c1"):
         portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, echo=said.append)
 

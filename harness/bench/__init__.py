@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conditions", metavar="C[,C]",
                    help=f"portability: only these kernel conditions ({', '.join(portability.conditions())}; default: all)")
     p.add_argument("--baselines", metavar="DIR", default=str(REPO_ROOT / "baselines"),
-                   help="portability: the baselines root whose cpu-load baselines are held (default: baselines/)")
+                   help="portability: the baselines root whose cpu-load baselines are held, each cell's as the runner "
+                        "chooses it on this CPU (default: baselines/)")
     p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (the cpu-load cells)")
     p.add_argument("--output", metavar="FILE",
                    help="where to write the report (default: BENCHMARKS.md for a run of every default part at every size; "

@@ -5,7 +5,8 @@ For the native condition and each of harness.cpu.KERNEL_CONDITIONS, a fresh inte
 condition's environment (a lowered torch capability only takes effect before torch is imported)
 times ``runs`` clean runs of the gate. A *cell-run* is what the runner's gate does for one cell:
 the cell's load in a fresh child (harness.bench.detection.cell_run), its calibrated ratio against
-the cell's stored baseline (``--baselines``) (harness.compare.load_ratio) over the cell's bound from models.yaml,
+the cell's stored baseline under ``--baselines``, the one the runner would judge this CPU's load
+against (harness.baselines.load_baseline_here) (harness.compare.load_ratio) over the cell's bound from models.yaml,
 timed again in up to ``loadtime.CONFIRMATIONS`` fresh children while over it
 (``loadtime.retimed``), and when over in every child, looked at again ``loadtime.LATER_LOOK_S``
 after it began, as the runner's gate does (here after the condition's other runs). As the runner
@@ -114,7 +115,8 @@ def measure(cells, paths: dict, *, matrix_path: str, baselines_root: str | Path,
             only: list[str] | None = None, echo: Callable[[str], None] = print) -> dict:
     """Every condition (or ``only`` those), each engine's cells in a fresh interpreter under it. A
     cell without a load-time baseline under ``baselines_root`` is reported so and not timed."""
-    missing = [c.id for c in cells if (b := B.read(baselines_root, c.tier, c.id)) is None or b.load is None]
+    here = cpu.describe()
+    missing = [c.id for c in cells if (b := B.load_baseline_here(baselines_root, c.tier, c.id, here)) is None or b.load is None]
     if len(missing) == len(cells):
         raise ValueError(f"{baselines_root}: no load-time baseline for {', '.join(missing)}; write them with "
                          "`harness run --tier cpu-load --update-baselines`")
@@ -154,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     m = matrix.load(args.matrix)
     cells = [c for c in m.cells(tier="cpu-load") if c.id in set(args.cells)]
     paths = {c.id: (m._dir / c.path).resolve() for c in cells}
-    loads = {c.id: B.read(args.baselines, c.tier, c.id).load for c in cells}
+    # as the runner would judge a run of this interpreter's kernels (this condition's)
+    here = cpu.describe()
+    loads = {c.id: B.load_baseline_here(args.baselines, c.tier, c.id, here).load for c in cells}
     echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is the parent's JSON
     print(json.dumps(time_runs(cells, paths, loads, args.runs, echo)))
     return 0
