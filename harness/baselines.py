@@ -272,7 +272,9 @@ def _read_on(root: str | Path, tier: str, cell_id: str, mine: dict | None) -> tu
     on_these = read(kernels, tier, cell_id) if kernels is not None else None
     if on_these is not None:
         return on_these, kernels
-    return (baseline, Path(root)) if baseline is not None else _on_this_cpu(root, tier, cell_id, mine) or (None, Path(root))
+    if baseline is not None:
+        return baseline, Path(root)
+    return _on_this_cpu(root, tier, cell_id, mine) or (None, Path(root))
 
 
 def _load_baseline_on(root: str | Path, tier: str, cell_id: str, mine: dict | None,

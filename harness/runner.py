@@ -349,19 +349,18 @@ class Runner:
         return w if w.status == "ok" else None
 
     def _judge(self, cell: Cell, record: R.Record, baseline, raws: dict[str, R.Record],
-               accuracy_baseline=None, explained=()) -> C.Judgement:
+               accuracy_baseline=None, explained=(), load_baseline=None) -> C.Judgement:
         group = self.groups[group_key(cell)]
-        load_baseline, _ = B.load_baseline_for(self.baselines_root, record, baseline)
         return judging.judge(cell, record, baseline, [r for e, r in raws.items() if e != cell.engine],
                        known_failures=[k for c in group for k in c.known_failures], unfused=self.unfused(raws),
                        accuracy_baseline=accuracy_baseline, explained=explained, load_baseline=load_baseline)
 
     def _settled(self, j: C.Judgement, judged: R.Record, cell: Cell, record: R.Record, baseline,
-                 raws: dict[str, R.Record], accuracy_baseline) -> C.Judgement:
+                 raws: dict[str, R.Record], accuracy_baseline, load_baseline) -> C.Judgement:
         """``j``, or where ``judged`` (``j`` applied, localised) shows rounding flips that explain its
         failing checks, the verdict order run again with them explained (judging.settle_flip)."""
         return judging.settle_flip(judged, baseline, lambda explained: self._judge(
-            cell, record, baseline, raws, accuracy_baseline, explained)) or j
+            cell, record, baseline, raws, accuracy_baseline, explained, load_baseline)) or j
 
     def judge(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> CellResult:
         try:
@@ -374,16 +373,11 @@ class Runner:
         load_here = (self.update_kernel_baselines and cell.gate_load_time
                      and (load_baseline is None or B.other_kernels(record, load_baseline)))
         record, retimed = self.gate.settle(cell, record, load_baseline, recording=self.update_baselines or load_here)
-        j = self._judge(cell, record, baseline, raws, acc_baseline)
-        result = CellResult(cell, j.apply(record), messages=retimed)
-        if root != self.baselines_root:
-            whose = "this CPU under another kernel condition" if B.other_kernels(record, baseline) else "these kernels"
-            result.messages.append(f"judged against the baseline of {whose}: {B.path_for(root, cell.tier, cell.id)}")
-        if load_root is not None and cell.gate_load_time:
-            result.messages.append("load time judged against this CPU's under another kernel condition: "
-                                   f"{B.path_for(load_root, cell.tier, cell.id)}")
+        j = self._judge(cell, record, baseline, raws, acc_baseline, load_baseline=load_baseline)
+        result = CellResult(cell, j.apply(record), messages=retimed + self._judged_against(
+            cell, record, baseline, root, load_root))
         self._localise(result, raws)
-        j = self._settled(j, result.record, cell, record, baseline, raws, acc_baseline)
+        j = self._settled(j, result.record, cell, record, baseline, raws, acc_baseline, load_baseline)
         result.record = j.apply(result.record)
         on_these_kernels = self._kernels_baseline(result, j, load_here)
         root = on_these_kernels or root
@@ -403,9 +397,10 @@ class Runner:
         if (outcome.change is not None and outcome.change.written) or acc.written:
             written = B.read(root, cell.tier, cell.id)
             acc_written = accuracy_store.read(self.baselines_root, cell.tier, cell.id)
-            j2 = self._judge(cell, record, written, raws, acc_written)
+            written_load, _ = B.load_baseline_for(self.baselines_root, record, written)
+            j2 = self._judge(cell, record, written, raws, acc_written, load_baseline=written_load)
             # the localisation stands: a flip between engines is explained against any baseline
-            j2 = self._settled(j2, j2.apply(result.record), cell, record, written, raws, acc_written)
+            j2 = self._settled(j2, j2.apply(result.record), cell, record, written, raws, acc_written, written_load)
             was = f"was {j.verdict}: {j.reason}"
             flag = "--update-kernel-baselines" if on_these_kernels else "--update-baselines"
             kind = outcome.change.kind if outcome.change is not None and outcome.change.written else "accuracy new or updated"
@@ -420,6 +415,18 @@ class Runner:
         if self.update_noise:
             result.messages.append(self._refresh_noise(cell, result.record, baseline))
         return result
+
+    def _judged_against(self, cell: Cell, record: R.Record, baseline, root: Path, load_root: Path | None) -> list[str]:
+        """Where the baselines a cell is judged against are not its own (baselines.read_for and
+        load_baseline_for), which they are."""
+        said = []
+        if root != self.baselines_root:
+            whose = "this CPU under another kernel condition" if B.other_kernels(record, baseline) else "these kernels"
+            said.append(f"judged against the baseline of {whose}: {B.path_for(root, cell.tier, cell.id)}")
+        if load_root is not None and cell.gate_load_time:
+            said.append(f"load time judged against this CPU's under another kernel condition: "
+                        f"{B.path_for(load_root, cell.tier, cell.id)}")
+        return said
 
     def _refresh_noise(self, cell: Cell, record: R.Record, baseline) -> str:
         """Measure again the noise of ``baseline`` where ``record`` ran on its kernels and scored its
