@@ -638,7 +638,6 @@ def test_a_portability_run_is_a_false_alarm_only_when_a_cells_fastest_child_is_o
 def test_a_portability_cell_run_over_in_every_child_gets_the_gates_later_look(monkeypatch):
     cells = _portable_cells(1.1)
     ratios = iter([1.5, 1.3, 1.4, 1.0, 1.05])  # run 1: over in all three children; run 2; the later look
-    monkeypatch.setattr(detection, "preload", lambda cells, paths: None)
     monkeypatch.setattr(detection, "cell_run", lambda cell, path, repeats: CellRun(cell.id, (next(ratios),), 1.0))
     said = []
     got = portability.time_runs(cells, {"c0": None}, {"c0": R.LoadInfo(seconds=1.0, phases={"calibration": 1.0})},
@@ -686,6 +685,22 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
     monkeypatch.setattr(portability.B, "load_baseline_here", lambda root, tier, cell, here: None)
     with pytest.raises(ValueError, match="no load-time baseline for c0, c1"):
         portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, echo=said.append)
+
+
+def test_a_portability_child_chooses_its_baselines_by_the_kernels_it_times_on(tmp_path):
+    """The child's load baselines are chosen for the kernels its loads run on, torch's capability
+    among them, which a CPU description taken before torch is imported does not know (it would then
+    take this CPU's native baseline over the condition's own)."""
+    import subprocess
+    cell = M.load(M.DEFAULT_PATH).cells(tier="cpu-load")[0].id
+    probe = ("import json, sys; from harness.bench import portability\n"
+             "def chosen(root, tier, cell, here): print(json.dumps(here)); sys.exit(0)\n"
+             "portability.B.load_baseline_here = chosen\n"
+             f"portability.main(['--matrix', {str(M.DEFAULT_PATH)!r}, '--baselines', 'B', '--runs', '1', {cell!r}])")
+    p = subprocess.run([sys.executable, "-c", probe], env=cpu.condition_env(cpu.KERNEL_CONDITIONS["aten-default"]),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1])["capability"] == "default"
 
 
 def test_bench_reads_slowdowns_and_conditions(capsys):

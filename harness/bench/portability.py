@@ -50,11 +50,11 @@ def _ratio(cr: detection.CellRun, baseline: R.LoadInfo) -> float:
 
 def time_runs(cells, paths: dict, baseline_loads: dict[str, R.LoadInfo], runs: int,
               echo: Callable[[str], None], later_look_s: float = loadtime.LATER_LOOK_S) -> dict:
-    """In this interpreter (already under its condition): ``runs`` gated clean runs of ``cells``,
-    one engine's; per cell the ratio of each child of each run, or its error. A cell-run over the
-    bound in every child gets the gate's later look once the runs are done, ``later_look_s`` after
-    it began (its children join that run's; ``later``: the runs looked at again)."""
-    detection.preload(cells, paths)
+    """In this interpreter (already under its condition, its engine's imports preloaded): ``runs``
+    gated clean runs of ``cells``, one engine's; per cell the ratio of each child of each run, or its
+    error. A cell-run over the bound in every child gets the gate's later look once the runs are
+    done, ``later_look_s`` after it began (its children join that run's; ``later``: the runs looked
+    at again)."""
     out = {c.id: {"runs": [], "error": None, "later": []} for c in cells}
     pending = []  # (when the later look is due, cell, run)
     t0 = time.perf_counter()
@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     m = matrix.load(args.matrix)
     cells = [c for c in m.cells(tier="cpu-load") if c.id in set(args.cells)]
     paths = {c.id: (m._dir / c.path).resolve() for c in cells}
-    # as the runner would judge a run of this interpreter's kernels (this condition's)
+    # torch first: its capability is part of the kernels the loads run on, and so of the baseline
+    # the runner would judge them against (harness.baselines.load_baseline_here)
+    detection.preload(cells, paths)
     here = cpu.describe()
     loads = {c.id: B.load_baseline_here(args.baselines, c.tier, c.id, here).load for c in cells}
     echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is the parent's JSON
