@@ -690,17 +690,21 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
 def test_a_portability_child_chooses_its_baselines_by_the_kernels_it_times_on(tmp_path):
     """The child's load baselines are chosen for the kernels its loads run on, torch's capability
     among them, which a CPU description taken before torch is imported does not know (it would then
-    take this CPU's native baseline over the condition's own)."""
+    take this CPU's native baseline over the condition's own). Its stderr, the bench's progress,
+    carries none of the libraries' own messages."""
     import subprocess
     cell = M.load(M.DEFAULT_PATH).cells(tier="cpu-load")[0].id
-    probe = ("import json, sys; from harness.bench import portability\n"
-             "def chosen(root, tier, cell, here): print(json.dumps(here)); sys.exit(0)\n"
-             "portability.B.load_baseline_here = chosen\n"
-             f"portability.main(['--matrix', {str(M.DEFAULT_PATH)!r}, '--baselines', 'B', '--runs', '1', {cell!r}])")
-    p = subprocess.run([sys.executable, "-c", probe], env=cpu.condition_env(cpu.KERNEL_CONDITIONS["aten-default"]),
-                       capture_output=True, text=True, timeout=300)
+    chosen = ("import json\nfrom harness.bench import portability\n"
+              "def chosen(root, tier, cell, here): print(json.dumps(here)); sys.exit(0)\n"
+              "portability.B.load_baseline_here = chosen\n")
+    env = {**cpu.condition_env(cpu.KERNEL_CONDITIONS["aten-default"]), "HARNESS_LOG": str(tmp_path / "libraries.log")}
+    p = subprocess.run([sys.executable, "-c", portability.CHILD.replace("from harness.bench.portability import main",
+                                                                         chosen + "from harness.bench.portability import main"),
+                        "--matrix", str(M.DEFAULT_PATH), "--baselines", "B", "--runs", "1", cell],
+                       env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["capability"] == "default"
+    assert p.stderr == "" and (tmp_path / "libraries.log").exists()
 
 
 def test_bench_reads_slowdowns_and_conditions(capsys):

@@ -37,7 +37,9 @@ from harness.compare import load_ratio
 
 NATIVE = "native"
 # The interpreter of one condition and engine (not ``-m``: harness.bench imports this module first).
-CHILD = "import sys; from harness.bench.portability import main; sys.exit(main(sys.argv[1:]))"
+# Its stderr is the bench's progress, so the libraries' own messages go to their log (harness.liblog).
+CHILD = ("import sys; from harness import liblog; liblog.route(); from harness.bench.portability import main; "
+         "sys.exit(main(sys.argv[1:]))")
 
 
 def conditions() -> dict[str, dict[str, str]]:
