@@ -1,27 +1,23 @@
 """Schedules and judges the selected cells: engine child -> record -> verdict -> baselines -> results.
 
-One :class:`Runner` serves both ``harness run`` (all selected cells, a group at a time, ``-j``
-groups at once) and the pytest plugin (one cell per test, any number of xdist workers). A *group*
-is one (model, scheme): the cells of its engines score the same token sequence
-(harness.sequences) and are compared with each other. The engine children are harness.supervise's,
-the files they leave are where harness.layout says.
+One :class:`Runner` serves ``harness run`` (a group at a time, ``-j`` groups at once) and the
+pytest plugin (one cell per test, any number of xdist workers). A *group* is one (model, scheme):
+its engines' cells score the same token sequence (harness.sequences) and are compared with each
+other. The engine children are harness.supervise's, their files where harness.layout says.
 
-**Probes before fetching.** Every cell first goes through harness.probes.preflight
-(:meth:`Runner.decided`): a misconfigured cell is an ``error`` record and a cell this machine
-cannot run (hardware, engine environment) an ``unsupported`` one, before any child starts, any
-fixture is built or any checkpoint is fetched (docs/design.md, "Probes before fetching").
+**Probes before fetching.** harness.probes.preflight (:meth:`Runner.decided`) makes a
+misconfigured cell an ``error`` record and one this machine cannot run ``unsupported``, before any
+child, fixture or fetch (docs/design.md, "Probes before fetching").
 
 **Judging.** judging.judge() with the cell's settings, the group's other ok records of this run
 (compare.cross_engine's rule), the group's known failures (an engine one covers is no witness) and
 the reference executed unfused: the reference child writes that witness when an engine that does
 not fuse shards (transformers) is in the group (docs/design.md, "Fusion rule").
 
-**Load time across children.** On a load-time gated tier, a cell over its bound is timed again in
-fresh ``load`` children before its verdict, and a baseline written of it (``update_baselines``,
-or ``update_kernel_baselines`` where its own is from other kernels) stores the median of several
-(harness.gate, harness.loadtime). A cell over in every one waits for its
-later look; in ``harness run`` the gated groups still to run are timed meanwhile, so a slowdown
-every gated cell shares costs one wait, not one per cell.
+**Load time across children.** On a load-time gated tier a cell over its bound is timed again in
+fresh ``load`` children before its verdict, and waits for its later look when over in every one
+(``harness run`` times the gated groups still to run meanwhile); a baseline written of it stores
+the median of several (harness.gate, harness.loadtime).
 
 **Baselines.** After the verdict, harness.baselines.handle(): with ``update_baselines``, a record
 that may become a baseline is written (printing what changed) and then judged again against what
@@ -381,13 +377,7 @@ class Runner:
         result.record = j.apply(result.record)
         on_these_kernels = self._kernels_baseline(result, j, load_here)
         root = on_these_kernels or root
-        try:
-            outcome = B.handle(root, result.record, update_baselines=self.update_baselines or bool(on_these_kernels),
-                               measure_noise=None if on_these_kernels else measure_noise.for_cell(cell))
-        except OSError as e:  # the cell keeps its verdict and record; the baseline files were not written
-            outcome = B.Outcome()
-            result.messages.append(f"baseline files not written: {e.filename or self.baselines_root}: {e.strerror or e}")
-        result.outcome = outcome
+        result.outcome = outcome = self._handle_baseline(cell, result, root, bool(on_these_kernels))
         if outcome.refused:
             result.messages.append(f"baseline refused: {outcome.refused}")
         acc = accuracy_store.handle(self.baselines_root, result.record, update_baselines=self.update_baselines)
@@ -415,6 +405,21 @@ class Runner:
         if self.update_noise:
             result.messages.append(self._refresh_noise(cell, result.record, baseline))
         return result
+
+    def _handle_baseline(self, cell: Cell, result: CellResult, root: Path, on_these_kernels: bool) -> B.Outcome:
+        """The step after the verdict (baselines.handle) in ``root``: the baselines the cell is judged
+        against, or these kernels' it records. Where those are not in the cell's own place and that
+        holds no baseline of it, the obtained file left there while the cell had no baseline at all
+        is answered by them, and goes."""
+        try:
+            outcome = B.handle(root, result.record, update_baselines=self.update_baselines or on_these_kernels,
+                               measure_noise=None if on_these_kernels else measure_noise.for_cell(cell))
+            if root != self.baselines_root and not B.path_for(self.baselines_root, cell.tier, cell.id).exists():
+                store.clear_obtained(B.Baseline, self.baselines_root, cell.tier, cell.id)
+            return outcome
+        except OSError as e:  # the cell keeps its verdict and record; the baseline files were not written
+            result.messages.append(f"baseline files not written: {e.filename or self.baselines_root}: {e.strerror or e}")
+            return B.Outcome()
 
     def _judged_against(self, cell: Cell, record: R.Record, baseline, root: Path, load_root: Path | None) -> list[str]:
         """Where the baselines a cell is judged against are not its own (baselines.read_for and

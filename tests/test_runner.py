@@ -625,18 +625,22 @@ def test_a_gated_cell_with_no_baseline_records_this_cpus_and_is_judged_against_i
     """A gated cell with no baseline anywhere (vLLM's fp8-dynamic, unsupported where the committed
     ones were recorded): --update-kernel-baselines records this machine's under <baselines>/kernels/,
     not the cell's own, and later runs on this CPU are judged against it, under another kernel
-    condition too."""
+    condition too. The obtained file its own place got while it had none answered "no baseline",
+    and goes once one of this CPU's answers it."""
     matrix = tmp_path / "models.yaml"
     matrix.write_text(GATED_MATRIX)
     baselines = tmp_path / "b"
     base = ["run", "--matrix", matrix, "--baselines", baselines, "--tier", "cpu-load", "--later-look", "0",
             "-k", "not again"]
+    assert harness(capsys, *base, "--results", tmp_path / "none")[0] == 1
+    unanswered = baselines / "cpu-load" / f"{GATED[0]}.obtained.json"
+    assert unanswered.exists()
     code, out, _ = harness(capsys, *base, "--results", tmp_path / "r0", "--update-kernel-baselines")
     recorded = R.load(tmp_path / "r0" / f"{GATED[0]}.json")
     assert code == 0 and "by --update-kernel-baselines (was missing-baseline" in recorded.verdict_reason, out
     [kernels] = (baselines / "kernels").iterdir()
     assert [p.name for p in (kernels / "cpu-load").iterdir()] == [f"{GATED[0]}.json"]
-    assert not (baselines / "cpu-load").exists()
+    assert not any((baselines / "cpu-load").iterdir())
 
     code, out, _ = harness(capsys, *base, "--results", tmp_path / "r1")
     assert code == 0 and f"judged against the baseline of these kernels: {kernels / 'cpu-load' / GATED[0]}.json" in out
