@@ -412,11 +412,10 @@ class Runner:
         holds no baseline of it, the obtained file left there while the cell had no baseline at all
         is answered by them, and goes."""
         try:
-            outcome = B.handle(root, result.record, update_baselines=self.update_baselines or on_these_kernels,
-                               measure_noise=None if on_these_kernels else measure_noise.for_cell(cell))
             if root != self.baselines_root and not B.path_for(self.baselines_root, cell.tier, cell.id).exists():
                 store.clear_obtained(B.Baseline, self.baselines_root, cell.tier, cell.id)
-            return outcome
+            return B.handle(root, result.record, update_baselines=self.update_baselines or on_these_kernels,
+                            measure_noise=None if on_these_kernels else measure_noise.for_cell(cell))
         except OSError as e:  # the cell keeps its verdict and record; the baseline files were not written
             result.messages.append(f"baseline files not written: {e.filename or self.baselines_root}: {e.strerror or e}")
             return B.Outcome()
