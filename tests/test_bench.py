@@ -672,16 +672,21 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
     timed = []
 
     def child(argv, **kw):
-        timed.append(argv[argv.index("--runs") + 2:])
+        timed.append((argv[argv.index("--later-look") + 1], argv[argv.index("--later-look") + 2:]))
         return types.SimpleNamespace(returncode=0, stdout=json.dumps({"c0": {"runs": [[1.0]] * 20, "error": None}}))
     monkeypatch.setattr(portability.subprocess, "run", child)
     said = []
     got = portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, only=["native"],
                               echo=said.append)["native"]
-    assert timed == [["c0"]] and (got["complete_runs"], got["false_alarm_runs"]) == (20, 0)
+    assert timed == [(str(loadtime.LATER_LOOK_S), ["c0"])] and (got["complete_runs"], got["false_alarm_runs"]) == (20, 0)
     assert got["cells"]["c1"]["error"] == "no load-time baseline in B"
     assert "not timed, no load-time baseline in B: c1" in "\n".join(said)
     assert report._portability_ok({"native": got}) is True
+    # a quick check with a shorter later look is reported, and is not what target 5 counts
+    quick = portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, only=["native"],
+                                echo=said.append, later_look_s=30.0)
+    assert timed[-1] == ("30.0", ["c0"]) and report._portability_ok(quick) is False
+    assert "later look 30 s, not the gate's" in report._portability_detail(quick)
     monkeypatch.setattr(portability.B, "load_baseline_here", lambda root, tier, cell, here: None)
     with pytest.raises(ValueError, match="no load-time baseline for c0, c1"):
         portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, echo=said.append)
@@ -715,6 +720,8 @@ def test_bench_reads_slowdowns_and_conditions(capsys):
     assert "--choice-runs 9: the detection part needs at least --baseline-children + 2 = 17" in capsys.readouterr().err
     assert cli.main(["bench", "--parts", "portability", "--conditions", "avx9"]) == 2
     assert "unknown condition 'avx9' (known: native, aten-default, libraries-avx2, avx2-machine)" in capsys.readouterr().err
+    assert cli.main(["bench", "--parts", "portability", "--later-look", "-1"]) == 2
+    assert "--later-look -1: give a number of seconds, 0 or more" in capsys.readouterr().err
 
 
 def test_the_bench_writes_into_this_checkout():

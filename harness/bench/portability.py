@@ -114,7 +114,8 @@ def summarize(cells, by_cell: dict[str, dict], runs: int) -> dict:
 
 
 def measure(cells, paths: dict, *, matrix_path: str, baselines_root: str | Path, runs: int,
-            only: list[str] | None = None, echo: Callable[[str], None] = print) -> dict:
+            only: list[str] | None = None, echo: Callable[[str], None] = print,
+            later_look_s: float = loadtime.LATER_LOOK_S) -> dict:
     """Every condition (or ``only`` those), each engine's cells in a fresh interpreter under it. A
     cell without a load-time baseline under ``baselines_root`` is reported so and not timed."""
     here = cpu.describe()
@@ -135,13 +136,15 @@ def measure(cells, paths: dict, *, matrix_path: str, baselines_root: str | Path,
             ids = [c.id for c in cells if c.engine == engine]
             echo(f"  portability: {name}, {engine}: {len(ids)} cell(s), {runs} run(s)")
             p = subprocess.run([sys.executable, "-c", CHILD, "--matrix", matrix_path,
-                                "--baselines", str(baselines_root), "--runs", str(runs), *ids],
+                                "--baselines", str(baselines_root), "--runs", str(runs),
+                                "--later-look", str(later_look_s), *ids],
                                env=cpu.condition_env(overlay), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"portability under {name} ({engine}) exited {p.returncode}")
             by_cell.update(json.loads(p.stdout.strip().splitlines()[-1]))
-        out[name] = {"environment": overlay, **summarize(all_cells, {**by_cell, **unbased}, runs)}
+        out[name] = {"environment": overlay, "later_look_s": later_look_s,
+                     **summarize(all_cells, {**by_cell, **unbased}, runs)}
     return out
 
 
@@ -153,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matrix", required=True)
     p.add_argument("--baselines", required=True)
     p.add_argument("--runs", type=int, required=True)
+    p.add_argument("--later-look", type=float, default=loadtime.LATER_LOOK_S)
     p.add_argument("cells", nargs="+")
     args = p.parse_args(argv)
     m = matrix.load(args.matrix)
@@ -164,5 +168,5 @@ def main(argv: list[str] | None = None) -> int:
     here = cpu.describe()
     loads = {c.id: B.load_baseline_here(args.baselines, c.tier, c.id, here).load for c in cells}
     echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is the parent's JSON
-    print(json.dumps(time_runs(cells, paths, loads, args.runs, echo)))
+    print(json.dumps(time_runs(cells, paths, loads, args.runs, echo, later_look_s=args.later_look)))
     return 0

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 
+from harness.loadtime import LATER_LOOK_S
+
 LOAD_VS_TRANSFORMERS = 1.5
 PEAK_VS_CHECKPOINT = 1.3
 PER_GB_SPREAD = 1.2
@@ -169,12 +171,19 @@ def _detection_detail(det: dict) -> str:
 
 
 def _portability_ok(port: dict | None) -> bool | None:
-    """Every condition ran its runs on every cell it could time, with no false alarm; None where
-    nothing was measured. A cell that cannot load under a condition, or has no stored baseline, is
-    reported, not judged."""
+    """Every condition ran its runs on every cell it could time, with the gate's later look and no
+    false alarm; None where nothing was measured. A cell that cannot load under a condition, or has
+    no stored baseline, is reported, not judged."""
     if not port:
         return None
-    return all(c["complete_runs"] >= PORTABLE_RUNS and c["false_alarm_runs"] == 0 for c in port.values())
+    return all(c["complete_runs"] >= PORTABLE_RUNS and c["false_alarm_runs"] == 0 and _gates_later_look(c)
+               for c in port.values())
+
+
+def _gates_later_look(condition: dict) -> bool:
+    """Whether a condition's runs looked again as the gate does (loadtime.LATER_LOOK_S; a report
+    written before the bench could shorten it did)."""
+    return condition.get("later_look_s", LATER_LOOK_S) >= LATER_LOOK_S
 
 
 def _portability_detail(port: dict | None) -> str:
@@ -184,7 +193,8 @@ def _portability_detail(port: dict | None) -> str:
     for name, c in port.items():
         errors = [cell for cell, v in c["cells"].items() if v["error"]]
         parts.append(f"{name}: {c['false_alarm_runs']} of {c['complete_runs']} runs with a false alarm"
-                     + (f", {len(errors)} cell(s) not timed" if errors else ""))
+                     + (f", {len(errors)} cell(s) not timed" if errors else "")
+                     + ("" if _gates_later_look(c) else f", later look {c['later_look_s']:g} s, not the gate's"))
     return "; ".join(parts)
 
 
