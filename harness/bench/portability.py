@@ -9,7 +9,8 @@ the cell's stored baseline under ``--baselines``, the one the runner would judge
 against (harness.baselines.load_baseline_here) (harness.compare.load_ratio) over the cell's bound from models.yaml,
 timed again in up to ``loadtime.CONFIRMATIONS`` fresh children while over it
 (``loadtime.retimed``), and when over in every child, looked at again ``loadtime.LATER_LOOK_S``
-after it began, as the runner's gate does (here after the condition's other runs). As the runner
+after it began, as the runner's gate does (here after the condition's other runs; ``harness bench
+--later-look`` shortens it for a quick check, which target 5 does not count). As the runner
 reports it, the fastest child counts: over the bound the cell-run is a false alarm
 (``regressed``), under 1/bound it reads ``improved``. A *run* is one
 cell-run of every cell; it is a false alarm when any of its cells is.
