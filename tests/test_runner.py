@@ -6,6 +6,7 @@ while the rest of the matrix goes on, and a cell run on its own scores the same 
 
 The children are slow to start (torch + transformers), so the runs here use `-j 2` and few cells.
 """
+import errno
 import json
 import os
 import re
@@ -115,13 +116,18 @@ def test_update_baselines_writes_every_cell_then_the_matrix_passes(generated, tm
     assert all(cell in report for cell in CELLS) and f"report: {tmp_path / 'r' / 'report' / 'report.html'}" in out
 
 
-def test_baseline_altered_by_hand_is_regressed_and_exit_1(generated, tmp_path, capsys):
-    baselines = copy_baselines(generated, tmp_path)
-    path = baselines / "cpu-tiny" / "whisper.bnb-nf4.reference.json"
+def _altered_by_hand(generated, tmp_path) -> Path:
+    """A copy of the baselines with whisper.bnb-nf4.reference's edited well beyond the bnb bound
+    (2e-3); that baseline's path."""
+    path = copy_baselines(generated, tmp_path) / "cpu-tiny" / "whisper.bnb-nf4.reference.json"
     data = json.loads(path.read_text())
-    row = data["sequences"][1]["scored"][5]
-    row["logprob"] -= 0.05  # a hand edit well beyond the bnb bound (2e-3)
+    data["sequences"][1]["scored"][5]["logprob"] -= 0.05
     path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def test_baseline_altered_by_hand_is_regressed_and_exit_1(generated, tmp_path, capsys):
+    baselines = _altered_by_hand(generated, tmp_path).parents[1]
     code, out, _ = harness(capsys, "run", "--matrix", generated["matrix"], "--baselines", baselines,
                            "--results", tmp_path / "r", "-k", "bnb")
     assert code == 1, out
@@ -132,6 +138,29 @@ def test_baseline_altered_by_hand_is_regressed_and_exit_1(generated, tmp_path, c
     assert got["whisper.bnb-nf4.transformers"].verdict == "pass"
     assert "regressed         1" in out and "pass              1" in out
     assert (baselines / "cpu-tiny" / "whisper.bnb-nf4.reference.obtained.json").exists()
+
+
+def test_a_baseline_file_that_cannot_be_written_leaves_the_verdict_and_says_which(generated, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A disk that fills between the run's write check and a cell's baseline step: the cell keeps
+    its verdict and its record, the run goes on, and the line names the file and the error."""
+    from harness import baselines as B
+
+    path = _altered_by_hand(generated, tmp_path)
+    baselines, obtained = path.parents[1], path.with_name("whisper.bnb-nf4.reference.obtained.json")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(obtained))
+
+    monkeypatch.setattr(B, "handle", full)
+    code, out, _ = harness(capsys, "run", "--matrix", generated["matrix"], "--baselines", baselines,
+                           "--results", tmp_path / "r", "-k", "bnb")
+    assert code == 1, out
+    got = records(tmp_path / "r")
+    assert {c: r.verdict for c, r in got.items()} == {"whisper.bnb-nf4.reference": "regressed",
+                                                      "whisper.bnb-nf4.transformers": "pass"}
+    assert f"baseline files not written: {obtained}: No space left on device" in out
+    assert not obtained.exists()
 
 
 def test_broken_decode_fails_its_cells_and_update_refuses_them(generated, tmp_path, capsys, monkeypatch):
