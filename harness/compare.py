@@ -63,10 +63,8 @@ class Judgement:
 
     def apply(self, record: Record) -> Record:
         """A copy of ``record`` carrying this verdict, its reason, checks and known failure."""
-        kf = None
-        if self.known_failure is not None:
-            k = self.known_failure
-            kf = KnownFailureRef(engine=k.engine, versions=k.versions, pattern=k.pattern, reason=k.reason, link=k.link)
+        k = self.known_failure
+        kf = k and KnownFailureRef(engine=k.engine, versions=k.versions, pattern=k.pattern, reason=k.reason, link=k.link)
         return record.model_copy(update={"verdict": self.verdict, "verdict_reason": self.reason, "checks": list(self.checks), "known_failure": kf})
 
 
@@ -138,14 +136,10 @@ def _token_difference(pid: str, e: SequenceResult, o: SequenceResult, against: s
 
 def _scored_tokens_check(differing: list[dict], against: str) -> Check:
     first = differing[0]
-    return Check(
-        name=f"scored-tokens:{against}",
-        ok=False,
-        detail=(f"scored tokens differ from {against}'s in {len(differing)} sequence(s); first: prompt "
-                f"{first['prompt']} position {first['position']}: {against} {first[against]} vs obtained "
-                f"{first['obtained']} (the runs scored different sequences; logprobs not comparable)"),
-        data={"sequences": differing},
-    )
+    return Check(name=f"scored-tokens:{against}", ok=False, data={"sequences": differing},
+                 detail=(f"scored tokens differ from {against}'s in {len(differing)} sequence(s); first: prompt "
+                         f"{first['prompt']} position {first['position']}: {against} {first[against]} vs obtained "
+                         f"{first['obtained']} (the runs scored different sequences; logprobs not comparable)"))
 
 
 def _deltas(e: SequenceResult, o: SequenceResult) -> tuple[list[float], list[float]]:
@@ -371,16 +365,25 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
     if not gated:
         text += " (measured, not gated on this tier)"
     elif regressed or improved:
-        text = ("slower than bound: " if regressed else "faster than 1/bound: ") + text
-        if other_kernels(record, baseline) and baseline.provenance.cpu is not None:
-            # the calibration carries a machine's speed, not every kernel's, so such a reading may
-            # be the kernels' as much as the loader's (docs/design.md, "Where the rule stands")
-            text += (f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())}): "
-                     "harness run --update-kernel-baselines records these kernels' once, and --candidate times a "
-                     "build against the pinned one here")
+        text = ("slower than bound: " if regressed else "faster than 1/bound: ") + text + _timed_otherwise(record, baseline)
     return Check(name=LOAD_TIME_CHECK, ok=not (gated and regressed), detail=text,
                  data={"ratio": _safe(ratio), "calibrated": calibrated, "seconds": s_obt, "baseline_seconds": s_base,
                        "bound": bound, "gated": gated, "regressed": gated and regressed, "improved": gated and improved})
+
+
+def _timed_otherwise(record: Record, baseline: Baseline) -> str:
+    """A clause for each thing the calibration does not carry that differs between the two loads:
+    the kernels (docs/design.md, "Where the rule stands"), the memory allocation ("Load time")."""
+    said = ""
+    if other_kernels(record, baseline) and baseline.provenance.cpu is not None:
+        said += (f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())}): "
+                 "harness run --update-kernel-baselines records these kernels' once, and --candidate times a "
+                 "build against the pinned one here")
+    if record.load.allocation != baseline.load.allocation:
+        named = lambda info: " ".join(f"{k}={v}" for k, v in sorted(info.allocation.items())) or "the defaults"
+        said += (f"; the loads were timed under other memory allocation than the baseline's ({named(record.load)} "
+                 f"here, {named(baseline.load)} there), which a calibration does not carry")
+    return said
 
 
 def check_loaded_state(record: Record, baseline: Baseline) -> Check | None:

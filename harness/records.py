@@ -153,13 +153,15 @@ class LoadInfo(_Strict):
     harness.loadtime.paired). ``calibration_workload``: the version of the workload the ``calibration`` phase
     timed (harness.loadtime: the memory-and-dispatch workload's version number, or the name of
     another workload); null where none was timed, or in a record written before the version was
-    kept (the first workload)."""
+    kept (the first workload). ``allocation``: the variables that change what the loads' fresh
+    memory cost, set where a gated load was timed (harness.loadtime.ALLOCATION_ENV)."""
 
     seconds: float = Field(ge=0)
     phases: dict[str, float] = {}
     samples: list[float] = []
     children: list[ChildLoad] = []
     calibration_workload: int | str | None = None
+    allocation: dict[str, str] = {}
 
 
 class ModuleDiff(_Strict):

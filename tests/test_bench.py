@@ -423,6 +423,19 @@ def test_timed_load_gated_repeats_and_calibrates(small_calibration, monkeypatch)
     assert ungated.samples == [] and ungated.seconds == 0.5 and "calibration" not in ungated.phases
 
 
+def test_a_gated_load_says_which_memory_allocation_it_was_timed_under(monkeypatch):
+    monkeypatch.setattr(loadtime, "calibrate", lambda *a, **k: 1.0)
+    for name in loadtime.ALLOCATION_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert loadtime.timed_load(lambda: (0.1, {}), gated=True).allocation == {}
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4: /opt/intel/libiomp5.so")
+    info = loadtime.timed_load(lambda: (0.1, {}), gated=True)
+    assert info.allocation == {"THP_MEM_ALLOC_ENABLE": "1", "LD_PRELOAD": "libtcmalloc_minimal.so.4 libiomp5.so"}
+    assert R.LoadInfo.model_validate_json(info.model_dump_json()).allocation == info.allocation
+    assert loadtime.timed_load(lambda: (0.1, {}), gated=False).allocation == {}  # nothing to compare it with
+
+
 def test_load_statistic_names_a_bad_statistic():
     assert loadtime.load_statistic([3.0, 1.0, 2.0], "median") == 2.0
     with pytest.raises(ValueError, match="unknown load statistic 'mean'"):

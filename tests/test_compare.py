@@ -357,6 +357,21 @@ def test_a_load_over_its_bound_says_when_the_baseline_comes_from_other_kernels()
             assert ("recorded on other kernels (xeon-avx512f-" in lt.detail) == (said and verdict != "pass"), lt.detail
 
 
+def test_a_load_outside_its_bound_says_when_it_was_timed_under_other_memory_allocation():
+    """Huge pages move vLLM's loads and the calibrations apart (harness.loadtime.ALLOCATION_ENV):
+    the check says so where the reading is outside the bound, and judges as before."""
+    recorded = baseline(record(load=_calibrated(1.0, 0.1)))  # the defaults: an older baseline has no field
+    tight = BOUNDS.model_copy(update={"load_time": 1.1})
+    for seconds, verdict in ((1.5, "regressed"), (0.5, "improved"), (1.0, "pass")):
+        for allocation in ({"THP_MEM_ALLOC_ENABLE": "1"}, {}):
+            obtained = _calibrated(seconds, 0.1).model_copy(update={"allocation": allocation})
+            j = judging.verdict(record(load=obtained), recorded, bounds=tight, gate_load_time=True)
+            (lt,) = [c for c in j.checks if c.name == "load-time:baseline"]
+            assert j.verdict == verdict
+            said = "timed under other memory allocation than the baseline's (THP_MEM_ALLOC_ENABLE=1 here, the defaults there)"
+            assert (said in lt.detail) == bool(allocation and verdict != "pass"), lt.detail
+
+
 def test_load_time_without_calibration_on_either_side_is_the_plain_ratio():
     for obtained, base in ((_calibrated(2.0, 0.2), _load(1.0)), (_load(2.0), _calibrated(1.0, 0.1))):
         ratio, calibrated = C.load_ratio(obtained, base)
