@@ -41,7 +41,6 @@ import functools
 import gc
 import math
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -83,11 +82,12 @@ CANDIDATE_ROUNDS = 2
 # The children a gated baseline is the median of (the detection bench takes its baseline the same way).
 BASELINE_CHILDREN = 5
 # Variables that change what a load's first touch of fresh memory costs, and so its time, but no
-# result: torch's huge-page allocations, the C library's allocator tunables, an allocator preloaded
-# before it. Under THP_MEM_ALLOC_ENABLE=1 vLLM's loads and the calibrations moved apart, each its
-# own way (BENCHMARKS.md, "A calibration made of vLLM's own work, tried"); the other two act on the
-# same page faults, not measured. A gated load says which were set (LoadInfo.allocation).
-ALLOCATION_ENV = ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES", "LD_PRELOAD")
+# result: torch's huge-page allocations and the C library's allocator tunables (glibc.malloc.hugetlb
+# gives its allocations huge pages too). Under THP_MEM_ALLOC_ENABLE=1 vLLM's loads and the
+# calibrations moved apart, each its own way (BENCHMARKS.md, "A calibration made of vLLM's own
+# work, tried"). Not LD_PRELOAD: vLLM's CPU platform rewrites it for its own processes (libgomp).
+# A gated load says which were set (LoadInfo.allocation).
+ALLOCATION_ENV = ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -259,12 +259,8 @@ def timed_load(load_once: Callable[[], tuple[float, dict[str, float]]], gated: b
 
 
 def allocation_env() -> dict[str, str]:
-    """The :data:`ALLOCATION_ENV` variables set in this process, a preloaded library by its file
-    name (its folder differs between machines)."""
-    found = {k: os.environ[k] for k in ALLOCATION_ENV if os.environ.get(k)}
-    if "LD_PRELOAD" in found:
-        found["LD_PRELOAD"] = " ".join(Path(p).name for p in re.split(r"[:\s]+", found["LD_PRELOAD"]) if p)
-    return found
+    """The :data:`ALLOCATION_ENV` variables set in this process."""
+    return {k: os.environ[k] for k in ALLOCATION_ENV if os.environ.get(k)}
 
 
 def calibrated(info: R.LoadInfo) -> float:

@@ -429,9 +429,10 @@ def test_a_gated_load_says_which_memory_allocation_it_was_timed_under(monkeypatc
         monkeypatch.delenv(name, raising=False)
     assert loadtime.timed_load(lambda: (0.1, {}), gated=True).allocation == {}
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4: /opt/intel/libiomp5.so")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    monkeypatch.setenv("LD_PRELOAD", "libgomp.so.1")  # vLLM sets it for its own processes
     info = loadtime.timed_load(lambda: (0.1, {}), gated=True)
-    assert info.allocation == {"THP_MEM_ALLOC_ENABLE": "1", "LD_PRELOAD": "libtcmalloc_minimal.so.4 libiomp5.so"}
+    assert info.allocation == {"THP_MEM_ALLOC_ENABLE": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     assert R.LoadInfo.model_validate_json(info.model_dump_json()).allocation == info.allocation
     assert loadtime.timed_load(lambda: (0.1, {}), gated=False).allocation == {}  # nothing to compare it with
 
