@@ -373,16 +373,17 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
 
 def _timed_otherwise(record: Record, baseline: Baseline) -> str:
     """A clause for each thing the calibration does not carry that differs between the two loads:
-    the kernels (docs/design.md, "Where the rule stands"), the memory allocation ("Load time")."""
+    the kernels (docs/design.md, "Where the rule stands"), the memory allocation ("Memory allocation")."""
     said = ""
     if other_kernels(record, baseline) and baseline.provenance.cpu is not None:
         said += (f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())}): "
                  "harness run --update-kernel-baselines records these kernels' once, and --candidate times a "
                  "build against the pinned one here")
-    if record.load.allocation != baseline.load.allocation:
-        named = lambda info: " ".join(f"{k}={v}" for k, v in sorted(info.allocation.items())) or "the defaults"
-        said += (f"; the loads were timed under other memory allocation than the baseline's ({named(record.load)} "
-                 f"here, {named(baseline.load)} there), which a calibration does not carry")
+    mine, theirs = (" ".join(f"{k}={v}" for k, v in sorted(info.allocation.items())) or "the defaults"
+                    for info in (record.load, baseline.load))
+    if mine != theirs:
+        said += (f"; the loads were timed under other memory allocation than the baseline's ({mine} here, "
+                 f"{theirs} there), which a calibration does not carry")
     return said
 
 
