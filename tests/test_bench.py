@@ -683,6 +683,8 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
                                    bounds=types.SimpleNamespace(load_time=1.1)) for i in range(2)]
     stored = {"c0": types.SimpleNamespace(load=R.LoadInfo(seconds=1.0))}
     monkeypatch.setattr(portability.B, "load_baseline_here", lambda root, tier, cell, here: stored.get(cell))
+    for name in loadtime.ALLOCATION_ENV:
+        monkeypatch.delenv(name, raising=False)
     timed = []
 
     def child(argv, **kw):
@@ -701,6 +703,16 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
                                 echo=said.append, later_look_s=30.0)
     assert timed[-1] == ("30.0", ["c0"]) and report._portability_ok(quick) is False
     assert "later look 30 s, not the gate's" in report._portability_detail(quick)
+    # runs under other memory allocation than the baselines' are reported, and not what target 5 counts
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    huge = portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, only=["native"],
+                               echo=said.append)
+    assert huge["native"]["other_allocation"] == ["c0"] and report._portability_ok(huge) is False
+    assert ("timed under THP_MEM_ALLOC_ENABLE=1, not the memory allocation of 1 cell(s)' baselines"
+            in report._portability_detail(huge))
+    stored["c0"].load.allocation = {"THP_MEM_ALLOC_ENABLE": "1"}  # baselines of one's own, timed under it
+    assert report._portability_ok(portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20,
+                                                      only=["native"], echo=said.append)) is True
     monkeypatch.setattr(portability.B, "load_baseline_here", lambda root, tier, cell, here: None)
     with pytest.raises(ValueError, match="no load-time baseline for c0, c1"):
         portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, echo=said.append)

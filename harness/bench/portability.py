@@ -118,9 +118,14 @@ def measure(cells, paths: dict, *, matrix_path: str, baselines_root: str | Path,
             only: list[str] | None = None, echo: Callable[[str], None] = print,
             later_look_s: float = loadtime.LATER_LOOK_S) -> dict:
     """Every condition (or ``only`` those), each engine's cells in a fresh interpreter under it. A
-    cell without a load-time baseline under ``baselines_root`` is reported so and not timed."""
+    cell without a load-time baseline under ``baselines_root`` is reported so and not timed; the
+    cells whose baseline was timed under other memory allocation than these runs are named
+    (``other_allocation``: their false alarms may be the allocation's, harness.loadtime.ALLOCATION_ENV)."""
     here = cpu.describe()
-    missing = [c.id for c in cells if (b := B.load_baseline_here(baselines_root, c.tier, c.id, here)) is None or b.load is None]
+    stored = {c.id: b.load for c in cells if (b := B.load_baseline_here(baselines_root, c.tier, c.id, here)) and b.load}
+    missing = [c.id for c in cells if c.id not in stored]
+    allocation = loadtime.allocation_env()
+    other_allocation = sorted(cell for cell, load in stored.items() if load.allocation != allocation)
     if len(missing) == len(cells):
         raise ValueError(f"{baselines_root}: no load-time baseline for {', '.join(missing)}; write them with "
                          "`harness run --tier cpu-load --update-baselines`")
@@ -144,8 +149,8 @@ def measure(cells, paths: dict, *, matrix_path: str, baselines_root: str | Path,
             if p.returncode != 0:
                 raise RuntimeError(f"portability under {name} ({engine}) exited {p.returncode}")
             by_cell.update(json.loads(p.stdout.strip().splitlines()[-1]))
-        out[name] = {"environment": overlay, "later_look_s": later_look_s,
-                     **summarize(all_cells, {**by_cell, **unbased}, runs)}
+        out[name] = {"environment": overlay, "later_look_s": later_look_s, "allocation": allocation,
+                     "other_allocation": other_allocation, **summarize(all_cells, {**by_cell, **unbased}, runs)}
     return out
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 
-from harness.loadtime import LATER_LOOK_S
+from harness.loadtime import LATER_LOOK_S, allocation_named
 
 LOAD_VS_TRANSFORMERS = 1.5
 PEAK_VS_CHECKPOINT = 1.3
@@ -171,13 +171,14 @@ def _detection_detail(det: dict) -> str:
 
 
 def _portability_ok(port: dict | None) -> bool | None:
-    """Every condition ran its runs on every cell it could time, with the gate's later look and no
-    false alarm; None where nothing was measured. A cell that cannot load under a condition, or has
-    no stored baseline, is reported, not judged."""
+    """Every condition ran its runs on every cell it could time, with the gate's later look, under
+    the memory allocation its baselines were timed under, and no false alarm; None where nothing was
+    measured. A cell that cannot load under a condition, or has no stored baseline, is reported, not
+    judged."""
     if not port:
         return None
     return all(c["complete_runs"] >= PORTABLE_RUNS and c["false_alarm_runs"] == 0 and _gates_later_look(c)
-               for c in port.values())
+               and not c.get("other_allocation") for c in port.values())
 
 
 def _gates_later_look(condition: dict) -> bool:
@@ -194,7 +195,9 @@ def _portability_detail(port: dict | None) -> str:
         errors = [cell for cell, v in c["cells"].items() if v["error"]]
         parts.append(f"{name}: {c['false_alarm_runs']} of {c['complete_runs']} runs with a false alarm"
                      + (f", {len(errors)} cell(s) not timed" if errors else "")
-                     + ("" if _gates_later_look(c) else f", later look {c['later_look_s']:g} s, not the gate's"))
+                     + ("" if _gates_later_look(c) else f", later look {c['later_look_s']:g} s, not the gate's")
+                     + (f", timed under {allocation_named(c['allocation'])}, not the memory allocation of "
+                        f"{len(c['other_allocation'])} cell(s)' baselines" if c.get("other_allocation") else ""))
     return "; ".join(parts)
 
 
