@@ -27,11 +27,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from harness import cpu, loadtime
+from harness import cpu
 from harness.baselines import other_kernels
 from harness.accuracy import gates as accuracy_gates
 from harness.registry import fuses_shards
-from harness.records import Check, KnownFailureRef, LoadInfo, Record, SequenceResult, platform_key
+from harness.records import (Check, KnownFailureRef, LoadInfo, Record, SequenceResult, allocation_named,
+                             platform_key)
 
 if TYPE_CHECKING:
     from harness.baselines import Baseline
@@ -379,7 +380,7 @@ def _timed_otherwise(record: Record, baseline: Baseline) -> str:
         said += (f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())}): "
                  "harness run --update-kernel-baselines records these kernels' once, and --candidate times a "
                  "build against the pinned one here")
-    mine, theirs = (loadtime.allocation_named(info.allocation) for info in (record.load, baseline.load))
+    mine, theirs = (allocation_named(info.allocation) for info in (record.load, baseline.load))
     if mine != theirs:
         said += (f"; the loads were timed under other memory allocation than the baseline's ({mine} here, "
                  f"{theirs} there), which a calibration does not carry")

@@ -263,11 +263,6 @@ def allocation_env() -> dict[str, str]:
     return {k: os.environ[k] for k in ALLOCATION_ENV if os.environ.get(k)}
 
 
-def allocation_named(allocation: dict[str, str]) -> str:
-    """A ``LoadInfo.allocation`` as a line names it."""
-    return " ".join(f"{k}={v}" for k, v in sorted(allocation.items())) or "the defaults"
-
-
 def calibrated(info: R.LoadInfo) -> float:
     """The quantity the gate compares: load / calibration (the plain load where none was timed)."""
     cal = info.phases.get("calibration")

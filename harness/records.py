@@ -164,6 +164,11 @@ class LoadInfo(_Strict):
     allocation: dict[str, str] = {}
 
 
+def allocation_named(allocation: dict[str, str]) -> str:
+    """A ``LoadInfo.allocation`` as a line names it."""
+    return " ".join(f"{k}={v}" for k, v in sorted(allocation.items())) or "the defaults"
+
+
 class ModuleDiff(_Strict):
     first_differing_module: str
     detail: str

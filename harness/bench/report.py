@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import json
 
-from harness.loadtime import LATER_LOOK_S, allocation_named
+from harness.loadtime import LATER_LOOK_S
+from harness.records import allocation_named
 
 LOAD_VS_TRANSFORMERS = 1.5
 PEAK_VS_CHECKPOINT = 1.3
