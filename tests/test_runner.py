@@ -689,8 +689,9 @@ def test_a_gated_cell_with_no_baseline_records_this_cpus_and_is_judged_against_i
 def test_a_candidate_builds_gated_load_is_judged_in_pairs_against_the_pinned_build(tmp_path, capsys, hook):
     """A candidate's load is compared with the pinned build's of the same run, needing no stored
     load baseline of this machine: both builds are timed in balanced pairs of fresh children
-    (harness.loadtime.paired); the same build passes in one round, one whose loader the test hook
-    slows is regressed on load time alone after a confirming round, untraced."""
+    (harness.loadtime.paired); the same build passes (in one round, or in a second where the
+    host's noise put a tiny load's first outside the bound), one whose loader the test hook slows is
+    regressed on load time alone after a confirming round, untraced."""
     from harness import loadtime
 
     matrix = tmp_path / "models.yaml"
@@ -702,10 +703,11 @@ def test_a_candidate_builds_gated_load_is_judged_in_pairs_against_the_pinned_bui
     cell = GATED[0]
     cand, base = R.load(results / "candidate" / f"{cell}.json"), R.load(results / f"{cell}.json")
     check = next(c for c in cand.checks if c.name == "load-time:baseline")
-    rounds = loadtime.CANDIDATE_ROUNDS if hook else 1  # a round over the bound is confirmed by another
-    assert len(cand.load.children) == loadtime.CANDIDATE_PAIRS * rounds and "pairs of fresh children" in out
     said = re.search(r"their medians uncalibrated \(ratio ([\d., ]+);", out)
-    assert said and len(said.group(1).split(", ")) == rounds, out
+    assert said, out
+    rounds = len(said.group(1).split(", "))  # a round outside the bound is confirmed by another
+    assert rounds == loadtime.CANDIDATE_ROUNDS if hook else rounds in (1, loadtime.CANDIDATE_ROUNDS), out
+    assert len(cand.load.children) == loadtime.CANDIDATE_PAIRS * rounds and "pairs of fresh children" in out
     timed = {name: [(results / "candidate" / "raw" / f"{name}.load{n}.json").stat().st_mtime_ns for n in (1, 2)]
              for name in (cell, f"{cell}.base")}
     # candidate, base; base, candidate
