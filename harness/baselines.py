@@ -49,6 +49,7 @@ from harness.records import (
     SequenceResult,
     SourceRef,
     TopK,
+    allocation_named,
     atomic_write_text,
     is_version,
     render_json,
@@ -441,7 +442,10 @@ def _prompt_changes(old: Baseline, new: Baseline) -> list[Difference]:
 def _load_change(old: Baseline, new: Baseline) -> list[Difference]:
     if not (old.load and new.load and old.load.seconds != new.load.seconds):
         return []
-    return [f"load {_fmt(old.load.seconds)} s -> {_fmt(new.load.seconds)} s"]
+    said = f"load {_fmt(old.load.seconds)} s -> {_fmt(new.load.seconds)} s"
+    if old.load.allocation != new.load.allocation:  # which a calibration does not carry
+        said += f", timed under {allocation_named(new.load.allocation)} ({allocation_named(old.load.allocation)} before)"
+    return [said]
 
 
 # In the order of the messages.

@@ -90,6 +90,20 @@ def test_update_reports_what_changed_and_skips_noise(tmp_path):
     assert "prompt p0: scored tokens changed at position 3" in "\n".join(change.messages)
 
 
+def test_a_load_time_rewritten_under_other_memory_allocation_says_so(tmp_path):
+    """A load-time verdict rewrites the baseline; where the new load was timed under other memory
+    allocation, which no calibration carries, the change names both (docs/design.md, "Memory allocation")."""
+    B.update(tmp_path, record(), commit="abc")
+    huge_pages = R.LoadInfo(seconds=0.05, allocation={"THP_MEM_ALLOC_ENABLE": "1"})
+    change = B.update(tmp_path, record(verdict="regressed", load=huge_pages), commit="abc")
+    assert change.kind == "updated"
+    assert ("load 0.02 s -> 0.05 s, timed under THP_MEM_ALLOC_ENABLE=1 (the defaults before)"
+            in change.messages)
+    same_allocation = huge_pages.model_copy(update={"seconds": 0.04})
+    change = B.update(tmp_path, record(verdict="regressed", load=same_allocation), commit="abc")
+    assert change.messages == ["load 0.05 s -> 0.04 s"]
+
+
 @pytest.mark.parametrize("verdict", ["failed", "error", "unsupported", None])
 def test_update_refuses_bad_verdicts_and_leaves_the_file(tmp_path, verdict):
     B.update(tmp_path, record(), commit="abc")
