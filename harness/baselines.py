@@ -22,7 +22,7 @@ environment, torch, platform, date, commit.
   --update-kernel-baselines`` wrote one (docs/design.md, "Verdicts").
 - ``load_baseline_for(root, record, baseline)``: the baseline a load time is judged against, one
   recorded on the record's kind of CPU under any kernel condition before one from another CPU
-  (docs/design.md, "Where the rule stands"); ``load_baseline_here`` the same for a CPU description
+  (docs/design.md, "Load-time baselines per kind of CPU"); ``load_baseline_here`` the same for a CPU description
   (harness bench).
 """
 from __future__ import annotations
@@ -254,7 +254,7 @@ def load_baseline_for(root: str | Path, record: Record, baseline: Baseline | Non
     of CPU (harness.cpu.same_cpu) or there is none; else the cell's baseline recorded on this kind of
     CPU under another kernel condition (:func:`_on_this_cpu`); else ``baseline``. A load's
     calibration is timed under the record's kernel condition, so it carries a CPU's speed across
-    that CPU's kernel conditions, not across CPUs (docs/design.md, "Where the rule stands")."""
+    that CPU's kernel conditions, not across CPUs (docs/design.md, "Load-time baselines per kind of CPU")."""
     return _load_baseline_on(root, record.tier, record.cell, _cpu_of_record(record), baseline)
 
 

@@ -374,7 +374,7 @@ def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: 
 
 def _timed_otherwise(record: Record, baseline: Baseline) -> str:
     """A clause for each thing the calibration does not carry that differs between the two loads:
-    the kernels (docs/design.md, "Where the rule stands"), the memory allocation ("Memory allocation")."""
+    the kernels (docs/design.md, "Load-time baselines per kind of CPU"), the memory allocation ("Memory allocation")."""
     said = ""
     if other_kernels(record, baseline) and baseline.provenance.cpu is not None:
         said += (f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())}): "

@@ -453,7 +453,7 @@ class Runner:
         cell's baseline there: a cell held to its loaded state alone (a known failure's behaviour
         does not carry to other kernels), or a gated cell whose baseline is from other kernels or
         missing (``load_here``: a load time does not carry across machine kinds as logprobs do;
-        docs/design.md, "Where the rule stands") and fails no check but its load time. Says why
+        docs/design.md, "Load-time baselines per kind of CPU") and fails no check but its load time. Says why
         where such a cell's is not recorded."""
         root = B.kernels_root(self.baselines_root, result.record)
         if j.loaded_state_only:
