@@ -69,7 +69,7 @@ from harness.files import Written
 from harness.gate import LoadGate
 from harness.fixtures import benchmark, cache
 from harness.layout import Layout, default_results_dir, group_key
-from harness.matrix import CPU_TIERS, ENGINES, Cell, Matrix, expand
+from harness.matrix import CPU_TIERS, ENGINES, TIERS, Cell, Matrix, expand
 from harness.noise import NoiseError
 from harness.registry import fuses_shards
 from harness.sequences import ScoredSequences
@@ -147,9 +147,9 @@ class Runner:
         self.groups: dict[str, list[Cell]] = {}
         for c in self.cells:
             self.groups.setdefault(group_key(c), []).append(c)
-        # every engine of a group in the matrix (selected or not), for baseline-derived sequences
+        # every engine of a group in the matrix (selected or not, on-demand tiers too), for baseline-derived sequences
         matrix_cells: dict[str, list[Cell]] = {}
-        for c in sorted(expand(matrix), key=_engine_order):
+        for c in sorted(expand(matrix, tier=TIERS), key=_engine_order):
             matrix_cells.setdefault(group_key(c), []).append(c)
         self.sequences = ScoredSequences(self.baselines_root, matrix_cells, self.layout.sequences, self._compute_sequences)
 

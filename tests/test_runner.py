@@ -236,6 +236,27 @@ def test_a_cell_run_alone_scores_the_same_sequence(generated, tmp_path, capsys):
     assert "computing the scored sequences of whisper.bnb-nf4 with the reference engine" in out
 
 
+def test_a_cell_of_a_tier_run_only_by_name_scores_its_baselines_sequence(tmp_path):
+    """vLLM's cpu-load cell selected alone scores the tokens its group's committed baselines scored,
+    as every cell does (harness.sequences, rule 1): not its own greedy continuation, which the bnb
+    plugin's bfloat16 moves off the reference's within a few steps, so that every scored token and
+    logprob would then read as a regression against the baseline."""
+    from harness import baselines, matrix
+
+    m = matrix.load(ROOT / "models.yaml")
+    [cell] = [c for c in m.cells(tier="cpu-load", engines=["vllm"]) if c.scheme == "bnb-nf4"]
+    r = runner.Runner(m, [cell], results=tmp_path / "r", baselines_root=ROOT / "baselines")
+
+    def compute(cells, path):
+        raise AssertionError(f"the continuation of {cells[0].id} computed, though its baselines hold one")
+
+    r.sequences.compute = compute
+    tokens, source = r.sequences.get(runner.group_key(cell), [cell])
+    reference = baselines.read(ROOT / "baselines", "cpu-load", "llama-m-bnb-nf4.bnb-nf4.reference")
+    assert source.startswith("baseline llama-m-bnb-nf4.bnb-nf4.reference")
+    assert tokens == {s.prompt.id: s.scored.tokens for s in reference.record_sequences()}
+
+
 def test_pytest_runs_cells_under_xdist(generated, tmp_path):
     baselines = copy_baselines(generated, tmp_path)
     proc = subprocess.run(
