@@ -1,16 +1,13 @@
 """The comparison rules (docs/design.md, "Comparison rules"). Pure functions on records.
 
 Checks (each a records.Check named ``<kind>:<against>``):
-- ``teacher-forced``: the main check. Both runs scored the same token sequence; |Δlogprob| of the
-  scored token is bounded at every position, and |Δlogprob| over the top-k ids both runs share.
-  Reports max |Δ|, the worst position and |Δ| per position (for the report's chart).
-- ``scored-tokens``: a distinct failure when the runs scored different sequences, which makes the
-  teacher-forced comparison meaningless.
-- ``greedy``: vLLM's check_logprobs_close rule. At the first step where the greedy tokens differ,
-  each run's token must be in the other run's top-k. Reports that first divergence.
+- ``teacher-forced``: the main check. On the same scored sequence, |Δlogprob| of the scored token
+  and over the shared top-k ids, bounded at every position; max |Δ|, worst position, per position.
+- ``scored-tokens``: the runs scored different sequences (teacher-forced then means nothing).
+- ``greedy``: vLLM's check_logprobs_close rule: where the greedy tokens first differ, each run's
+  token must be in the other run's top-k.
 - ``prompts``: both runs have the same prompt ids.
-- ``load-time``: the load-time ratio obtained / baseline, calibrated by the in-run calibration
-  workload where both runs measured it.
+- ``load-time``: the load-time ratio, calibrated where both runs measured the calibration.
 - ``module-diff``: vLLM's module-level conformance (from the record).
 - ``input-sensitivity``: a multimodal record's output against a second image or audio input,
   which must differ by more than the noise (docs/design.md, "Input sensitivity"; no baseline).
@@ -309,9 +306,13 @@ def check_greedy(expected: Sequence[SequenceResult], obtained: Sequence[Sequence
     return Check(name=f"greedy:{against}", ok=True, detail=detail, data={"divergences": divergences})
 
 
+SEQUENCE_CHECKS = ("prompts", "scored-tokens", "teacher-forced", "greedy")
+
+
 def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], bounds: Bounds, *,
                       against: str, noise: Noise | None = None) -> list[Check]:
-    """All sequence checks of ``obtained`` against ``expected`` (a baseline or another engine)."""
+    """All sequence checks of ``obtained`` against ``expected`` (a baseline or another engine): of
+    SEQUENCE_CHECKS, those that apply."""
     checks: list[Check] = []
     p = check_prompts(expected, obtained, against=against)
     if p is not None:

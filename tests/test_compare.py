@@ -300,6 +300,31 @@ def test_unexpected_pass():
     assert judging.verdict(record(), baseline(), bounds=BOUNDS, known_failures=[kf(versions="<0.32")]).verdict == "pass"
 
 
+def test_a_known_failure_about_an_engine_that_did_not_run_is_judged_by_the_baseline_that_records_it():
+    """`harness run -k vllm`: the reference did not run, so a known failure about vLLM's comparison
+    with it can neither show nor be refuted; the cell held its baseline, which records that
+    behaviour, so it stays waived, and says which engine to run. Run with the reference, a known
+    failure that no longer shows is an unexpected pass."""
+    about_the_reference = kf(pattern="^(teacher-forced|greedy):reference")
+    native = record(engine_info=INFO.model_copy(update={"cpu": XEON}))
+    j = judging.verdict(native, baseline(native), bounds=BOUNDS, known_failures=[about_the_reference])
+    assert j.verdict == "waived" and j.known_failure is about_the_reference
+    assert "reference, which did not run here" in j.reason and "run the reference" in j.reason
+    reference = record(engine="reference", engine_info=native.engine_info.model_copy(update={"name": "reference"}))
+    agreeing = C.cross_engine(native, [reference], BOUNDS)
+    assert agreeing and all(c.ok for c in agreeing)
+    j = judging.verdict(native, baseline(native), bounds=BOUNDS, known_failures=[about_the_reference],
+                        cross_engine_checks=agreeing)
+    assert j.verdict == "unexpected-pass"
+    # a known failure about the cell's own load is refuted by a run of its engine alone
+    own_error = kf(pattern="KeyError: .*k_scale")
+    assert judging.verdict(native, baseline(native), bounds=BOUNDS, known_failures=[own_error]).verdict == "unexpected-pass"
+    # and the baseline still holds the cell: moved from it, it is regressed
+    moved = native.model_copy(update={"sequences": [seq(lps=(-1.0, -2.5, -0.5))]})
+    j = judging.verdict(moved, baseline(native), bounds=BOUNDS, known_failures=[about_the_reference])
+    assert j.verdict == "regressed"
+
+
 def _load(seconds):
     return R.LoadInfo(seconds=seconds, phases={"read": seconds / 2})
 

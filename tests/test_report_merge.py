@@ -124,3 +124,26 @@ def test_a_disagreement_met_at_merge_is_waived_only_where_the_cell_held_its_base
     vllm = m.current["llama.bnb-nf4-skip-ambiguous.vllm"].record
     assert any(c.name == "teacher-forced:reference" and not c.ok for c in vllm.checks)
     assert vllm.verdict == expected
+
+
+@pytest.mark.parametrize("reference, expected", [("pass", "unexpected-pass"), ("regressed", "waived")])
+def test_a_known_failure_about_the_reference_is_decided_where_the_merge_meets_it(tmp_path, reference, expected):
+    """On Buildkite vLLM's step runs without the reference (another environment), so its bnb cell
+    is waived by a known failure about that comparison, which it can neither show nor refute there
+    (harness.judging). The merge meets the reference: agreeing with it, the known failure no longer
+    shows, an unexpected pass; disagreeing, the cell stays waived."""
+    cid = "llama.bnb-nf4.vllm"
+    alike = _as_vllm(rs.build("llama.bnb-nf4.reference", "pass", started=T1))
+    step = rs.judged(cid, alike, alike, known=rs.CELLS[cid].known_failures)
+    assert step.verdict == "waived" and "did not run here" in step.verdict_reason
+    d = tmp_path / "results"
+    rs.write(d, {"llama.bnb-nf4.reference": reference}, started=T1)
+    save(d / f"{cid}.json", step)
+    m = load_results([d])
+    cross_check(m, mx.load())
+    vllm = m.current[cid].record
+    assert vllm.verdict == expected
+    assert all(c.ok for c in vllm.checks) == (expected == "unexpected-pass")
+    if expected == "unexpected-pass":
+        assert "remove or narrow it in models.yaml" in vllm.verdict_reason
+        assert m.notes == [f"{cid} ({d}): waived -> unexpected-pass: the reference agrees"]

@@ -208,11 +208,22 @@ def _cross_check(entry: Entry, others: list[Record], cell, known, merged: Merged
     j = None
     if failing_new and rec.verdict is not None and verdicts.row(rec.verdict).has_results:
         j = compare.disagreement(rec, checks, cell.known_failures)
+    elif rec.verdict == "waived" and rec.known_failure is not None and all(c.ok for c in checks):
+        j = _shown_no_longer(rec, checks, new)
     if j is None or (j.verdict == "waived" and not _held_its_baseline(rec)):
         # a known failure excuses a disagreement only as far as the cell's recorded behaviour (harness.judging)
         entry.record = rec.model_copy(update={"checks": checks})
         return
     j.reason += MERGED
     entry.record = j.apply(rec)
-    merged.notes.append(f"{rec.cell} ({entry.source}): {rec.verdict} -> {j.verdict}: engines disagree "
-                        f"({', '.join(c.name for c in failing_new)})")
+    why = f"engines disagree ({', '.join(c.name for c in failing_new)})" if failing_new else j.reason.partition(": ")[0]
+    merged.notes.append(f"{rec.cell} ({entry.source}): {rec.verdict} -> {j.verdict}: {why}")
+
+
+def _shown_no_longer(rec: Record, checks: list, new: list) -> compare.Judgement:
+    """A record waived with every check holding was waived for want of the engine its known failure
+    compares it with, which its run did not hold (harness.judging): here that engine agrees."""
+    k = rec.known_failure
+    engines = ", ".join(sorted({c.name.partition(":")[2] for c in new}))
+    return compare.Judgement("unexpected-pass", f"the {engines} agrees: known failure {k.pattern!r} ({k.engine} "
+                             f"{k.versions}) no longer shows; remove or narrow it in models.yaml", checks, k)
