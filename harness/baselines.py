@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, Literal, NamedTuple, TypeVar
 
@@ -300,6 +300,25 @@ def _on_this_cpu(root: str | Path, tier: str, cell_id: str, mine: dict | None) -
         return None
     _, kernels, candidate = min(found, key=lambda f: f[:2])
     return candidate, kernels
+
+
+def loads_of_another_cpu(root: str | Path, cells: Sequence, mine: dict) -> str | None:
+    """One line naming the gated ``cells`` whose load time has a baseline only from another kind of
+    CPU than ``mine`` (harness.cpu.describe), which vLLM's loads do not carry (docs/design.md,
+    "Load-time baselines per kind of CPU"), and how to record this kind's; None where there are none."""
+    def of_another(cell) -> bool:
+        stored = read(root, cell.tier, cell.id)
+        return (stored is not None and not cpu.same_cpu(mine, _cpu_of(stored))
+                and _on_this_cpu(root, cell.tier, cell.id, mine) is None)
+
+    foreign = [c for c in cells if of_another(c)]
+    if not foreign:
+        return None
+    tiers = ",".join(sorted({c.tier for c in foreign}))
+    return (f"{len(foreign)} gated cell(s) have no load-time baseline recorded on this kind of CPU ({mine.get('model')}): "
+            f"{', '.join(c.id for c in foreign)}; they are judged against another kind's, which vLLM's loads do not "
+            f"carry (docs/design.md, \"Load-time baselines per kind of CPU\"): harness run --tier {tiers} "
+            "--update-kernel-baselines records this kind's once, and --candidate times a build against the pinned one here")
 
 
 def _cpu_of_record(record: Record) -> dict | None:

@@ -152,6 +152,14 @@ def _run(args) -> int:
             " (updating this machine's kernel baselines)" if args.update_kernel_baselines else "")
     progress.echo(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
                   f"jobs {args.jobs}{mode}; results in {results}")
+    gated = [c for c in cells if c.gate_load_time and c.tier in matrix.CPU_TIERS]
+    if gated and not args.update_kernel_baselines:
+        # lazy: loaded with harness.runner above: no cost here
+        from harness import baselines, cpu
+
+        foreign = baselines.loads_of_another_cpu(args.baselines, gated, cpu.describe())
+        if foreign:
+            progress.echo(foreign)
     return _run_interruptibly(args, m, cells, r, progress, results)
 
 

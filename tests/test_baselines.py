@@ -353,3 +353,20 @@ def test_a_load_is_judged_against_this_cpus_own_under_any_kernel_condition(tmp_p
     assert B.load_baseline_for(tmp_path, on_xeon, own) == (own, None)
     (tmp_path / TIER / f"{CELL}.json").unlink()  # no baseline of its own: this CPU's is the whole baseline
     assert B.read_for(tmp_path, here) == (B.read(lowered, TIER, CELL), lowered)
+
+
+def test_a_run_says_once_which_gated_loads_have_no_baseline_of_this_kind_of_cpu(tmp_path):
+    """Before a gated run times anything: the cells whose load time can only be judged against a
+    baseline recorded on another kind of CPU, which vLLM's loads do not carry (docs/design.md,
+    "Load-time baselines per kind of CPU"), in one line that says how to record this kind's."""
+    xeon, epyc = (_on(m).cpu.model_dump() for m in ("Intel Xeon", "AMD EPYC"))
+    cells = [M.Cell.model_construct(id=CELL, tier=TIER), M.Cell.model_construct(id="other.cell.vllm", tier=TIER)]
+    B.update(tmp_path, record(verdict="pass", engine_info=_on("Intel Xeon")), commit="abc")
+    assert B.loads_of_another_cpu(tmp_path, cells, xeon) is None  # and one with no baseline says so itself
+    line = B.loads_of_another_cpu(tmp_path, cells, epyc)
+    assert line.startswith(f"1 gated cell(s) have no load-time baseline recorded on this kind of CPU (AMD EPYC): {CELL}")
+    assert "harness run --tier cpu-tiny --update-kernel-baselines" in line
+    under_avx2 = _on("AMD EPYC", "avx2")
+    B.update(B.kernels_root(tmp_path, record(engine_info=under_avx2)), record(verdict="pass", engine_info=under_avx2),
+             commit="abc")
+    assert B.loads_of_another_cpu(tmp_path, cells, epyc) is None  # this kind's, under any kernel condition
