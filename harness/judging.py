@@ -235,9 +235,9 @@ def _unexpected_pass(case: _Case) -> Judgement | None:
                          "other kernels, not on these", case.checks, loaded_state_only=True)
     absent = _compared_with_absent_engine(k, record, case.cross_engine_checks)
     if absent:
-        return Judgement("waived", f"the {absent} did not run here, so known failure {k.pattern!r} ({k.engine} "
-                         f"{k.versions}), about the comparison with it, can neither show nor be refuted; matches its "
-                         f"baseline, which records that behaviour (run the {absent} too to decide it)", case.checks, k)
+        return Judgement("waived", f"no comparison with the {absent} ran here, so known failure {k.pattern!r} "
+                         f"({k.engine} {k.versions}), about it, can neither show nor be refuted; matches its baseline, "
+                         f"which records that behaviour (run the {absent} too to decide it)", case.checks, k)
     return Judgement("unexpected-pass", f"passes, but a known failure covers {record.engine} "
                      f"{record.engine_info.version}: {k.reason}; remove or narrow it in models.yaml", case.checks, k)
 
