@@ -306,12 +306,8 @@ def loads_of_another_cpu(root: str | Path, cells: Sequence, mine: dict) -> str |
     """One line naming the gated ``cells`` whose load time has a baseline only from another kind of
     CPU than ``mine`` (harness.cpu.describe), which vLLM's loads do not carry (docs/design.md,
     "Load-time baselines per kind of CPU"), and how to record this kind's; None where there are none."""
-    def of_another(cell) -> bool:
-        stored = read(root, cell.tier, cell.id)
-        return (stored is not None and not cpu.same_cpu(mine, _cpu_of(stored))
-                and _on_this_cpu(root, cell.tier, cell.id, mine) is None)
-
-    foreign = [c for c in cells if of_another(c)]
+    judged_by = {c.id: load_baseline_here(root, c.tier, c.id, mine) for c in cells}
+    foreign = [c for c in cells if judged_by[c.id] is not None and not cpu.same_cpu(mine, _cpu_of(judged_by[c.id]))]
     if not foreign:
         return None
     tiers = ",".join(sorted({c.tier for c in foreign}))

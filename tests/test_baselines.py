@@ -359,7 +359,8 @@ def test_a_run_says_once_which_gated_loads_have_no_baseline_of_this_kind_of_cpu(
     """Before a gated run times anything: the cells whose load time can only be judged against a
     baseline recorded on another kind of CPU, which vLLM's loads do not carry (docs/design.md,
     "Load-time baselines per kind of CPU"), in one line that says how to record this kind's."""
-    xeon, epyc = (_on(m).cpu.model_dump() for m in ("Intel Xeon", "AMD EPYC"))
+    # as `harness run` describes its CPU: torch is not imported in the parent, so no capability
+    xeon, epyc = ({**_on(m).cpu.model_dump(), "capability": None} for m in ("Intel Xeon", "AMD EPYC"))
     cells = [M.Cell.model_construct(id=CELL, tier=TIER), M.Cell.model_construct(id="other.cell.vllm", tier=TIER)]
     B.update(tmp_path, record(verdict="pass", engine_info=_on("Intel Xeon")), commit="abc")
     assert B.loads_of_another_cpu(tmp_path, cells, xeon) is None  # and one with no baseline says so itself
