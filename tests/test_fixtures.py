@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import harness.fixtures as F
+from harness import cpu
 from harness.fixtures import cache as C
 from harness.fixtures import models as M
 from harness.fixtures.identity import load_bin, read_safetensors_header
@@ -393,6 +394,66 @@ def test_identity_of_bin(built):
     p = built["llama-torchao-int8wo-bin"]
     assert F.identity(p) == F.manifest(p)["identity"]
     assert F.identity(p) != F.identity(built["llama-torchao-int8wo"])
+
+
+# ---------------------------------------------------------------- identity under other kernels
+
+# The fixtures whose production runs float32 torch arithmetic that torch's kernels round differently:
+# bitsandbytes' double quant (its dynamic map, from torch.linspace: bnb_double_quant.bnb_double_quant_map)
+# and static FP8 (scales calibrated from forward passes: producers.calibrate_min_max). The other
+# producers store what exactly rounded elementwise ops, min and max give: measured stable under
+# every condition.
+KERNEL_SENSITIVE = [n for n in F.names() if F.spec(n).scheme in ("bnb-nf4-dq", "fp8-static-kv")]
+
+
+@pytest.fixture(scope="module")
+def native_identities(cache_dir) -> dict[str, str]:
+    return {name: F.identity(F.build(name)) for name in KERNEL_SENSITIVE}
+
+
+def test_kernel_sensitive_fixtures_build_as_the_committed_baselines_recorded_them(native_identities):
+    """The committed baselines' ``fixture.identity`` of each kernel-sensitive fixture is what this
+    machine builds (each fixture's cells would be ``stale-baseline`` otherwise)."""
+    committed: dict[str, set[str]] = {}
+    for path in (REPO / "baselines").rglob("*.json"):
+        data = json.loads(path.read_text())
+        if path.name.endswith(".obtained.json") or not isinstance(data, dict):
+            continue  # a run's obtained result beside its baseline, or not a baseline
+        fixture = data.get("fixture") or {}
+        if fixture.get("name") in native_identities:
+            committed.setdefault(fixture["name"], set()).add(fixture["identity"])
+    assert committed == {name: {ident} for name, ident in native_identities.items()}
+
+
+@pytest.mark.parametrize("condition", sorted(cpu.KERNEL_CONDITIONS))
+def test_kernel_sensitive_fixtures_build_with_one_identity_under_every_kernel_condition(
+        tmp_path, native_identities, condition):
+    """Built in a child under each kernel condition this machine can set (a lowered torch capability,
+    the libraries' AVX2 paths, both at AVX2), every kernel-sensitive fixture has its native identity."""
+    env = {**cpu.condition_env(cpu.KERNEL_CONDITIONS[condition]), "HARNESS_FIXTURE_CACHE": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "harness.fixtures", "build", *KERNEL_SENSITIVE], env=env, cwd=REPO,
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    paths = [Path(line) for line in p.stdout.split()]
+    assert len(paths) == len(KERNEL_SENSITIVE), p.stdout
+    built_here = {name: F.identity(path) for name, path in zip(KERNEL_SENSITIVE, paths)}
+    assert {n: i for n, i in built_here.items() if i != native_identities[n]} == {}
+
+
+def test_the_double_quant_map_is_bitsandbytes_own_on_avx2_and_avx512():
+    """bnb_double_quant.bnb_dynamic_map is what bitsandbytes' create_dynamic_map gives on torch's AVX2
+    and AVX-512 kernels, and bnb_double_quant.linspace_fused is their torch.linspace."""
+    import torch
+    from bitsandbytes.functional import create_dynamic_map
+
+    from harness.fixtures import bnb_double_quant as B
+
+    if torch.backends.cpu.get_cpu_capability().lower() == "default":
+        pytest.skip("torch runs its default kernels here: compared under the kernel conditions above")
+    assert torch.equal(B.bnb_dynamic_map(), create_dynamic_map())
+    for start, end in ((0.1, 1.0), (-2.5, 3.0), (1.0, -0.3)):
+        for steps in range(1, 300):
+            assert torch.equal(B.linspace_fused(start, end, steps), torch.linspace(start, end, steps)), (start, end, steps)
 
 
 REBUILD = ("llama-bnb-nf4-dq", "whisper-fp8-static-kv", "llama-torchao-int8wo")
