@@ -15,11 +15,11 @@ environment, torch, platform, date, commit.
   format, so ``diff baselines/cpu-tiny/X.json baselines/cpu-tiny/X.obtained.json`` shows it.
   Obtained files are git-ignored.
 - ``kernels_root(root, record)``: the root of the baselines recorded for one set of kernels,
-  ``<root>/kernels/<kernel set>/``, laid out as ``<root>`` is. A cell whose known failure's
-  behaviour no noise model carries across kernels (bfloat16 matmuls, cascading FP8 rounding flips)
-  is held to its loaded state alone against a baseline from other kernels; ``read_for(root,
-  record)`` gives the baseline recorded for the record's own kernels instead where ``harness run
-  --update-kernel-baselines`` wrote one (docs/design.md, "Verdicts").
+  ``<root>/kernels/<kernel set>/``, laid out as ``<root>`` is. A cell whose computation does not
+  carry across kernels (FP8 activations, bfloat16 matmuls) is judged by what carries against a
+  baseline from other kernels; ``read_for(root, record)`` gives the baseline recorded for the
+  record's own kernels instead where ``harness run --update-kernel-baselines`` wrote one
+  (docs/design.md, "Portability across CPUs").
 - ``load_baseline_for(root, record, baseline)``: the baseline a load time is judged against, one
   recorded on the record's kind of CPU under any kernel condition before one from another CPU
   (docs/design.md, "Load-time baselines per kind of CPU"); ``load_baseline_here`` the same for a CPU description
@@ -37,7 +37,6 @@ from typing import ClassVar, Literal, NamedTuple, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from harness import cpu, files, store, verdicts
-from harness.noise import Noise, NoiseError
 from harness.records import (
     CpuInfo,
     FixtureRef,
@@ -155,7 +154,6 @@ class Baseline(_Strict):
     fixture: FixtureRef | None = None
     source: SourceRef | None = None
     load: LoadInfo | None = None
-    noise: Noise | None = None  # measured when the baseline was written (harness.noise)
     sequences: list[BaselineSequence]
     fingerprint: Fingerprint | None = None  # the module trace's fingerprint (harness.traces.fingerprint)
     loaded_state: dict[str, str] | None = None  # module -> digest of what was loaded (harness.loaded_state)
@@ -208,6 +206,12 @@ def other_kernels(record: Record, baseline: Baseline) -> bool:
     """Whether the record ran on other kernels than the baseline (another CPU, another torch
     capability, a kernel-restricting variable: harness.cpu.same_kernels)."""
     return not cpu.same_kernels(_cpu_of_record(record), _cpu_of(baseline))
+
+
+def kernel_set_of(baseline) -> str:
+    """The name of the kernels a baseline (logprob or accuracy) was recorded on (harness.cpu.kernel_set)."""
+    mine = _cpu_of(baseline)
+    return cpu.kernel_set(mine) if mine else "an unknown CPU"
 
 
 def kernels_root(root: str | Path, record: Record) -> Path | None:
@@ -498,8 +502,7 @@ def _loaded_state_change(old: dict[str, str] | None, new: dict[str, str]) -> str
     return f"loaded state changed in {len(changed)} module(s), first {changed[0]}"
 
 
-def update(root: str | Path, record: Record, verdict: str | None = None, *, commit: str | None = None,
-           noise: Noise | None = None) -> Change:
+def update(root: str | Path, record: Record, verdict: str | None = None, *, commit: str | None = None) -> Change:
     """Store ``record`` as its cell's baseline and return what changed.
 
     ``verdict`` defaults to ``record.verdict``; a record that was never judged, or whose verdict
@@ -518,7 +521,6 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
     else:
         unreadable = None
     new = Baseline.from_record(record, commit=commit if commit is not None else git_commit())
-    new.noise = noise
     messages, material = describe_changes(old, new)
     if old is not None and old.fingerprint is not None:
         if old.sequences == new.sequences:
@@ -527,9 +529,6 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
             messages.append("trace fingerprint dropped: the results changed (harness run --update-fingerprints adds it again)")
     if old is not None and old.loaded_state != new.loaded_state and new.loaded_state is not None:
         messages.append(_loaded_state_change(old.loaded_state, new.loaded_state))
-        material = True
-    if old is not None and old.noise != noise:
-        messages.append("measured noise recorded" if old.noise is None else "measured noise changed")
         material = True
     if unreadable:
         messages.insert(0, f"old baseline unreadable, replaced: {unreadable}")
@@ -546,43 +545,25 @@ def set_fingerprint(root: str | Path, tier: str, cell_id: str, fingerprint: Fing
                          f" ({len(fingerprint.modules)} modules)")
 
 
-def set_noise(root: str | Path, tier: str, cell_id: str, noise: Noise) -> str:
-    """Store ``noise`` in the cell's existing baseline, nothing else of the file changed
-    (``harness run --update-noise``); returns what was done, one line."""
-    return _set_measured(root, tier, cell_id, "noise", noise, "measured noise", f" (kernels {', '.join(noise.kernels)})")
-
-
 def _set_measured(root: str | Path, tier: str, cell_id: str, field: str, value, what: str, detail: str) -> str:
-    baseline = read(root, tier, cell_id)
     path = path_for(root, tier, cell_id)
-    if baseline is None:
-        return f"{path}: no baseline, no {what} written"
-    if getattr(baseline, field) == value:
-        return f"{path}: {what} unchanged"
-    kind = "added" if getattr(baseline, field) is None else "refreshed"
-    setattr(baseline, field, value)
-    atomic_write_text(path, baseline.to_text())
+    with store.locked(path):  # read, change, write: another run's update between would be lost
+        baseline = read(root, tier, cell_id)
+        if baseline is None:
+            return f"{path}: no baseline, no {what} written"
+        if getattr(baseline, field) == value:
+            return f"{path}: {what} unchanged"
+        kind = "added" if getattr(baseline, field) is None else "refreshed"
+        setattr(baseline, field, value)
+        atomic_write_text(path, baseline.to_text())
     return f"{path}: {what} {kind}{detail}"
 
 
-def handle(root: str | Path, record: Record, *, update_baselines: bool = False,
-           measure_noise: Callable[[Record], Noise | None] | None = None) -> Outcome:
+def handle(root: str | Path, record: Record, *, update_baselines: bool = False) -> Outcome:
     """The step after a verdict, for the CLI and the pytest plugin (harness.store.handle): with
-    ``update_baselines``, update with the noise ``measure_noise`` gives for the record (a refusal
-    is returned, not raised); otherwise write the obtained file when the record is ok and its
-    verdict is a mismatch, and clear a stale obtained file on pass."""
-
-    def regenerate() -> Change:
-        noise, problem = None, None
-        try:
-            noise = measure_noise(record) if measure_noise else None
-        except NoiseError as e:
-            problem = f"noise not measured, so another CPU is judged by the family bound alone: {e}"
-        change = update(root, record, noise=noise)
-        if problem:
-            change.messages.append(problem)
-        return change
-
+    ``update_baselines``, update (a refusal is returned, not raised); otherwise write the obtained
+    file when the record is ok and its verdict is a mismatch, and clear a stale obtained file on
+    pass."""
     # a refused result is kept beside the baseline, so that what was refused can be diffed
-    return store.handle(Baseline, root, record, update_baselines=update_baselines, regenerate=regenerate,
-                        obtained_when_refused=True)
+    return store.handle(Baseline, root, record, update_baselines=update_baselines,
+                        regenerate=lambda: update(root, record), obtained_when_refused=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from harness import candidates as K
-from harness import judging, runner, terminal
+from harness import judging, runner, runs, terminal
 from harness import records as R
 from harness.errors import UsageError
 from harness.matrix import Cell, Matrix
@@ -156,11 +156,17 @@ def run(args: argparse.Namespace, matrix: Matrix, cells: list[Cell]) -> int:
         specs = released_versions(args.good, args.bad)
     else:
         raise UsageError("give --good SPEC and --bad SPEC, or --versions SPEC[,SPEC]")
-    results = Path(args.results or runner.default_results_dir(prefix="bisect-"))
-    echo = lambda line: print(line, flush=True)  # noqa: E731
-    echo(f"harness bisect: {len(specs)} {engine} builds x {len(ids)} cells; results in {results}")
-    builds = bisect(matrix, cells, engine, specs, results=results, baselines=Path(args.baselines),
-                    matrix_path=args.matrix, echo=echo)
-    echo("\n" + table(builds, ids))
-    echo(f"report: {write_report(builds, ids, results)}")
+    # the whole bisect is one run: every build's records go to the one directory it owns
+    run = runs.Run.new(f"harness bisect {engine}")
+    results = runs.create(run, prefix="bisect-") if args.results is None else Path(args.results)
+    runs.claim(results, run)
+    try:
+        echo = lambda line: print(line, flush=True)  # noqa: E731
+        echo(f"harness bisect: {len(specs)} {engine} builds x {len(ids)} cells; results in {results}")
+        builds = bisect(matrix, cells, engine, specs, results=results, baselines=Path(args.baselines),
+                        matrix_path=args.matrix, echo=echo)
+        echo("\n" + table(builds, ids))
+        echo(f"report: {write_report(builds, ids, results)}")
+    finally:
+        runs.release(results)
     return 0

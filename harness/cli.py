@@ -127,12 +127,33 @@ def _run(args) -> int:
         from harness import dryrun
 
         return dryrun.report(m, cells, matrix_path=args.matrix, baselines_root=args.baselines, tier=args.tier)
-    results = Path(args.results or runner.default_results_dir())
+    # lazy: loaded with harness.runner above: no cost here
+    from harness import runs
+
+    # the run owns its results directory: a default one is made for it alone, a given one is claimed
+    # once its writes are checked (docs/design.md, "Runs side by side")
+    run = runs.Run.new("harness run" + (f" -k {args.k!r}" if args.k else ""))
+    existed = args.results is not None and os.path.lexists(args.results)
+    results = Path(args.results) if args.results else runs.create(run)
+    try:
+        return _run_owned(args, m, cells, run, results)
+    except BaseException:
+        if not existed:  # refused or interrupted before writing: no empty directory left behind
+            runs.discard_if_unused(results, run)
+        raise
+    finally:
+        runs.release(results)
+
+
+def _run_owned(args, m, cells, run, results: Path) -> int:
+    # lazy: loaded by _run: no cost here
+    from harness import matrix, runner, runs
+
     candidates = _candidates(args, cells)
     r = runner.Runner(m, cells, results=results, baselines_root=args.baselines, update_baselines=args.update_baselines,
                       matrix_path=args.matrix, trace=args.trace, update_fingerprints=args.update_fingerprints,
                       candidates=candidates, update_kernel_baselines=args.update_kernel_baselines,
-                      update_noise=args.update_noise, **({"later_look_s": args.later_look} if args.later_look is not None else {}))
+                      **({"later_look_s": args.later_look} if args.later_look is not None else {}))
     # every path the run writes, checked before anything is built or run (docs/design.md, "Bad input and faults")
     # lazy: pydantic, +150 ms (scripts/import-graph --costs)
     from harness.report import report_files
@@ -140,6 +161,7 @@ def _run(args) -> int:
     problem = files.write_problem([*r.writes(), *(files.Written(p, "--results", True) for p in report_files(r.layout.report()))])
     if problem:
         raise UsageError(problem)
+    runs.claim(results, run)  # another run's directory: refused here, before anything is built or runs
     # lazy: numpy, regex (loaded with harness.runner above: no cost here)
     from harness.fixtures import benchmark
 
@@ -334,12 +356,14 @@ def _seconds(text: str) -> float:
 def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run the selected cells, judge them and write result records")
     _add_selection(run)
-    run.add_argument("--results", metavar="DIR", help="results directory (default: results/<UTC timestamp>)")
+    run.add_argument("--results", metavar="DIR", help="results directory, new or empty: the run owns it, and another "
+                                                      "run's is refused (default: a new results/<UTC timestamp>)")
     run.add_argument("--update-baselines", action="store_true",
                      help="write the baselines of cells that may become one (never failed/error/unsupported)")
     run.add_argument("--update-kernel-baselines", action="store_true",
-                     help="write a baseline for this machine's kernels of each cell held to its loaded state alone "
-                          "(a known failure's behaviour recorded on other kernels) and of each load-time gated cell "
+                     help="write a baseline for this machine's kernels of each cell whose logprobs were not judged "
+                          "against a baseline from other kernels (its computation does not carry: FP8 activations, "
+                          "bfloat16) and of each load-time gated cell "
                           "whose baseline is from other kernels or missing, under <baselines>/kernels/; nothing else "
                           "is written")
     run.add_argument("--trace", action="store_true",
@@ -348,9 +372,6 @@ def _add_run(sub) -> None:
     run.add_argument("--update-fingerprints", action="store_true",
                      help="add or refresh the trace fingerprint of the baseline of each cell that passes against it on "
                           "that baseline's kernels (nothing else of the baseline changes)")
-    run.add_argument("--update-noise", action="store_true",
-                     help="measure again, as the noise is measured now, the noise of the baseline of each cell run on "
-                          "that baseline's kernels and scoring its sequences (nothing else of the baseline changes)")
     run.add_argument("--baselines", metavar="DIR", default=None,
                      help="baselines root (default: baselines/ of this checkout)")
     run.add_argument("--later-look", type=_seconds, default=None, metavar="SECONDS",

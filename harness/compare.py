@@ -33,7 +33,6 @@ from harness.records import (Check, KnownFailureRef, LoadInfo, Record, SequenceR
 
 if TYPE_CHECKING:
     from harness.baselines import Baseline
-    from harness.noise import Noise
     from harness.matrix import Bounds
 
 
@@ -55,8 +54,8 @@ class Judgement:
     reason: str
     checks: list[Check] = field(default_factory=list)
     known_failure: KnownFailureLike | None = None
-    # Held to its baseline's loaded state alone: the baseline records a known failure's behaviour
-    # on other kernels (harness.judging, _Case.known_behaviour_elsewhere).
+    # Its logprobs against a baseline from other kernels were not judged (harness.judging,
+    # _Case.judges_logprobs): --update-kernel-baselines records one of these kernels for it.
     loaded_state_only: bool = False
 
     def apply(self, record: Record) -> Record:
@@ -112,19 +111,6 @@ def check_prompts(expected: Sequence[SequenceResult], obtained: Sequence[Sequenc
                  data={"missing": missing, "extra": extra})
 
 
-def _position_bounds(noise: Noise | None, prompt_id: str, n: int, logprob_bound: float,
-                     topk_bound: float) -> tuple[list[str], list[float], list[float]]:
-    """Per logprob index: how it is judged (``family`` or ``noise``) and the scored-token and top-k
-    bounds that apply. Past a prompt's fragile onset the measured noise bound applies, never less
-    than the family's (docs/design.md, "Portability across CPUs")."""
-    onset, after = noise.bounds_for(prompt_id) if noise is not None else (None, None)
-    if onset is None or after is None:
-        return ["family"] * n, [logprob_bound] * n, [topk_bound] * n
-    judged = ["family" if i < onset else "noise" for i in range(n)]
-    return (judged, [logprob_bound if j == "family" else max(logprob_bound, after) for j in judged],
-            [topk_bound if j == "family" else max(topk_bound, after) for j in judged])
-
-
 def _token_difference(pid: str, e: SequenceResult, o: SequenceResult, against: str) -> dict:
     et, ot = e.scored.tokens, o.scored.tokens
     pos = next((i for i, (x, y) in enumerate(zip(et, ot)) if x != y), min(len(et), len(ot)))
@@ -151,43 +137,37 @@ def _deltas(e: SequenceResult, o: SequenceResult) -> tuple[list[float], list[flo
 
 
 def check_teacher_forced(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], *,
-                         logprob_bound: float, topk_bound: float, against: str,
-                         noise: Noise | None = None) -> list[Check]:
+                         logprob_bound: float, topk_bound: float, against: str) -> list[Check]:
     """The teacher-forced check, plus a distinct ``scored-tokens`` failure for sequences whose
-    scored tokens differ (those are left out of the logprob comparison).
-
-    With ``noise`` (a baseline's measured noise, given only when the baseline comes from other
-    kernels), positions past each prompt's fragile onset are held to the noise-derived bound; the
-    check's data says which positions were judged how."""
+    scored tokens differ (those are left out of the logprob comparison)."""
     pairs, _, _ = _pair(expected, obtained)
     differing = [_token_difference(pid, e, o, against) for pid, e, o in pairs if e.scored.tokens != o.scored.tokens]
     same = [(pid, e, o) for pid, e, o in pairs if e.scored.tokens == o.scored.tokens]
     checks = [_scored_tokens_check(differing, against)] if differing else []
     if not same:
         return checks
-    positions = _judge_positions(same, noise, logprob_bound, topk_bound)
-    detail = _teacher_forced_detail(positions, against, logprob_bound, topk_bound, noise)
+    positions = _judge_positions(same, logprob_bound, topk_bound)
+    worst = positions.worst
+    where = f" at prompt {worst['prompt']} position {worst['position']} ({worst['what']})" if worst["prompt"] is not None else ""
+    detail = (f"max |Δlogprob| vs {against} {fmt(worst['delta'])}{where}; scored tokens {fmt(positions.worst_tok)} "
+              f"(bound {fmt(logprob_bound)}), shared top-k {fmt(positions.worst_topk)} (bound {fmt(topk_bound)})")
     checks.append(Check(
         name=f"teacher-forced:{against}",
-        ok=not positions.excess,
-        detail=detail if not positions.excess else "exceeds bound: " + detail,
-        data=_teacher_forced_data(positions, same, noise, logprob_bound, topk_bound),
+        ok=not positions.exceeding,
+        detail=detail if not positions.exceeding else "exceeds bound: " + detail,
+        data=_teacher_forced_data(positions, same, logprob_bound, topk_bound),
     ))
     return checks
 
 
 @dataclass
 class _JudgedPositions:
-    """The teacher-forced |Δ|s of the sequences that scored the same tokens, position by position,
-    and the bound each position was held to."""
+    """The teacher-forced |Δ|s of the sequences that scored the same tokens, position by position."""
 
     per_position: dict[str, list[float]] = field(default_factory=dict)
     topk_per_position: dict[str, list[float]] = field(default_factory=dict)
-    judged: dict[str, list[str]] = field(default_factory=dict)
-    noise_bound: dict[str, list[float | None]] = field(default_factory=dict)
     worst: dict = field(default_factory=lambda: {"delta": 0.0, "prompt": None, "position": None, "what": None})
-    # (|Δ| / bound, prompt, position, what, |Δ|, bound) where a position exceeds its bound
-    excess: list[tuple[float, str, int, str, float, float]] = field(default_factory=list)
+    exceeding: set[str] = field(default_factory=set)  # the prompts with a position over its bound
 
     @property
     def worst_tok(self) -> float:
@@ -197,51 +177,25 @@ class _JudgedPositions:
     def worst_topk(self) -> float:
         return max((x for deltas in self.topk_per_position.values() for x in deltas), default=0.0)
 
-    @property
-    def family_share(self) -> float:
-        positions = [j for labels in self.judged.values() for j in labels]
-        return positions.count("family") / len(positions) if positions else 1.0
 
-
-def _judge_positions(same: list[tuple[str, SequenceResult, SequenceResult]], noise: Noise | None,
+def _judge_positions(same: list[tuple[str, SequenceResult, SequenceResult]],
                      logprob_bound: float, topk_bound: float) -> _JudgedPositions:
     out = _JudgedPositions()
     for pid, e, o in same:
         tokens, topk = _deltas(e, o)
-        labels, tok_bounds, topk_bounds = _position_bounds(noise, pid, len(tokens), logprob_bound, topk_bound)
-        out.judged[pid] = labels
-        out.noise_bound[pid] = [b if j == "noise" else None for j, b in zip(labels, tok_bounds)]
         out.per_position[pid], out.topk_per_position[pid] = tokens, topk
         for i, cases in enumerate(zip((("token", d) for d in tokens), (("topk", d) for d in topk))):
             pos = i + 1  # logprobs[i] scores tokens[i + 1]
-            for (what, d), bound in zip(cases, (tok_bounds[i], topk_bounds[i])):
+            for (what, d), bound in zip(cases, (logprob_bound, topk_bound)):
                 if d > out.worst["delta"]:
                     out.worst = {"delta": d, "prompt": pid, "position": pos, "what": what}
                 if not d <= bound:
-                    out.excess.append((d / bound, pid, pos, what, d, bound))
+                    out.exceeding.add(pid)
     return out
 
 
-def _teacher_forced_detail(positions: _JudgedPositions, against: str, logprob_bound: float, topk_bound: float,
-                           noise: Noise | None) -> str:
-    worst = positions.worst
-    where = f" at prompt {worst['prompt']} position {worst['position']} ({worst['what']})" if worst["prompt"] is not None else ""
-    detail = (f"max |Δlogprob| vs {against} {fmt(worst['delta'])}{where}; scored tokens {fmt(positions.worst_tok)} "
-              f"(bound {fmt(logprob_bound)}), shared top-k {fmt(positions.worst_topk)} (bound {fmt(topk_bound)})")
-    if noise is None:
-        return detail
-    detail += (f"; {against} from other kernels: family bound on {positions.family_share:.0%} of positions, "
-               "the measured noise bound past each fragile onset")
-    if not positions.excess:
-        return detail
-    # The largest |Δ| may lie where the noise bound allows it; what failed is said first.
-    _, pid, pos, what, d, bound = max(positions.excess)
-    which = "the family bound, before the fragile onset" if positions.judged[pid][pos - 1] == "family" else "the noise bound"
-    return f"prompt {pid} position {pos} ({what}) {fmt(d)} against {fmt(bound)}, {which}; {detail}"
-
-
 def _teacher_forced_data(positions: _JudgedPositions, same: list[tuple[str, SequenceResult, SequenceResult]],
-                         noise: Noise | None, logprob_bound: float, topk_bound: float) -> dict:
+                         logprob_bound: float, topk_bound: float) -> dict:
     worst = positions.worst
     return {
         "max_abs_delta": _safe(worst["delta"]),
@@ -252,21 +206,12 @@ def _teacher_forced_data(positions: _JudgedPositions, same: list[tuple[str, Sequ
         "per_position": _safe_lists(positions.per_position),  # |Δ| of the scored token, index i = position i + 1
         "topk_per_position": _safe_lists(positions.topk_per_position),
         "prompt_len": {pid: len(e.prompt_tokens) for pid, e, _ in same},  # positions >= it are generated
-        "judged": positions.judged,  # per prompt and index: "family" or "noise" (the bound that applied)
-        "onsets": {pid: _onset_data(noise, pid) for pid in positions.judged},
-        "noise_bound": positions.noise_bound,  # the bound applied where judged "noise", else null
-        "family_share": positions.family_share,
-        "exceeding_prompts": sorted({x[1] for x in positions.excess}),
+        "exceeding_prompts": sorted(positions.exceeding),
     }
 
 
 def _safe_lists(values: dict[str, list[float]]) -> dict[str, list[float | None]]:
     return {k: [_safe(x) for x in v] for k, v in values.items()}
-
-
-def _onset_data(noise: Noise | None, prompt_id: str) -> dict | None:
-    p = noise.prompts.get(prompt_id) if noise is not None else None
-    return p.onset.model_dump() if p is not None and p.onset is not None else None
 
 
 def check_greedy(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], *, against: str) -> Check | None:
@@ -310,7 +255,7 @@ SEQUENCE_CHECKS = ("prompts", "scored-tokens", "teacher-forced", "greedy")
 
 
 def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], bounds: Bounds, *,
-                      against: str, noise: Noise | None = None) -> list[Check]:
+                      against: str) -> list[Check]:
     """All sequence checks of ``obtained`` against ``expected`` (a baseline or another engine): of
     SEQUENCE_CHECKS, those that apply."""
     checks: list[Check] = []
@@ -318,7 +263,7 @@ def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[Seq
     if p is not None:
         checks.append(p)
     checks += check_teacher_forced(expected, obtained, logprob_bound=bounds.logprob, topk_bound=bounds.topk,
-                                   against=against, noise=noise)
+                                   against=against)
     g = check_greedy(expected, obtained, against=against)
     if g is not None:
         checks.append(g)
@@ -500,33 +445,28 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
-def check_input_sensitivity(record: Record, bound: float, noise: Noise | None = None) -> Check | None:
+def check_input_sensitivity(record: Record, bound: float) -> Check | None:
     """``input-sensitivity:contrast``, for a record that scored its image or audio prompts with a
     second input (harness.engines.execute.input_sensitivity): at the first positions after the
-    input, max |Δlogprob| must exceed the cell's noise, the family ``bound`` or, where ``noise``
-    (a baseline's, from other kernels) is given, its measured noise there if larger; Mllama's
-    cross-attention gates must be non-zero. A prompt whose logprobs are NaN is left out (other
-    checks judge NaN); None for a record without such prompts. Needs no baseline (docs/design.md,
-    "Input sensitivity")."""
+    input, max |Δlogprob| must exceed the cell's family ``bound`` (both scorings ran on the same
+    kernels, in one child); Mllama's cross-attention gates must be non-zero. A prompt whose
+    logprobs are NaN is left out (other checks judge NaN); None for a record without such prompts.
+    Needs no baseline (docs/design.md, "Input sensitivity")."""
     s = record.input_sensitivity
     prompts = [p for p in s.prompts if not math.isnan(p.max_delta)] if s is not None else []
     if not prompts:
         return None
-    deltas, noises = {}, {}
-    for p in prompts:
-        measured = noise.prompts.get(p.prompt) if noise is not None else None
-        at = measured.logprob_noise[p.first:p.first + len(p.logprobs)] if measured is not None else []
-        deltas[p.prompt], noises[p.prompt] = p.max_delta, max([bound, *at])
+    deltas = {p.prompt: p.max_delta for p in prompts}
     kinds = {p.prompt: p.kind for p in prompts}
-    margins = {pid: deltas[pid] / noises[pid] if noises[pid] > 0 else math.inf for pid in deltas}
-    data = {"prompts": {pid: {"kind": kinds[pid], "max_delta": _safe(deltas[pid]), "noise": noises[pid],
+    margins = {pid: deltas[pid] / bound if bound > 0 else math.inf for pid in deltas}
+    data = {"prompts": {pid: {"kind": kinds[pid], "max_delta": _safe(deltas[pid]), "bound": bound,
                               "margin": _safe(margins[pid])} for pid in deltas},
             "gates": dict(s.gates), "seconds": s.seconds}
-    flat = [pid for pid in deltas if deltas[pid] <= noises[pid]]
+    flat = [pid for pid in deltas if deltas[pid] <= bound]
     closed = sorted(n for n, v in s.gates.items() if v == 0.0)
     if flat or closed:
         parts = [f"the output does not depend on the {kinds[pid]} (prompt {pid}: max |Δlogprob| {fmt(deltas[pid])} "
-                 f"<= noise {fmt(noises[pid])} at the first positions after it, against a second input)"
+                 f"<= bound {fmt(bound)} at the first positions after it, against a second input)"
                  for pid in flat]
         if closed:
             parts.append(f"cross-attention gate(s) {', '.join(closed)} are 0: the image never reaches the decoder")
@@ -534,13 +474,8 @@ def check_input_sensitivity(record: Record, bound: float, noise: Noise | None = 
     worst = min(margins, key=margins.get)
     return Check(name="input-sensitivity:contrast", ok=True, data=data,
                  detail=f"the output depends on every input: smallest max |Δlogprob| {fmt(deltas[worst])} "
-                        f"against noise {fmt(noises[worst])} (prompt {worst}, {fmt(margins[worst])}x)")
+                        f"against bound {fmt(bound)} (prompt {worst}, {fmt(margins[worst])}x)")
 
-
-def noise_for(record: Record, baseline: Baseline) -> Noise | None:
-    """The baseline's measured noise when the record ran on other kernels; None on the same
-    kernels, where nothing is loosened."""
-    return baseline.noise if baseline.noise is not None and other_kernels(record, baseline) else None
 
 
 def baseline_key_problems(record: Record, baseline: Baseline, *, expected_engine_version: str | None = None,

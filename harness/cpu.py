@@ -66,8 +66,8 @@ def torch_capability() -> str | None:
 # oneDNN's AVX2 code paths, which an AVX-512 Xeon takes as an AVX2-only EPYC does.
 LIBRARIES_AVX2 = {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # torch's and the libraries' AVX2 kernels together, the nearest an AVX-512 machine comes to an
-# AVX2-only one: Qwen2.5-VL's dynamic FP8 moved under it past a noise measured under the others
-# (docs/decisions.md, 2026-12-05).
+# AVX2-only one (Qwen2.5-VL's dynamic FP8 moves under it as on an AVX2-only EPYC, and under neither
+# of the others alone).
 AVX2_MACHINE = {"ATEN_CPU_CAPABILITY": "avx2", **LIBRARIES_AVX2}
 # The kernel conditions one machine (CI's among them) can set for itself, as environment overlays
 # for a fresh interpreter: a lowered torch capability, the libraries' AVX2 paths, and both at AVX2.

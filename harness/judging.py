@@ -2,7 +2,13 @@
 order is written, a sequence of steps that each judge a record or pass it on; ``verdict()`` applies
 it to one record and its baseline; ``judge()`` is verdict() with the cell's settings and the
 cross-engine checks, the entry point the runner uses; ``rounding_flip()`` the verdict a
-localisation may settle after it. The checks themselves are harness.compare's.
+localisation between engines may settle after it. The checks themselves are harness.compare's.
+
+Across machines only what carries is judged (docs/design.md, "Portability across CPUs"): against a
+baseline from other kernels, a cell whose computation carries (harness.records.Computation) is
+judged as on the baseline's own kernels; one that quantizes activations or computes in bfloat16 is
+judged by its loaded state and the other engines of its run, its logprobs against the baseline
+shown, not judged (``portable-pass``).
 """
 from __future__ import annotations
 
@@ -14,11 +20,11 @@ from typing import TYPE_CHECKING
 
 from harness.accuracy import gates as accuracy_gates
 from harness.accuracy.store import AccuracyBaseline
-from harness.baselines import Baseline
+from harness.baselines import Baseline, kernel_set_of
 from harness import verdicts
 from harness.compare import (Judgement, KnownFailureLike, applicable, baseline_key_problems, check_input_sensitivity,
                              SEQUENCE_CHECKS, check_load_time, check_loaded_state, check_module_diff, compare_sequences, cross_engine,
-                             disagreement, failed_or_waived, fmt, match_error, noise_for, other_kernels)
+                             disagreement, failed_or_waived, fmt, match_error, other_kernels)
 from harness.records import Check, Record
 from harness.registry import ENGINE_NAMES
 
@@ -43,8 +49,8 @@ class _Case:
     keyed_by_version: bool = True  # False against another build of the same run (judge_against_base)
     # the baseline of the load time where it is not ``baseline`` (baselines.load_baseline_for)
     load_baseline: Baseline | None = None
-    # checks a rounding flip explained (rounding_flip(), by name), which pass in place of the same
-    # checks computed here
+    # checks a rounding flip between engines explained (rounding_flip(), by name), which pass in
+    # place of the same checks computed here
     explained: tuple[Check, ...] = ()
 
     def _settled(self, checks: list[Check]) -> list[Check]:
@@ -60,10 +66,9 @@ class _Case:
     def other_checks(self) -> list[Check]:
         """The checks not against the baseline: the module diff, the input sensitivity, then the
         cross-engine checks."""
-        record, baseline = self.record, self.baseline
+        record = self.record
         md = check_module_diff(record)
-        sensitivity = check_input_sensitivity(record, self.bounds.logprob,
-                                              noise_for(record, baseline) if baseline is not None else None)
+        sensitivity = check_input_sensitivity(record, self.bounds.logprob)
         return [c for c in (md, sensitivity) if c is not None] + self._settled(list(self.cross_engine_checks))
 
     @cached_property
@@ -81,14 +86,29 @@ class _Case:
         """Whether the baseline was recorded on other kernels than this run's."""
         return self.baseline is not None and other_kernels(self.record, self.baseline)
 
+    def judged_against(self, baseline) -> bool:
+        """Whether what the record computed is judged against ``baseline`` (logprob or accuracy): on
+        the baseline's own kernels, or where the record's computation carries to other kernels
+        (float32, no quantized activation). Elsewhere an FP8 rounding flip or a bfloat16 sum moves
+        it by more than any bound that still guards, so it is shown, not judged (docs/design.md,
+        "Portability across CPUs")."""
+        computation = self.record.computation
+        return (baseline is None or not other_kernels(self.record, baseline)
+                or (computation is not None and computation.carries))
+
     @property
-    def known_behaviour_elsewhere(self) -> bool:
-        """Whether the baseline records a known failure's behaviour on other kernels, whose
-        sequences and accuracy no noise model carries here: the waived cells compute in bfloat16 or
-        cascade FP8 rounding flips, and a known failure that shows there may not show here (where
-        the cell then agrees with the other engines of this run, step 3). Such a cell is held to
-        its loaded state alone."""
-        return self.other_kernels and (self.waiver is not None or bool(self.known and self.cross_engine_checks))
+    def judges_logprobs(self) -> bool:
+        """Whether every check against a stored baseline is judged (:meth:`judged_against`)."""
+        return self.not_judged is None
+
+    @property
+    def not_judged(self) -> str | None:
+        """What is not judged against its baseline and why, for a reason; None when all is judged."""
+        if not self.judged_against(self.baseline):
+            return f"logprobs against the baseline not judged: {self.why_not_judged(self.baseline)}"
+        if not self.judged_against(self.accuracy_baseline):
+            return f"accuracy against its baseline not judged: {self.why_not_judged(self.accuracy_baseline)}"
+        return None
 
     @cached_property
     def accuracy(self) -> accuracy_gates.AgainstBaseline:
@@ -99,9 +119,22 @@ class _Case:
         """The loaded state, the sequences and accuracy against the baseline (not the load time)."""
         record, baseline = self.record, self.baseline
         state = check_loaded_state(record, baseline)
-        return ([state] if state is not None else []) + self._settled(compare_sequences(
-            baseline.record_sequences(), record.sequences, self.bounds, against="baseline",
-            noise=noise_for(record, baseline))) + self.accuracy.checks
+        sequences = compare_sequences(baseline.record_sequences(), record.sequences, self.bounds, against="baseline")
+        # which prompts ran carries to any kernels; what they computed may not
+        return ([state] if state is not None else []) + [
+            c if c.name.startswith("prompts:") else self._judged_or_shown(c, baseline) for c in sequences] + [
+            self._judged_or_shown(c, self.accuracy_baseline) for c in self.accuracy.checks]
+
+    def _judged_or_shown(self, check: Check, baseline) -> Check:
+        return check if self.judged_against(baseline) else _shown(check, self.why_not_judged(baseline))
+
+    def why_not_judged(self, baseline) -> str:
+        """Why the checks against ``baseline`` are not judged, for a check's detail and a reason."""
+        computation = self.record.computation
+        what = ("its computation is unknown" if computation is None
+                else f"it computes in {computation.dtype}" if computation.dtype != "float32"
+                else f"it quantizes activations ({', '.join(computation.quantized_activations)})")
+        return f"the baseline is from other kernels ({kernel_set_of(baseline)}) and {what}"
 
     @cached_property
     def load_check(self) -> Check | None:
@@ -179,15 +212,11 @@ def _stale_baseline(case: _Case) -> Judgement | None:
 
 
 def _regressed(case: _Case) -> Judgement | None:
-    """6. A baseline check fails (the loaded state and accuracy among them) -> regressed, or waived
-    when known failures match every failing check (a rounding flip on other kernels:
-    rounding_flip(), which the runner applies once the cell is localised). A cell that step 3
-    waived is failed instead: it left its known failure's recorded behaviour. Against a baseline
-    that records a known failure's behaviour on other kernels, only the loaded state is held
-    (_Case.known_behaviour_elsewhere)."""
+    """6. A judged baseline check fails (the loaded state and accuracy among them) -> regressed, or
+    waived when known failures match every failing check. A cell that step 3 waived is failed
+    instead: it left its known failure's recorded behaviour. Where the logprobs are not judged
+    (_Case.judges_logprobs), that is the loaded state alone."""
     failing = [c for c in case.baseline_checks if not c.ok]
-    if case.known_behaviour_elsewhere:
-        failing = [c for c in failing if c.name.startswith("loaded-state:")]
     if case.waiver is not None:
         return Judgement("failed", f"{_excused(case)}, but this run left its recorded behaviour: "
                          + "; ".join(f"{c.name}: {c.detail}" for c in failing), case.checks,
@@ -200,9 +229,9 @@ def _load_time_regressed(case: _Case) -> Judgement | None:
     load = case.load_check
     if load is None or load.ok:
         return None
-    # a load time is judged on any kernels; what else holds is still the loaded state alone
+    # a load time is judged on any kernels of its kind of CPU; the logprobs still as step 6 says
     return dataclasses.replace(failed_or_waived("regressed", case.known, [load], case.checks),
-                               loaded_state_only=case.known_behaviour_elsewhere)
+                               loaded_state_only=not case.judges_logprobs)
 
 
 def _waived(case: _Case) -> Judgement | None:
@@ -210,9 +239,16 @@ def _waived(case: _Case) -> Judgement | None:
     j = case.waiver
     if j is None:
         return None
-    within = "its loaded state equal to its baseline's (from other kernels)" if case.other_kernels else "within its baseline"
+    within = ("within its baseline" if case.judges_logprobs
+              else f"its loaded state equal to its baseline's; {case.not_judged}")
     return Judgement("waived", f"{j.reason}; {within}", case.checks, j.known_failure,
-                     loaded_state_only=case.known_behaviour_elsewhere)
+                     loaded_state_only=not case.judges_logprobs)
+
+
+def _shown(check: Check, why: str) -> Check:
+    """``check`` kept for the record and the report, but not judged: ok, its data saying so."""
+    return check.model_copy(update={"ok": True, "detail": f"not judged: {why}: {check.detail}",
+                                    "data": {**(check.data or {}), "judged": False, "within_bounds": check.ok}})
 
 
 def _excused(case: _Case) -> str:
@@ -223,21 +259,20 @@ def _excused(case: _Case) -> str:
 
 
 def _unexpected_pass(case: _Case) -> Judgement | None:
-    """9. A known failure covers this engine version, yet all passed -> unexpected-pass; but pass
-    where the baseline records its behaviour on other kernels: it need not show on these, and the
-    cell agrees with the other engines here."""
+    """9. A known failure covers this engine version, yet all passed -> unexpected-pass; but
+    portable-pass where the logprobs are not judged and other engines ran: a known failure about
+    them, which the baseline from other kernels records, need not show on these kernels."""
     if not case.known:
         return None
     k, record = case.known[0], case.record
-    if case.known_behaviour_elsewhere:
-        return Judgement("pass", f"agrees with the other engines here, and its loaded state with its baseline's; "
-                         f"known failure {k.pattern!r} ({k.engine} {k.versions}) shows in that baseline, recorded on "
-                         "other kernels, not on these", case.checks, loaded_state_only=True)
+    if not case.judges_logprobs and case.cross_engine_checks:
+        return _portable_pass(case, f"; known failure {k.pattern!r} ({k.engine} {k.versions}) does not show on these kernels")
     absent = _compared_with_absent_engine(k, record, case.cross_engine_checks)
     if absent:
         return Judgement("waived", f"no comparison with the {absent} ran here, so known failure {k.pattern!r} "
                          f"({k.engine} {k.versions}), about it, can neither show nor be refuted; matches its baseline, "
-                         f"which records that behaviour (run the {absent} too to decide it)", case.checks, k)
+                         f"which records that behaviour (run the {absent} too to decide it)", case.checks, k,
+                         loaded_state_only=not case.judges_logprobs)
     return Judgement("unexpected-pass", f"passes, but a known failure covers {record.engine} "
                      f"{record.engine_info.version}: {k.reason}; remove or narrow it in models.yaml", case.checks, k)
 
@@ -258,9 +293,24 @@ def _improved(case: _Case) -> Judgement | None:
     return Judgement("improved", f"{load.name}: {load.detail}", case.checks)
 
 
+def _portable_pass(case: _Case, note: str = "") -> Judgement | None:
+    """11. The logprobs are not judged (_Case.judges_logprobs), and every judged check held ->
+    portable-pass: never counted as pass, its reason says what was judged and what could not be."""
+    if case.judges_logprobs:
+        return None
+    state = next((c for c in case.baseline_checks if c.name == "loaded-state:baseline"), None)
+    engines = [c.name.partition(":")[2] for c in case.cross_engine_checks if c.name.startswith("teacher-forced:")]
+    said = [f"loaded state exact ({state.data['modules']} modules)" if state is not None
+            else "loaded state not compared (no digest on one side)",
+            f"agrees with {', '.join(dict.fromkeys(engines))} in this run" if engines
+            else "no other engine in this run to agree with"]
+    return Judgement("portable-pass", f"{'; '.join(said)}; {case.not_judged} (record this kind's: harness run "
+                     f"--update-kernel-baselines -k {case.record.scheme}){note}", case.checks, loaded_state_only=True)
+
+
 def _pass(case: _Case) -> Judgement:
-    """11. Otherwise pass."""
-    return Judgement("pass", "matches the baseline" + _kernels_note(case.baseline_checks), case.checks)
+    """12. Otherwise pass."""
+    return Judgement("pass", "matches the baseline", case.checks)
 
 
 # The verdict order of docs/design.md, "Verdicts": each step judges the record or passes it on.
@@ -276,6 +326,7 @@ VERDICT_ORDER: tuple[Callable[[_Case], Judgement | None], ...] = (
     _waived,
     _unexpected_pass,
     _improved,
+    _portable_pass,
     _pass,
 )
 
@@ -295,14 +346,6 @@ def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
                  expected_engine_version, platform, gate_load_time, accuracy_baseline, keyed_by_version,
                  load_baseline, tuple(explained))
     return next(j for j in (step(case) for step in VERDICT_ORDER) if j is not None)
-
-
-def _kernels_note(checks: list[Check]) -> str:
-    """How a baseline from other kernels was judged, for a pass's reason."""
-    tf = next((c for c in checks if c.name == "teacher-forced:baseline" and c.data), None)
-    if tf is None or not any(j == "noise" for labels in tf.data.get("judged", {}).values() for j in labels):
-        return ""
-    return f" (from other kernels: family bound on {tf.data['family_share']:.0%} of positions, measured noise bound after each fragile onset)"
 
 
 def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = (), *,
@@ -366,59 +409,45 @@ def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterabl
     return Judgement(j.verdict, f"against {base_name}: {j.reason}", j.checks, j.known_failure)
 
 
-def settle_flip(judged: Record, baseline: Baseline | None,
-                rejudge: Callable[[list[Check]], Judgement]) -> Judgement | None:
-    """The verdict of a localised record once rounding flips explain its failing logprobs
-    (:func:`rounding_flip`): ``rejudge``, the verdict order run again with the explained checks
-    passing, its reason ending in the flips' (a pass: the flips' alone); None when no flip explains
-    them. A disagreement with another engine is judged (step 3) before the baseline is read, so
-    a flip that explains it leaves every later step to run: the baseline's key, its sequences and
-    loaded state, the load time."""
-    flip, settled = rounding_flip(judged, baseline), None
-    explained: dict[str, Check] = {}
-    reasons: list[str] = []
-    # a side explained by a flip lets a later step fail on another side, which a flip of the same
-    # localisation may explain too: once per side at most
-    while flip is not None:
-        newly = {c.name: c for c in flip.checks if c.data and "rounding_flip" in c.data and c.name not in explained}
-        if not newly:
-            break
-        explained.update(newly)
-        reasons.append(flip.reason)
-        settled = rejudge(list(explained.values()))
-        flip = rounding_flip(settled.apply(judged), baseline)
-    if settled is None:
+def settle_flip(judged: Record, rejudge: Callable[[list[Check]], Judgement]) -> Judgement | None:
+    """The verdict of a localised record once rounding flips explain its failing logprobs against
+    other engines (:func:`rounding_flip`): ``rejudge``, the verdict order run again with the
+    explained checks passing, its reason ending in the flips' (a pass: the flips' alone); None when
+    no flip explains them. A disagreement with another engine is judged (step 3) before the
+    baseline is read, so a flip that explains it leaves every later step to run: the baseline's
+    key, its sequences and loaded state, the load time."""
+    flip = rounding_flip(judged)
+    if flip is None:
         return None
-    said = "; ".join(reasons)
-    return dataclasses.replace(settled, reason=said if settled.verdict == "pass" else f"{settled.reason}; {said}")
+    settled = rejudge([c for c in flip.checks if c.data and "rounding_flip" in c.data])
+    return dataclasses.replace(settled, reason=flip.reason if settled.verdict == "pass" else f"{settled.reason}; {flip.reason}")
 
 
 # The checks a rounding flip can move: the logprobs, not the loaded state, the load time or accuracy.
 FLIP_MOVES = ("teacher-forced", "greedy")
 
 
-def rounding_flip(record: Record, baseline: Baseline | None) -> Judgement | None:
-    """A ``regressed`` or ``failed`` record that rounding flips explain, judged ``pass``
-    (docs/design.md, "Portability across CPUs"); None when the rule does not apply, and the record
+def rounding_flip(record: Record) -> Judgement | None:
+    """A ``failed`` record whose disagreement with other engines rounding flips explain, judged
+    ``pass`` (docs/design.md, "Cross-engine"); None when the rule does not apply, and the record
     keeps its verdict.
 
-    The rule: every failing check is a logprob check, against the baseline or against another
-    engine; for each side they fail against, the localisation against it shows a rounding flip on
-    every prompt that differs (harness.traces.flips), among them every prompt whose logprobs fail
-    there: a flip on one prompt explains nothing on another; and the loaded state is shown equal to
-    that side's (:func:`_state_shown_equal`). On the baseline's own kernels nothing is explained
-    away against it."""
+    The rule: every failing check is a logprob check against another engine (same machine, same
+    kernels); for each engine, the localisation against it shows a rounding flip on every prompt
+    that differs (harness.traces.flips), among them every prompt whose logprobs fail there: a flip
+    on one prompt explains nothing on another; and every module's effective weights equal that
+    engine's (harness.traces.flips.explain_across requires it). Nothing is explained away against a
+    baseline: there, other kernels leave such a cell's logprobs unjudged instead."""
     if record.verdict not in verdicts.LOCALISED:  # the rule reads the localisation
         return None
     failing = [c for c in record.checks if not c.ok]
-    if not failing or any(c.name.partition(":")[0] not in FLIP_MOVES for c in failing):
+    if not failing or any(c.name.partition(":")[0] not in FLIP_MOVES or c.name.endswith(":baseline") for c in failing):
         return None
     shown = {}
     for against in dict.fromkeys(c.name.partition(":")[2] for c in failing):
-        state = _state_shown_equal(record, baseline, against)
         loc = next((x for x in record.localisation if x.against == against), None)
         flip = loc.rounding_flip if loc is not None else None
-        if state is None or flip is None or not flip.explained:
+        if flip is None or not flip.explained:
             return None
         flipped = {a.prompt for a in flip.at}
         for c in (c for c in failing if c.name.endswith(f":{against}")):
@@ -428,25 +457,12 @@ def rounding_flip(record: Record, baseline: Baseline | None) -> Judgement | None
         tf = next((c for c in failing if c.name == f"teacher-forced:{against}" and c.data), None)
         worst = tf.data["worst"] if tf is not None else None
         where = f", largest move {fmt(worst['delta'])} at prompt {worst['prompt']} position {worst['position']}" if worst else ""
-        shown[against] = (flip, f"{flip.detail}{where}; {state}")
+        shown[against] = (flip, f"{flip.detail}{where}; every module's effective weights equal to {against}'s, same kernels")
     checks = [c if c.ok else c.model_copy(update={
         "ok": True, "detail": f"explained by a rounding flip ({shown[c.name.partition(':')[2]][0].detail}): {c.detail}",
         "data": {**(c.data or {}), "rounding_flip": shown[c.name.partition(':')[2]][0].model_dump()}})
         for c in record.checks]
     return Judgement("pass", "; ".join(reason for _, reason in shown.values()), checks)
-
-
-def _state_shown_equal(record: Record, baseline: Baseline | None, against: str) -> str | None:
-    """What shows the record's loaded state equal to the side it fails against (None: nothing
-    does, or the rule does not apply there). Against the baseline: the exact loaded-state check, on
-    other kernels only. Against another engine (same machine, same kernels): the effective weights
-    of every module in the two traces, which harness.traces.flips.explain_across requires equal."""
-    if against != "baseline":
-        return f"every module's effective weights equal to {against}'s, same kernels"
-    state = next((c for c in record.checks if c.name == "loaded-state:baseline"), None)
-    if baseline is None or not other_kernels(record, baseline) or state is None or not state.ok:
-        return None
-    return f"state exact ({state.data['modules']} modules), baseline from other kernels"
 
 
 def _failing_prompts(check: Check) -> set[str] | None:

@@ -16,6 +16,7 @@
     traces/<cell id>[.fused|.unfused].pt   module traces (harness.traces.jobs)
     summary.txt                      the verdict table (harness run)
     report/                          the HTML report, JUnit XML and annotation (harness run)
+    .harness-run                     the run that owns the directory (harness.runs); no other run writes here
 """
 from __future__ import annotations
 
@@ -27,14 +28,20 @@ SUBDIRS = ("raw", "logs", "witness", "sequences")
 
 
 def default_results_dir(base: str | Path = "results", prefix: str = "") -> Path:
-    """``results/<prefix><UTC timestamp>``, made unique with a suffix when it exists."""
+    """``results/<prefix><UTC timestamp>``, with a suffix ``-2``, ``-3``... when that name is taken,
+    created here. Created, not only named: ``mkdir`` fails on a name that exists, so two processes
+    asking in the same second never get the same directory (checking that the name is free and
+    creating it later would let both pass the check; docs/design.md, "Runs side by side")."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = Path(base) / f"{prefix}{stamp}"
+    Path(base).mkdir(parents=True, exist_ok=True)
     n = 1
-    while path.exists():
-        n += 1
-        path = Path(base) / f"{prefix}{stamp}-{n}"
-    return path
+    while True:
+        path = Path(base) / (f"{prefix}{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
 
 
 def group_key(cell) -> str:

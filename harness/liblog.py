@@ -19,6 +19,7 @@ children keep their own per-cell logs (harness.supervise).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.abc
 import logging
 import os
@@ -45,6 +46,17 @@ def log_path() -> Path:
     return Path(env) if env else Path(__file__).resolve().parent.parent / ".cache" / "logs" / "libraries.log"
 
 
+def _rotate(path: Path) -> None:
+    """Move a log past ROTATE_BYTES to ``<log>.1``, under a lock: commands starting side by side
+    (docs/design.md, "Runs side by side") would otherwise each move it, the second moving the
+    first one's fresh log over the old one. Every command appends (O_APPEND): their lines
+    interleave whole, and one still writing to the moved file loses nothing."""
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists() and path.stat().st_size > ROTATE_BYTES:
+            os.replace(path, path.with_name(path.name + ".1"))
+
+
 def _open_log():
     """The log, opened once per process for appending (os.devnull when it cannot be written)."""
     global _stream
@@ -53,7 +65,7 @@ def _open_log():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.exists() and path.stat().st_size > ROTATE_BYTES:
-                os.replace(path, path.with_name(path.name + ".1"))
+                _rotate(path)
             _stream = open(path, "a", buffering=1, encoding="utf-8", errors="replace")
             _stream.write(f"== pid {os.getpid()}: {' '.join(sys.argv)}\n")
         except OSError:

@@ -29,17 +29,20 @@ def digest(model) -> dict[str, str]:
     for name, module in model.named_modules():
         entries = module_state(module)
         if entries:
-            out[name] = _hash(entries)
+            out[name] = digest_entries(entries)
     return out
 
 
-def module_state(module) -> dict[str, Any]:
-    """What ``module`` itself holds, by name (its submodules not included)."""
+def module_state(module, buffers: bool = True) -> dict[str, Any]:
+    """What ``module`` itself holds, by name (its submodules not included). ``buffers=False``
+    leaves its buffers out: vLLM's are computed at start (rotary caches, through kernels), not
+    loaded (harness.engines.vllm_state.loaded_state)."""
     declared = getattr(module, "loaded_state", None)
     if callable(declared):
         return {"class": type(module).__name__, **declared()}
     entries: dict[str, Any] = {}
-    for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+    held = [*module.named_parameters(recurse=False), *(module.named_buffers(recurse=False) if buffers else [])]
+    for name, t in held:
         if t is not None:
             entries[name] = t
     for name in SCALE_ATTRIBUTES:
@@ -55,7 +58,9 @@ def module_state(module) -> dict[str, Any]:
     return entries
 
 
-def _hash(entries: dict[str, Any]) -> str:
+def digest_entries(entries: dict[str, Any]) -> str:
+    """The digest of one module's entries (name -> tensor, dict, list or a value digested by its
+    repr): :data:`DIGEST_CHARS` hex digits of sha256 over the names and bytes, in name order."""
     h = hashlib.sha256()
     for key in sorted(entries):
         h.update(key.encode() + b"\0")

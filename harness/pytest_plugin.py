@@ -9,8 +9,9 @@ Options: ``--tier`` (default cpu-tiny; ``all``), ``--engine NAME[,NAME]``, ``--c
 ENGINE=SPEC`` (``harness run --candidate``: each selected cell of ENGINE also runs on that build,
 as the test ``test_candidate_cell[<cell id>]``, judged against the pinned build's result; it never
 writes a baseline), ``--update-baselines``, ``--harness-trace`` (``harness run --trace``: pytest's
-own ``--trace`` is its debugger), ``--results DIR`` (default results/pytest-<UTC timestamp>, shared
-by xdist workers), ``--baselines DIR`` (default baselines/), ``--matrix FILE`` (default
+own ``--trace`` is its debugger), ``--results DIR`` (default results/pytest-<UTC timestamp>; the
+session owns it, its xdist workers share it, and another run's directory is refused at start,
+harness.runs), ``--baselines DIR`` (default baselines/), ``--matrix FILE`` (default
 models.yaml).
 
 Markers (registered in pyproject.toml): the tier (``cpu_tiny``, ``gpu_tiny``, ``gpu_full``), the
@@ -40,16 +41,15 @@ baseline that was written or refused.
 """
 from __future__ import annotations
 
-import shutil
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness import baselines, files, matrix, verdicts
+from harness import baselines, files, matrix, runs, verdicts
 from harness import records as R
 from harness.terminal import one_line
-from harness.layout import default_results_dir
 from harness.matrix import DEFAULT_PATH, MatrixError
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "pytest_generate_tests",
     "pytest_runtest_logreport",
     "pytest_terminal_summary",
+    "pytest_unconfigure",
 ]
 
 
@@ -73,16 +74,17 @@ def pytest_addoption(parser):
     g.addoption("--update-baselines", action="store_true", default=False,
                 help="write the baselines of cells that may become one (never failed/error/unsupported)")
     g.addoption("--update-kernel-baselines", action="store_true", default=False,
-                help="write a baseline for this machine's kernels of each cell held to its loaded state alone, "
-                     "and of each load-time gated cell whose baseline is from other kernels "
-                     "(harness run --update-kernel-baselines)")
+                help="write a baseline for this machine's kernels of each cell whose logprobs were not judged "
+                     "against a baseline from other kernels, and of each load-time gated cell whose baseline is "
+                     "from other kernels (harness run --update-kernel-baselines)")
     g.addoption("--candidate", action="append", default=[], metavar="ENGINE=SPEC",
                 help="also run each selected cell of ENGINE on a candidate build (harness run --candidate), as the "
                      "tests test_candidate_cell[<cell id>]")
     g.addoption("--harness-trace", action="store_true", default=False,
                 help="record module traces of every cell and localise it (harness run --trace; failed and "
                      "regressed cells are always localised)")
-    g.addoption("--results", default=None, metavar="DIR", help="results directory (default: results/pytest-<timestamp>)")
+    g.addoption("--results", default=None, metavar="DIR",
+                help="results directory, new or empty: the session owns it (default: a new results/pytest-<timestamp>)")
     g.addoption("--baselines", default=None, metavar="DIR", help="baselines root (default: baselines/)")
     g.addoption("--matrix", default=None, metavar="FILE", help="matrix file (default: models.yaml)")
 
@@ -101,6 +103,8 @@ class _State:
         self.candidate_specs: list[str] = list(opt.candidate)
         self.chosen_candidates: dict[str, str] = {}
         self.results: Path | None = None
+        self.run = None  # the session's harness.runs.Run (the controller's; None in a worker)
+        self.existed = False  # --results named a directory that was there before the session
         self._matrix = None
         self.runner = None
         self.prepared = False
@@ -142,23 +146,52 @@ class _XdistHooks:
     @pytest.hookimpl
     def pytest_configure_node(self, node):
         node.workerinput["harness_results"] = str(self.state.results)
+        node.workerinput["harness_run"] = self.state.run.id if self.state.run else None
 
 
 def pytest_configure(config):
     state = _State(config)
     config.stash[_STASH] = state
     workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:
+    if workerinput is not None:  # a worker joins the controller's run, which owns the directory
         state.results = Path(workerinput["harness_results"])
+        if workerinput.get("harness_run"):
+            _refused_is_usage_error(lambda: runs.join(state.results, workerinput["harness_run"]))
         return
-    if config.option.results:
-        state.results = Path(config.option.results)
-        for sub in ("raw", "witness", "sequences"):  # an earlier session's results must not be reused
-            shutil.rmtree(state.results / sub, ignore_errors=True)
-    else:
-        state.results = default_results_dir(prefix="pytest-")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistHooks(state), "harness-xdist")
+    if config.option.collectonly:  # nothing is written: no directory made or claimed
+        state.results = Path(config.option.results or "results/pytest-collect-only")
+        return
+    # the session is one run and owns its results directory (docs/design.md, "Runs side by side"):
+    # claimed now, before any cell test, so that another run's directory is refused up front
+    state.run = runs.Run.new("pytest")
+    if config.option.results:
+        state.results = Path(config.option.results)
+        state.existed = os.path.lexists(state.results)
+        problem = files.write_problem([files.Written(state.results, "--results")])
+        if problem:
+            raise pytest.UsageError(f"harness: {problem}")
+        _refused_is_usage_error(lambda: runs.claim(state.results, state.run))
+    else:
+        state.results = _refused_is_usage_error(lambda: runs.create(state.run, prefix="pytest-"))
+
+
+def _refused_is_usage_error(claim):
+    try:
+        return claim()
+    except runs.Refused as e:
+        raise pytest.UsageError(f"harness: {e}") from None
+
+
+def pytest_unconfigure(config):
+    """A session that ran no cell leaves no results directory it made."""
+    state = config.stash.get(_STASH, None)
+    if state is None or state.run is None or state.results is None:
+        return
+    if not state.existed:
+        runs.discard_if_unused(state.results, state.run)
+    runs.release(state.results)
 
 
 _STASH = pytest.StashKey[_State]()

@@ -130,6 +130,21 @@ class EngineInfo(_Strict):
     cpu: CpuInfo | None = None
 
 
+class Computation(_Strict):
+    """What an engine computed a cell in (harness.engines.base.Engine.computation), which decides
+    whether its logprobs carry to other kernels (docs/design.md, "Portability across CPUs"): a
+    float32 computation that quantizes no activation sums differently on other kernels by a few
+    ulps; one that rounds activations to FP8, or computes in bfloat16, can move by far more."""
+
+    dtype: str  # the dtype its matmuls run in: "float32", "bfloat16"
+    # what it quantizes besides weights (harness.quant.schema.quantized_activations): "input", "kv-cache"
+    quantized_activations: list[str] = []
+
+    @property
+    def carries(self) -> bool:
+        return self.dtype == "float32" and not self.quantized_activations
+
+
 class ErrorInfo(_Strict):
     type: str
     message: str
@@ -193,14 +208,14 @@ class FlipAt(_Strict):
     prompt: str
     module: str
     fragile: int  # elements of its input within kernel noise of an FP8 rounding boundary
-    moved: float  # how far its output moved: on the fingerprint's projections, or a row's L2 against an engine
+    moved: float  # how far its output moved: a row's L2 against the other engine's
     bound: float  # the most that flipping MAX_FLIPS of the fragile elements can move it
     steps: float  # moved, in units of the largest single flip's move
 
 
 class RoundingFlip(_Strict):
-    """Whether a difference against a baseline's fingerprint (or another engine's traces) is FP8
-    rounding flips: on every prompt that differs, the first diverging module quantizes its input,
+    """Whether a difference against another engine's traces on the same kernels is FP8 rounding
+    flips: on every prompt that differs, the first diverging module quantizes its input,
     that input agrees within kernel noise, and its output moved no more than a few one-step flips
     of its fragile elements can."""
 
@@ -226,7 +241,7 @@ class Localisation(_Strict):
     noise: float | None = None
     detail: str
     path: list[TraceStep] = []
-    rounding_flip: RoundingFlip | None = None  # against a baseline: whether rounding flips explain it
+    rounding_flip: RoundingFlip | None = None  # against another engine: whether rounding flips explain it
 
 
 class Accuracy(_Strict):
@@ -313,6 +328,7 @@ class Record(_Strict):
     unsupported_reason: str | None = None
     sequences: list[SequenceResult] = []
     load: LoadInfo | None = None
+    computation: Computation | None = None  # None for an engine that did not run, or an older record
     module_diff: ModuleDiff | None = None
     # module -> digest of what the engine loaded there (harness.loaded_state), taken after the load
     # and before any forward pass; None where the engine cannot read its modules

@@ -42,8 +42,6 @@ pinned build's traces (docs/design.md, "Candidate builds").
 module against the engines it disagrees with and against its baseline's fingerprint;
 ``update_fingerprints`` refreshes the fingerprint of each baseline a cell passes against
 (harness.traces.jobs; docs/design.md, "Localisation"). A normal run records no traces.
-``update_noise`` measures again the noise of each baseline whose kernels and sequences a cell's run
-shares (harness.measure_noise), nothing else of the file changed.
 """
 from __future__ import annotations
 
@@ -61,24 +59,23 @@ from filelock import FileLock
 from harness import baselines as B
 from harness import compare as C
 from harness import judging
-from harness import cpu, loadtime, measure_noise, probes
+from harness import cpu, loadtime, probes
 from harness import records as R
 from harness import store, supervise
 from harness.accuracy import store as accuracy_store
 from harness.files import Written
 from harness.gate import LoadGate
 from harness.fixtures import benchmark, cache
-from harness.layout import Layout, default_results_dir, group_key
+from harness.layout import Layout, group_key
 from harness.matrix import CPU_TIERS, ENGINES, TIERS, Cell, Matrix, expand
-from harness.noise import NoiseError
 from harness.registry import fuses_shards
 from harness.sequences import ScoredSequences
-from harness.traces.jobs import Tracer, scored
+from harness.traces.jobs import Tracer
 
 if TYPE_CHECKING:
     from harness.candidates import Candidate
 
-__all__ = ["CellResult", "Runner", "default_results_dir", "group_key"]
+__all__ = ["CellResult", "Runner", "group_key"]
 
 
 # What one running cell may hold resident: a vLLM cell peaks at ~2 GiB here (1 GiB of it the KV
@@ -122,8 +119,7 @@ class Runner:
                  matrix_path: str | Path | None = None, threads: int | None = None,
                  echo: Callable[[str], None] | None = None, trace: bool = False, update_fingerprints: bool = False,
                  candidates: Mapping[str, Candidate] | None = None, candidate_dir: str = "candidate",
-                 update_kernel_baselines: bool = False, later_look_s: float = loadtime.LATER_LOOK_S,
-                 update_noise: bool = False):
+                 update_kernel_baselines: bool = False, later_look_s: float = loadtime.LATER_LOOK_S):
         self.matrix = matrix
         self.cells = sorted(cells, key=lambda c: (group_key(c), _engine_order(c)))
         self.results = Path(results)
@@ -135,7 +131,6 @@ class Runner:
         self.update_baselines = update_baselines
         self.update_fingerprints = update_fingerprints
         self.update_kernel_baselines = update_kernel_baselines
-        self.update_noise = update_noise
         self.gate = LoadGate(self, later_look_s)
         self.tracer = Tracer(self, always=trace)
         self.matrix_dir = Path(matrix_path).resolve().parent if matrix_path else supervise.REPO_ROOT
@@ -202,7 +197,7 @@ class Runner:
         return out + beside_baselines + self._cache_writes(running, bool(unbuilt))
 
     def _baseline_writes(self, cell: Cell) -> list[Written]:
-        kinds = [(B.Baseline, self.update_baselines or self.update_fingerprints or self.update_noise)]
+        kinds = [(B.Baseline, self.update_baselines or self.update_fingerprints)]
         if cell.accuracy:
             kinds.append((accuracy_store.AccuracyBaseline, self.update_baselines))
         out = []
@@ -355,13 +350,13 @@ class Runner:
                  raws: dict[str, R.Record], accuracy_baseline, load_baseline) -> C.Judgement:
         """``j``, or where ``judged`` (``j`` applied, localised) shows rounding flips that explain its
         failing checks, the verdict order run again with them explained (judging.settle_flip)."""
-        return judging.settle_flip(judged, baseline, lambda explained: self._judge(
+        return judging.settle_flip(judged, lambda explained: self._judge(
             cell, record, baseline, raws, accuracy_baseline, explained, load_baseline)) or j
 
     def judge(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> CellResult:
         try:
             baseline, root = B.read_for(self.baselines_root, record)
-            acc_baseline = accuracy_store.read(self.baselines_root, cell.tier, cell.id)
+            acc_baseline = self._accuracy_baseline(cell, root)
         except B.BaselineError as e:
             checks = self._judge(cell, record, None, raws).checks
             return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", checks).apply(record))
@@ -380,13 +375,14 @@ class Runner:
         result.outcome = outcome = self._handle_baseline(cell, result, root, bool(on_these_kernels))
         if outcome.refused:
             result.messages.append(f"baseline refused: {outcome.refused}")
-        acc = accuracy_store.handle(self.baselines_root, result.record, update_baselines=self.update_baselines)
+        acc = accuracy_store.handle(root if on_these_kernels else self.baselines_root, result.record,
+                                    update_baselines=self.update_baselines or bool(on_these_kernels))
         if outcome.change is not None:
             result.messages.append(str(outcome.change))
         result.messages += acc.messages
         if (outcome.change is not None and outcome.change.written) or acc.written:
             written = B.read(root, cell.tier, cell.id)
-            acc_written = accuracy_store.read(self.baselines_root, cell.tier, cell.id)
+            acc_written = self._accuracy_baseline(cell, root)
             written_load, _ = B.load_baseline_for(self.baselines_root, record, written)
             j2 = self._judge(cell, record, written, raws, acc_written, load_baseline=written_load)
             # the localisation stands: a flip between engines is explained against any baseline
@@ -402,9 +398,13 @@ class Runner:
             done = self.tracer.refresh_fingerprint(result.cell, result.record)
             if done:
                 result.messages.append(done)
-        if self.update_noise:
-            result.messages.append(self._refresh_noise(cell, result.record, baseline))
         return result
+
+    def _accuracy_baseline(self, cell: Cell, root: Path):
+        """The cell's accuracy baseline beside the logprob baseline it is judged against (``root``:
+        a kernel set's, where --update-kernel-baselines recorded one), else its own."""
+        found = accuracy_store.read(root, cell.tier, cell.id) if root != self.baselines_root else None
+        return found or accuracy_store.read(self.baselines_root, cell.tier, cell.id)
 
     def _handle_baseline(self, cell: Cell, result: CellResult, root: Path, on_these_kernels: bool) -> B.Outcome:
         """The step after the verdict (baselines.handle) in ``root``: the baselines the cell is judged
@@ -414,8 +414,7 @@ class Runner:
         try:
             if root != self.baselines_root and not B.path_for(self.baselines_root, cell.tier, cell.id).exists():
                 store.clear_obtained(B.Baseline, self.baselines_root, cell.tier, cell.id)
-            return B.handle(root, result.record, update_baselines=self.update_baselines or on_these_kernels,
-                            measure_noise=None if on_these_kernels else measure_noise.for_cell(cell))
+            return B.handle(root, result.record, update_baselines=self.update_baselines or on_these_kernels)
         except OSError as e:  # the cell keeps its verdict and record; the baseline files were not written
             result.messages.append(f"baseline files not written: {e.filename or self.baselines_root}: {e.strerror or e}")
             return B.Outcome()
@@ -432,26 +431,10 @@ class Runner:
                         f"{B.path_for(load_root, cell.tier, cell.id)}")
         return said
 
-    def _refresh_noise(self, cell: Cell, record: R.Record, baseline) -> str:
-        """Measure again the noise of ``baseline`` where ``record`` ran on its kernels and scored its
-        sequences (--update-noise: the measurement changed, the baseline did not); one line."""
-        path = B.path_for(self.baselines_root, cell.tier, cell.id)
-        if baseline is None or record.status != "ok" or B.other_kernels(record, baseline):
-            return f"{path}: noise not measured again: only a cell run on its baseline's own kernels is"
-        if scored(record) != {s.prompt.id: s.scored.tokens for s in baseline.record_sequences()}:
-            return f"{path}: noise not measured again: this run scored other sequences than the baseline's"
-        try:
-            noise = measure_noise.for_cell(cell)(record)
-        except NoiseError as e:
-            return f"{path}: noise not measured again: {e}"
-        if noise is None:
-            return f"{path}: noise not measured again: it is measured on a CPU only"
-        return B.set_noise(self.baselines_root, cell.tier, cell.id, noise)
-
     def _kernels_baseline(self, result: CellResult, j: C.Judgement, load_here: bool) -> Path | None:
         """The root of this machine's kernels' baselines when --update-kernel-baselines records the
-        cell's baseline there: a cell held to its loaded state alone (a known failure's behaviour
-        does not carry to other kernels), or a gated cell whose baseline is from other kernels or
+        cell's baseline there: a cell whose logprobs against its baseline from other kernels were
+        not judged (judging, _Case.judges_logprobs: its computation does not carry), or a gated cell whose baseline is from other kernels or
         missing (``load_here``: a load time does not carry across machine kinds as logprobs do;
         docs/design.md, "Load-time baselines per kind of CPU") and fails no check but its load time. Says why
         where such a cell's is not recorded."""
@@ -459,8 +442,8 @@ class Runner:
         if j.loaded_state_only:
             if self.update_kernel_baselines and root:
                 return root
-            result.messages.append("held to its loaded state alone: its baseline records a known failure's behaviour on "
-                                   "other kernels; harness run --update-kernel-baselines records these kernels' once")
+            result.messages.append("judged by what carries against a baseline from other kernels; harness run "
+                                   "--update-kernel-baselines records these kernels' once")
             return None
         if not load_here or root is None:
             return None

@@ -14,17 +14,24 @@ a verdict (:func:`handle`):
   becomes tomorrow's baseline); any other is given to the kind, which says what changed, and a
   baseline written by :func:`save` removes the obtained file it answers.
 
-Every file is written atomically (harness.records.atomic_write_text).
+Every file is written atomically (harness.records.atomic_write_text): a reader never sees half a
+file. Runs side by side (docs/design.md, "Runs side by side") may update one baseline at once: each
+update (read the old file, decide what changed, write) holds an exclusive lock on the baseline's
+folder (:func:`locked`), so the later run sees the earlier one's file and says what it changed of
+that, and the printed change names the run that wrote it (harness.runs.current_id).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, Protocol
 
-from harness import verdicts
+from harness import runs, verdicts
 from harness.records import Record, atomic_write_text
 
 
@@ -87,13 +94,14 @@ class Change:
     path: Path
     kind: Literal["new", "updated", "unchanged"]
     messages: list[str] = field(default_factory=list)
+    run: str | None = None  # the run that wrote it (harness.runs); None outside a run
 
     @property
     def written(self) -> bool:
         return self.kind != "unchanged"
 
     def __str__(self) -> str:
-        head = f"{self.path}: {self.kind}"
+        head = f"{self.path}: {self.kind}" + (f" by run {self.run}" if self.written and self.run else "")
         return "\n".join([head, *(f"  - {m}" for m in self.messages)])
 
 
@@ -113,7 +121,24 @@ def save(root: str | Path, content: Content, kind: Literal["new", "updated", "un
     if kind != "unchanged":
         atomic_write_text(path, content.to_text())
         clear_obtained(type(content), root, content.tier, content.cell)
-    return Change(content.cell, path, kind, messages)
+    return Change(content.cell, path, kind, messages, run=runs.current_id())
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the folder of the baseline ``path`` (created if missing) while the
+    body reads and rewrites it: a lock on the folder, not a lock file beside the baseline, which
+    would be one more file in the committed tree. Where the filesystem has no flock for a folder
+    the body runs unlocked: the atomic write still leaves one whole file."""
+    folder = Path(path).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_obtained(kind: type[Content], root: str | Path, record: Record) -> Path:
@@ -135,7 +160,8 @@ def handle(kind: type[Content], root: str | Path, record: Record, *, update_base
     if update_baselines:
         refusal = refusal_of(record)
         if refusal is None:
-            return Outcome(change=regenerate())
+            with locked(path_for(kind, root, record.tier, record.cell)):
+                return Outcome(change=regenerate())
         keep = obtained_when_refused and record.status == "ok"
         return Outcome(obtained=write_obtained(kind, root, record) if keep else None, refused=refusal)
     if record.status == "ok" and record.verdict in verdicts.WRITES_OBTAINED:

@@ -60,8 +60,12 @@ class Row:
 
 
 _ROWS = (
-    Row("pass", False, 11, "passed", "passed", True, "clear", "success", "#2e7d32", "#ffffff", "✅",
+    Row("pass", False, 12, "passed", "passed", True, "clear", "success", "#2e7d32", "#ffffff", "✅",
         "matches the baseline within the bounds"),
+    # A cell that quantizes activations or computes in bfloat16, against a baseline from other
+    # kernels: judged by what carries by construction (harness.judging, _Case.judges_logprobs).
+    Row("portable-pass", False, 11, "passed", "passed", True, "clear", "success", "#689f38", "#ffffff", "☑️",
+        "on other kernels than its baseline's: loaded state exact, agrees with the other engines here; logprobs against the baseline shown, not judged"),
     Row("regressed", True, 2, "failed", "failure", True, "write", "error", "#d32f2f", "#ffffff", "📉",
         "differs from the baseline beyond the bounds (or loads slower)", localised=True, shows_log=True, rewrites_baseline=True),
     Row("improved", False, 9, "passed", "passed", True, "write", "success", "#00897b", "#ffffff", "🚀",

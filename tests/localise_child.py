@@ -43,6 +43,4 @@ def localised(model: str, scheme: str, spec: str | None) -> R.Localisation:
 
 for case, model, scheme, spec in json.loads(sys.argv[1]):
     loc = localised(model, scheme, spec)
-    flip = loc.rounding_flip is not None and loc.rounding_flip.explained
-    print(json.dumps({"case": case, "module": loc.module, "kind": loc.kind, "rounding_flip": flip,
-                      "detail": loc.detail}), flush=True)
+    print(json.dumps({"case": case, "module": loc.module, "kind": loc.kind, "detail": loc.detail}), flush=True)

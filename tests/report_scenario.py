@@ -12,6 +12,8 @@ from pathlib import Path
 from harness import judging, matrix
 from harness.baselines import Baseline
 from harness.records import (
+    Computation,
+    CpuInfo,
     EngineInfo,
     ErrorInfo,
     Greedy,
@@ -30,6 +32,7 @@ VOCAB = 250
 EVIL = "<script>window.__pwned = 1; alert('x')</script>"
 
 REGRESSED = "llama.bnb-nf4-skip-ambiguous.reference"
+PORTABLE = "llama.fp8-dynamic.vllm"  # on another CPU than its baseline, FP8 activations: portable-pass
 REGRESSED_GPU = "llama-gpu.fp8-static-kv.vllm"  # a cell with one engine: no cross-engine comparison
 KNOWN_FAILURE = "mllama-11b-fp8-kv.fp8-static-kv.vllm"
 KF = matrix.KnownFailure(
@@ -81,9 +84,10 @@ def perturb(seq: SequenceResult, deltas, swap_step: int | None = None, outside_t
 
 def _info(cell, version: str | None = None) -> EngineInfo:
     gpu = (cell.hardware.gpus or 0) > 0
+    # an engine names the CPU it ran on (the host's, on a GPU), as harness.engines.base.Engine.info does
     return EngineInfo(name=cell.engine, version=version or cell.engine_version, environment=cell.environment,
                       torch="2.13.0+cpu" if not gpu else "2.9.0+cu128",
-                      platform="cuda-sm90" if gpu else "cpu-x86_64-avx2")
+                      platform="cuda-sm90" if gpu else "cpu-x86_64-avx2", cpu=CpuInfo(**CPU))
 
 
 def ok_record(cell_id: str, seqs, *, load_s: float = 0.05, started: datetime, version: str | None = None,
@@ -111,9 +115,24 @@ def _seqs(cell_id: str) -> list[SequenceResult]:
     return [sequence("p0", seed), sequence("p1", seed + 1, n_prompt=4, n_gen=8)]
 
 
+def _moved(seq: SequenceResult):
+    """Deltas of ~0.05 from the first generated position on, beyond every bound."""
+    plen = len(seq.prompt_tokens)
+    return lambda i: 0.05 + 0.01 * (i % 4) if i + 1 >= plen else 2e-6
+
+
+def _portable(record: Record) -> Record:
+    """The record as computed on another kind of CPU than the scenario's baselines (EPYC), with
+    FP8-quantized activations: a computation that does not carry to other kernels, so its
+    logprobs against the baseline are shown, not judged (docs/design.md, "Portability across CPUs")."""
+    info = record.engine_info.model_copy(update={"cpu": CpuInfo(**EPYC)})
+    return record.model_copy(update={"engine_info": info,
+                                     "computation": Computation(dtype="float32", quantized_activations=["input"])})
+
+
 def build(cell_id: str, kind: str, *, started: datetime, load_s: float = 0.05) -> Record:
-    """A judged record of one kind: pass, regressed, improved, failed, error, unsupported, waived,
-    unexpected-pass, stale-baseline, missing-baseline."""
+    """A judged record of one kind: pass, portable-pass, regressed, improved, failed, error,
+    unsupported, waived, unexpected-pass, stale-baseline, missing-baseline."""
     cell = CELLS[cell_id]
     base = _seqs(cell_id)
     base_rec = ok_record(cell_id, base, load_s=0.05, started=started - timedelta(days=7))
@@ -122,10 +141,11 @@ def build(cell_id: str, kind: str, *, started: datetime, load_s: float = 0.05) -
         return judged(cell_id, ok_record(cell_id, [perturb(s, tiny) for s in base], load_s=load_s, started=started), base_rec)
     if kind == "regressed":
         # from the first generated position on, the logprobs move by ~0.05: a wrongly quantized layer
-        plen = len(base[0].prompt_tokens)
-        bump = lambda i: 0.05 + 0.01 * (i % 4) if i + 1 >= plen else 2e-6  # noqa: E731
-        seqs = [perturb(base[0], bump, swap_step=2, outside_topk=True), perturb(base[1], tiny)]
+        seqs = [perturb(base[0], _moved(base[0]), swap_step=2, outside_topk=True), perturb(base[1], tiny)]
         return judged(cell_id, ok_record(cell_id, seqs, load_s=load_s, started=started), base_rec)
+    if kind == "portable-pass":
+        return judged(cell_id, _portable(ok_record(cell_id, [perturb(base[0], _moved(base[0])), base[1]], load_s=load_s,
+                                                   started=started)), base_rec)
     if kind == "improved":
         assert cell.gate_load_time
         return judged(cell_id, ok_record(cell_id, [perturb(s, tiny) for s in base], load_s=0.02, started=started), base_rec)
@@ -160,6 +180,7 @@ def build(cell_id: str, kind: str, *, started: datetime, load_s: float = 0.05) -
 
 ALL_KINDS = {
     "llama.unquantized.reference": "pass",
+    PORTABLE: "portable-pass",
     REGRESSED: "regressed",
     "llama-gpu.fp8-dynamic.vllm": "improved",
     "whisper-gpu.fp8-static-kv.vllm": "failed",
@@ -192,36 +213,7 @@ def full_matrix_kinds(overrides: dict[str, str]) -> dict[str, str]:
     return {cid: overrides.get(cid, "pass") for cid in CELLS}
 
 
+EPYC = {"vendor": "AuthenticAMD", "model": "AMD EPYC 7R13 Processor", "flags": ["avx2"], "capability": "avx2"}
 CPU = {"vendor": "GenuineIntel", "model": "Intel(R) Xeon(R) Platinum 8488C", "flags": ["avx2", "avx512f", "amx_tile"],
        "capability": "avx512"}
 
-
-def with_noise_judgement(record: Record, onset_index: int = 8) -> Record:
-    """The record with what the noise-aware comparison adds to its teacher-forced:baseline check:
-    which bound judged each position, the noise bound there, each prompt's onset and the share of
-    positions the family bound judged. The onset, like ``judged``, is a logprob index (shown as
-    position index + 1)."""
-    checks = []
-    for c in record.checks:
-        if c.name == "teacher-forced:baseline" and c.data:
-            per = c.data["per_position"]
-            judged = {p: ["noise" if i % 4 == 3 else "family" for i in range(len(v))] for p, v in per.items()}
-            noise = {p: [2e-3 if j == "noise" else None for j in js] for p, js in judged.items()}
-            onsets = {p: None for p in per}
-            onsets[next(iter(per))] = {"position": onset_index, "quantizer": "model.layers.3.mlp.down_proj",
-                                       "value": 0.0123, "distance": 4.5, "noise": 0.0021}
-            share = sum(j == "family" for js in judged.values() for j in js) / sum(len(js) for js in judged.values())
-            c = c.model_copy(update={"data": {**c.data, "judged": judged, "noise_bound": noise, "onsets": onsets,
-                                              "family_share": share}})
-        checks.append(c)
-    return record.model_copy(update={"checks": checks})
-
-
-NOISE_KEYS = ("judged", "onsets", "noise_bound", "family_share")
-
-
-def without_noise_judgement(record: Record) -> Record:
-    """The record as a harness without the noise-aware comparison wrote it."""
-    checks = [c.model_copy(update={"data": {k: v for k, v in c.data.items() if k not in NOISE_KEYS}}) if c.data else c
-              for c in record.checks]
-    return record.model_copy(update={"checks": checks})

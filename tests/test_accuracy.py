@@ -245,7 +245,7 @@ def record(engine="reference", accuracy=()):
     return R.Record(cell=f"llama.unquantized.{engine}", model="llama", scheme="unquantized", engine=engine,
                     tier="cpu-tiny", fixture=R.FixtureRef(name="llama-unquantized", identity="i"), engine_info=info,
                     status="ok", sequences=[seq], load=R.LoadInfo(seconds=0.1), accuracy=list(accuracy),
-                    started_at=R.utc_now(), duration_s=1.0)
+                    computation=R.Computation(dtype="float32"), started_at=R.utc_now(), duration_s=1.0)
 
 
 def stored(tmp_path, rec):
@@ -290,6 +290,27 @@ def test_accuracy_joins_the_verdict(tmp_path):
     moved.sequences[0].scored.logprobs[0] = -1.5  # fusing changed the numerics: no accuracy comparison
     j = verdict_of(mine, base, acc_base, [other], unfused=moved)
     assert not any(c.name.startswith("accuracy/choice:transformers") for c in j.checks)
+
+
+def test_accuracy_from_other_kernels_is_judged_only_where_the_computation_carries(tmp_path):
+    """The accuracy baseline's own kernels decide, not the logprob baseline's: a kind that recorded
+    its logprob baseline but not its accuracy one still shows that accuracy, not judged."""
+    xeon = R.CpuInfo(vendor="GenuineIntel", model="Xeon", flags=["avx2", "avx512f"], capability="avx512")
+    epyc = xeon.model_copy(update={"vendor": "AuthenticAMD", "model": "EPYC"})
+
+    def on(cpu, value, computation=R.Computation(dtype="float32")):
+        r = record(accuracy=[acc(value)])
+        return r.model_copy(update={"engine_info": r.engine_info.model_copy(update={"cpu": cpu}), "computation": computation})
+
+    base, _ = stored(tmp_path / "here", on(epyc, 0.80))
+    _, acc_elsewhere = stored(tmp_path / "there", on(xeon, 0.80))
+    fp8 = R.Computation(dtype="float32", quantized_activations=["input"])
+    j = verdict_of(on(epyc, 0.62, fp8), base, acc_elsewhere)
+    assert j.verdict == "portable-pass" and "accuracy against its baseline not judged: the baseline is from other kernels" in j.reason
+    c = next(c for c in j.checks if c.name == "accuracy/choice:baseline")
+    assert c.ok and c.detail.startswith("not judged: ") and c.data["within_bounds"] is False
+    assert next(c for c in j.checks if c.name == "teacher-forced:baseline").data.get("judged", True)
+    assert verdict_of(on(epyc, 0.62), base, acc_elsewhere).verdict == "regressed"  # float32 carries
 
 
 def test_accuracy_baselines_are_refused_like_any_baseline(tmp_path):

@@ -34,7 +34,8 @@ def record(verdict="missing-baseline", version="5.19.0", **kw):
                 engine_info=R.EngineInfo(name="transformers", version=version, environment="core", torch="2.13.0+cpu",
                                          platform="cpu-x86_64-avx2"),
                 status="ok", sequences=[seq()], load=R.LoadInfo(seconds=0.02, phases={"read": 0.01}),
-                started_at="2026-01-02T03:04:05Z", duration_s=2.0, verdict=verdict)
+                computation=R.Computation(dtype="float32"), started_at="2026-01-02T03:04:05Z", duration_s=2.0,
+                verdict=verdict)
     base.update(kw)
     return R.Record(**base)
 
@@ -50,7 +51,7 @@ def test_new_baseline_is_reviewable_text_and_reads_back(tmp_path):
     assert '        {"pos": 2, "token": 3, "logprob": -2.0, "topk": [[3, -2.0], [9, -3.0]]},' in lines
     assert '        {"step": 1, "token": 6, "topk": [[6, -0.1], [7, -2.0]]}' in lines
     data = json.loads(text)
-    assert list(data) == ["schema_version", "cell", "tier", "provenance", "fixture", "source", "load", "noise", "sequences"]
+    assert list(data) == ["schema_version", "cell", "tier", "provenance", "fixture", "source", "load", "sequences"]
     assert data["provenance"] == {"engine": "transformers", "engine_version": "5.19.0", "environment": "core",
                                   "torch": "2.13.0+cpu", "platform": "cpu-x86_64-avx2", "cpu": None,
                                   "date": "2026-01-02T03:04:05Z", "commit": "abc"}

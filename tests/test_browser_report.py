@@ -87,6 +87,24 @@ def _report(tmp_path: Path, sets: dict[str, dict[str, str]], expected) -> Path:
     return write_reports([tmp_path / n for n in sets], tmp_path / "out", expected=expected, matrix=rs.MATRIX).html
 
 
+def _portable_pass_is_shown_apart(pg: Page) -> None:
+    """portable-pass is a filter of its own; its logprob checks against the baseline wear the grey
+    "shown, not judged" badge, and its chart draws the bars above the family bound apart, never red."""
+    page, chips = pg.page, pg.page.locator("td.cell .chip")
+    page.locator('button.f[data-verdict="portable-pass"]').click()
+    assert [c.inner_text().split() for c in chips.all() if c.is_visible()] == [["vllm", "portable-pass"]]
+    page.locator("button.f.all").click()
+    pg.cell(rs.PORTABLE).click()
+    portable = pg.detail(rs.PORTABLE)
+    assert portable.locator(".badge.shown").count() == 4  # teacher-forced and greedy: headings and checks
+    badge = portable.locator(".badge.shown").first
+    assert badge.is_visible() and badge.inner_text() == "shown, not judged"
+    assert badge.evaluate("b => getComputedStyle(b).backgroundColor") == "rgb(234, 238, 242)"
+    assert portable.locator("svg.chart rect.bar.above").count() > 0
+    assert portable.locator("svg.chart rect.bar.over").count() == 0
+    pg.cell(rs.PORTABLE).click()
+
+
 def test_report_in_chromium(browser, tmp_path):
     html = _report(tmp_path, {"run1": rs.ALL_KINDS, "run2": rs.ALL_KINDS}, [*rs.ALL_KINDS, rs.MISSING_CELL])
     pg = Page(browser, html)
@@ -121,6 +139,7 @@ def test_report_in_chromium(browser, tmp_path):
     assert detail.locator("text=trend across result sets").is_visible()
     pg.cell(rs.REGRESSED).click()
     assert not detail.is_visible()
+    _portable_pass_is_shown_apart(pg)
 
     # text from records and logs shows as text, never runs
     pg.cell("whisper.fp8-static-kv.transformers").click()

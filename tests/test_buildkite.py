@@ -189,7 +189,7 @@ def test_artifacts_env_and_environment_install():
     steps = by_cell(bk.generate(MATRIX, CELLS))
     for c in CELLS:
         s = steps[c.id]
-        assert f"results/{c.id}.json" in s["artifact_paths"] and f"results/logs/{c.id}.log" in s["artifact_paths"]
+        assert f"results/*/{c.id}.json" in s["artifact_paths"] and f"results/*/logs/{c.id}.log" in s["artifact_paths"]
         assert len(s["artifact_paths"]) == 2 * len(s["env"]["HARNESS_CELLS"].split())
         env = MATRIX.environments[c.environment]
         for k, v in env.env.items():
@@ -248,9 +248,10 @@ def test_final_step_reports_and_annotates():
     cmd = f["command"]
     context = bk.annotation_context(CELLS, bk.Options())
     assert re.fullmatch(r"harness-cpu-tiny\+gpu-full\+gpu-tiny-[0-9a-f]{8}", context)
-    assert "buildkite-agent artifact download 'results/*.json' ." in cmd
-    assert "buildkite-agent artifact download 'results/logs/*.log' ." in cmd
-    assert "python3 -m harness.report results -o reports --matrix models.yaml --strict" in cmd
+    assert "buildkite-agent artifact download 'results/*/*.json' ." in cmd
+    assert "buildkite-agent artifact download 'results/*/logs/*.log' ." in cmd
+    assert 'set -- results/*/\n[ -d "$1" ] || set -- results\n' in cmd  # each job's directory, or none
+    assert 'python3 -m harness.report "$@" -o reports --matrix models.yaml --strict' in cmd
     assert f"--context {shlex.quote(context)}" in cmd and '--style "$(cat reports/annotation-style.txt)"' in cmd
     assert 'if [ -n "${BUILDKITE_ANALYTICS_TOKEN:-}" ]' in cmd and "format=junit" in cmd
     assert f["artifact_paths"] == ["reports/*"]
@@ -333,7 +334,7 @@ def test_a_malicious_name_cannot_inject_shell(tmp_path):
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     run = next(c for c in calls if c[:4] == ["python3", "-m", "harness.cli", "run"])
     assert run[run.index("-k") + 1] == selection.exact_k_many([cell], [cell]) == cell.id
-    assert run[run.index("--results") + 1] == f"{tmp_path}/{opts.results_dir}"
+    assert run[run.index("--results") + 1].startswith(f"{tmp_path}/{opts.results_dir}/local-")  # the job's own
     assert run[run.index("--matrix") + 1] == opts.matrix_path
     pips = [c for c in calls if c[1:4] == ["-m", "pip", "install"]]
     # each item is split into pip arguments as a shell would, and every argument reaches pip literally
@@ -507,9 +508,9 @@ def test_a_candidate_build_runs_beside_the_base_on_the_same_agent(validator, cap
     vllm, ref = steps["llama.fp8-dynamic.vllm"], steps["llama.fp8-dynamic.reference"]
     assert shlex.join(["--candidate", f"vllm={url}"]) in vllm["command"]
     assert "--candidate" not in ref["command"]
-    assert "results/candidate/llama.fp8-dynamic.vllm.json" in vllm["artifact_paths"]
+    assert "results/*/candidate/llama.fp8-dynamic.vllm.json" in vllm["artifact_paths"]
     assert not any("candidate" in a for a in ref["artifact_paths"])
-    assert "results/candidate/*" in final(p)["command"]
+    assert "results/*/candidate/*" in final(p)["command"]
     assert "candidate" not in final(bk.generate(MATRIX, cells))["command"]
     assert bk.main(["--matrix", "models.yaml", "--candidate", "vlm=x.whl"]) == 2
     assert "--candidate 'vlm=x.whl': expected ENGINE=SPEC" in capsys.readouterr().err

@@ -85,19 +85,20 @@ def test_records_and_logs_were_uploaded_and_downloaded(pipeline_run):
     m, cells, pipeline, run, checkout, env = pipeline_run
     ran = ["llama.unquantized.reference", "llama.unquantized.transformers", "llama.bnb-nf4.reference"]
     for cid in ran:
-        assert run.artifact(f"results/{cid}.json").is_file()
-        assert run.artifact(f"results/logs/{cid}.log").is_file()
-        assert (checkout / "results" / f"{cid}.json").is_file()
+        # each job's records in its own directory (harness.runs): the steps share the checkout
+        assert len(list(run.artifact("results").glob(f"job-*/{cid}.json"))) == 1
+        assert len(list(run.artifact("results").glob(f"job-*/logs/{cid}.log"))) == 1
+        assert len(list((checkout / "results").glob(f"job-*/{cid}.json"))) == 1
     downloads = [c for c in run.calls if c["argv"][:2] == ["artifact", "download"]]
-    assert [c["argv"][2] for c in downloads] == ["results/*.json", "results/logs/*.log"]
-    assert sorted(downloads[0]["downloaded"]) == sorted(f"results/{c}.json" for c in ran)
+    assert [c["argv"][2] for c in downloads] == ["results/*/*.json", "results/*/logs/*.log"]
+    assert sorted(p.rsplit("/", 1)[1] for p in downloads[0]["downloaded"]) == sorted(f"{c}.json" for c in ran)
     # raw/, witness/ and sequences/ stay on the agent
-    assert not run.artifact("results/raw").exists()
+    assert not list(run.artifact("results").glob("*/raw"))
 
 
 def test_annotation_and_report(pipeline_run):
     m, cells, pipeline, run, checkout, env = pipeline_run
-    records = {p.stem: json.loads(p.read_text()) for p in (run.state / "artifacts" / "results").glob("*.json")}
+    records = {p.stem: json.loads(p.read_text()) for p in (run.state / "artifacts" / "results").glob("*/*.json")}
     verdicts = {cid: r["verdict"] for cid, r in records.items()}
     assert sorted(verdicts) == ["llama.bnb-nf4.reference", "llama.unquantized.reference", "llama.unquantized.transformers"]
     assert "error" not in verdicts.values(), {c: r["verdict_reason"] for c, r in records.items()}

@@ -27,7 +27,7 @@ def record(engine="vllm", **kw):
     info = kw.pop("engine_info", INFO.model_copy(update={"name": engine}))
     base = dict(cell=f"llama.fp8-dynamic.{engine}", model="llama", scheme="fp8-dynamic", engine=engine, tier="cpu-tiny",
                 fixture=R.FixtureRef(name="llama-fp8-dynamic", identity="abc"), engine_info=info, status="ok",
-                sequences=[seq()], load=R.LoadInfo(seconds=1.0),
+                sequences=[seq()], load=R.LoadInfo(seconds=1.0), computation=R.Computation(dtype="float32"),
                 started_at="2026-01-02T03:04:05Z", duration_s=1.0)
     base.update(kw)
     return R.Record(**base)
@@ -190,15 +190,55 @@ def test_a_known_failure_excuses_a_deviation_only_as_far_as_the_cells_recorded_b
                                "but this run left its recorded behaviour: teacher-forced:baseline: exceeds bound")
 
 
+EPYC = XEON.model_copy(update={"vendor": "AuthenticAMD", "model": "EPYC", "flags": ["avx2"], "capability": "avx2"})
+FP8_ACTIVATIONS = R.Computation(dtype="float32", quantized_activations=["input"])
+
+
+def test_on_other_kernels_a_cell_whose_computation_carries_is_judged_as_on_its_own():
+    """Float32 with no quantized activation: the family bound against a baseline from any kernels."""
+    b = baseline(record(engine_info=INFO.model_copy(update={"cpu": XEON})))
+    moved = record(sequences=[seq(lps=(-1.0, -2.05, -0.5))], engine_info=INFO.model_copy(update={"cpu": EPYC}))
+    j = judging.verdict(moved, b, bounds=BOUNDS)
+    assert j.verdict == "regressed" and "teacher-forced:baseline: exceeds bound" in j.reason
+    same = record(engine_info=INFO.model_copy(update={"cpu": EPYC}))
+    assert judging.verdict(same, b, bounds=BOUNDS).verdict == "pass"
+
+
+def test_on_other_kernels_fp8_activations_are_shown_not_judged_and_never_a_plain_pass():
+    state = {"model.layers.0.mlp.down_proj": "b" * 16}
+    b = baseline(record(loaded_state=state, engine_info=INFO.model_copy(update={"cpu": XEON})))
+    moved = record(sequences=[seq(lps=(-1.0, -2.05, -0.5))], loaded_state=state, computation=FP8_ACTIVATIONS,
+                   engine_info=INFO.model_copy(update={"cpu": EPYC}))
+    j = judging.verdict(moved, b, bounds=BOUNDS)
+    assert j.verdict == "portable-pass" and j.loaded_state_only
+    assert j.reason.startswith("loaded state exact (1 modules); no other engine in this run to agree with; logprobs "
+                               "against the baseline not judged: the baseline is from other kernels (")
+    assert "it quantizes activations (input)" in j.reason and "--update-kernel-baselines -k fp8-dynamic" in j.reason
+    tf = next(c for c in j.checks if c.name == "teacher-forced:baseline")
+    assert tf.ok and tf.detail.startswith("not judged: ") and tf.data["judged"] is False and not tf.data["within_bounds"]
+    # the loaded state is judged exactly, and so are the other engines of the run
+    off = moved.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})
+    j = judging.verdict(off, b, bounds=BOUNDS)
+    assert j.verdict == "regressed" and "loaded-state:baseline" in j.reason and "teacher-forced:baseline" not in j.reason
+    witness = record("reference", sequences=[seq(lps=(-1.0, -2.5, -0.5))],
+                     engine_info=INFO.model_copy(update={"name": "reference", "cpu": EPYC}))
+    j = judging.verdict(moved, b, bounds=BOUNDS, cross_engine_checks=C.cross_engine(moved, [witness], BOUNDS))
+    assert j.verdict == "failed" and "teacher-forced:reference" in j.reason
+    # on the baseline's own kernels everything is judged
+    home = moved.model_copy(update={"engine_info": INFO.model_copy(update={"cpu": XEON})})
+    assert judging.verdict(home, b, bounds=BOUNDS).verdict == "regressed"
+    bf16 = moved.model_copy(update={"computation": R.Computation(dtype="bfloat16")})
+    assert "it computes in bfloat16" in judging.verdict(bf16, b, bounds=BOUNDS).reason
+
+
 def test_against_recorded_behaviour_from_other_kernels_a_waived_cell_is_held_to_its_loaded_state():
-    epyc = XEON.model_copy(update={"vendor": "AuthenticAMD", "model": "EPYC", "flags": ["avx2"], "capability": "avx2"})
     state = {"model.layers.0.mlp.down_proj": "b" * 16}
     ref, known, kfs = _waived_case(loaded_state=state)
-    elsewhere = known.model_copy(update={"sequences": [seq(lps=(-1.0, -2.56, -0.5))],
-                                         "engine_info": INFO.model_copy(update={"cpu": epyc})})
+    elsewhere = known.model_copy(update={"sequences": [seq(lps=(-1.0, -2.56, -0.5))], "computation": FP8_ACTIVATIONS,
+                                         "engine_info": INFO.model_copy(update={"cpu": EPYC})})
     cross = C.cross_engine(elsewhere, [ref], BOUNDS)
     j = judging.verdict(elsewhere, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
-    assert j.verdict == "waived" and j.reason.endswith("; its loaded state equal to its baseline's (from other kernels)")
+    assert j.verdict == "waived" and "; its loaded state equal to its baseline's; logprobs against the baseline not judged: " in j.reason
     assert j.loaded_state_only  # what harness run --update-kernel-baselines records a baseline of these kernels for
     loaded_other = elsewhere.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})
     j = judging.verdict(loaded_other, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
@@ -211,30 +251,23 @@ def test_against_recorded_behaviour_from_other_kernels_a_waived_cell_is_held_to_
     assert j.verdict == "regressed" and j.reason.startswith("load-time:baseline") and j.loaded_state_only
 
 
-def test_a_known_failure_that_does_not_show_on_other_kernels_is_a_pass_held_to_the_loaded_state():
+def test_a_known_failure_that_does_not_show_on_other_kernels_is_a_portable_pass():
     # whisper.fp8-dynamic.vllm under MKL_ENABLE_INSTRUCTIONS=AVX2: vLLM agrees with the reference
     # there, so nothing is waived, while its baseline records the known deviation from the Xeon
-    epyc = XEON.model_copy(update={"vendor": "AuthenticAMD", "model": "EPYC", "flags": ["avx2"], "capability": "avx2"})
     state = {"model.layers.0.mlp.down_proj": "b" * 16}
     ref, known, kfs = _waived_case(loaded_state=state)
-    agreeing = record(loaded_state=state, engine_info=INFO.model_copy(update={"cpu": epyc}))
+    agreeing = record(loaded_state=state, computation=FP8_ACTIVATIONS, engine_info=INFO.model_copy(update={"cpu": EPYC}))
     cross = C.cross_engine(agreeing, [ref], BOUNDS)
     assert all(c.ok for c in cross)
     j = judging.verdict(agreeing, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
-    assert j.verdict == "pass" and "shows in that baseline, recorded on other kernels, not on these" in j.reason
+    assert j.verdict == "portable-pass" and "agrees with reference in this run" in j.reason
+    assert j.reason.endswith("known failure 'teacher-forced:reference' (vllm >=0.32,<0.33) does not show on these kernels")
     assert j.loaded_state_only
-    assert any(c.name == "teacher-forced:baseline" and not c.ok for c in j.checks)
+    assert any(c.name == "teacher-forced:baseline" and not c.data["within_bounds"] for c in j.checks)
     # the loaded state still holds it
     moved = agreeing.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})
     j = judging.verdict(moved, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "regressed" and "loaded-state:baseline" in j.reason and "teacher-forced:baseline" not in j.reason
-    # on the baseline's own kernels, a known failure that does not show is an unexpected pass
-    native = agreeing.model_copy(update={"engine_info": INFO.model_copy(update={"cpu": XEON})})
-    j = judging.verdict(native, baseline(native), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
-    assert j.verdict == "unexpected-pass"
-    # with no other engine in the run to vouch for its sequences, the baseline's are held
-    j = judging.verdict(agreeing, baseline(known), bounds=BOUNDS, known_failures=kfs)
-    assert j.verdict == "regressed" and "teacher-forced:baseline" in j.reason
 
 
 def test_module_diff_is_failed():

@@ -141,7 +141,7 @@ def test_flat_output_fails_without_a_baseline():
     j = judging.verdict(_record([0.5, 0.0]), None, bounds=BOUNDS)
     assert j.verdict == "failed"
     assert ("input-sensitivity:contrast: the output does not depend on the image (prompt p1: max |Δlogprob| 0 "
-            "<= noise 0.0001") in j.reason
+            "<= bound 0.0001") in j.reason
 
 
 def test_flat_output_fails_against_its_own_baseline():
@@ -150,12 +150,12 @@ def test_flat_output_fails_against_its_own_baseline():
     assert j.verdict == "failed"
 
 
-def test_a_difference_below_the_noise_is_no_difference():
+def test_a_difference_within_the_bound_is_no_difference():
     assert judging.verdict(_record([5e-5]), None, bounds=BOUNDS).verdict == "failed"
     j = judging.verdict(_record([2e-3, 0.7]), None, bounds=BOUNDS)
     assert j.verdict == "missing-baseline"
     check = next(c for c in j.checks if c.name == "input-sensitivity:contrast")
-    assert check.ok and "smallest max |Δlogprob| 0.002 against noise 0.0001 (prompt p0, 20x)" in check.detail
+    assert check.ok and "smallest max |Δlogprob| 0.002 against bound 0.0001 (prompt p0, 20x)" in check.detail
 
 
 def test_an_infinite_difference_is_a_difference():
@@ -310,7 +310,7 @@ def test_report_rows_show_both_inputs_and_a_picture():
     rows = sensitivity.rows(record.model_copy(update={"checks": [check]}))
     (row,) = rows
     assert [(q["index"], q["logprob"], q["contrast"]) for q in row["positions"]] == [(1, -1.0, -1.7), (2, -2.0, -2.0)]
-    assert row["noise"] == 1e-4 and row["input"] == "synthetic:gradient-56"
+    assert row["bound"] == 1e-4 and row["input"] == "synthetic:gradient-56"
     png = base64.b64decode(row["picture"].removeprefix("data:image/png;base64,"))
     assert png.startswith(b"\x89PNG") and png[12:16] == b"IHDR"
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")

@@ -1,5 +1,5 @@
 """The loaded state, module by module, checked bit for bit against the baseline on any machine
-(docs/design.md, "Loaded state"), and the rounding-flip rule that rests on it (issue 26)."""
+(docs/design.md, "Loaded state"), and the rounding-flip rule between engines on the same kernels."""
 import json
 import os
 import subprocess
@@ -46,16 +46,20 @@ def test_modules_holding_nothing_are_left_out_and_the_order_is_the_models():
     assert list(loaded_state.digest(m)) == ["0", "2"]
 
 
+# Loads each argument's cell in turn and prints {argument: its loaded state}; an argument
+# ``<cell>:<mutations>`` builds a vLLM cell under those test-only mutations (HARNESS_VLLM_MUTATION).
 _CHILD = """
-import json, sys
+import json, os, sys
 from harness import matrix
 from harness.engines.base import engine_class, resolve_checkpoint
+from harness.engines.vllm import MUTATION_ENV
 cells = {c.id: c for c in matrix.load(matrix.DEFAULT_PATH).cells(tier="cpu-tiny")}
 out = {}
-for cid in sys.argv[1:]:
+for arg in sys.argv[1:]:
+    cid, _, os.environ[MUTATION_ENV] = arg.partition(":")
     e = engine_class(cells[cid].engine)(cells[cid])
     e.load(resolve_checkpoint(cells[cid]))
-    out[cid] = e.loaded_state()
+    out[arg] = e.loaded_state()
     e.close()
 print(json.dumps(out))
 """
@@ -64,8 +68,10 @@ PORTABLE = ["llama.fp8-static-kv.reference", "llama.fp8-static-kv.transformers",
             "whisper.fp8-dynamic.reference"]
 
 
-def _states(env: dict[str, str]) -> dict:
-    p = subprocess.run([sys.executable, "-c", _CHILD, *PORTABLE], env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+def loaded_states(env: dict[str, str], cells: list[str] = PORTABLE) -> dict:
+    """The loaded state of each of ``cells`` (cell ids, or ``<cell>:<vLLM mutations>``), loaded in
+    turn in one fresh interpreter with ``env`` over this one's."""
+    p = subprocess.run([sys.executable, "-c", _CHILD, *cells], env={**os.environ, "OMP_NUM_THREADS": "1", **env},
                        cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -74,10 +80,10 @@ def _states(env: dict[str, str]) -> dict:
 def test_the_loaded_state_is_the_same_under_every_kernel_condition():
     """Native kernels, a lowered torch capability with the libraries' AVX2 paths, and the torch
     decoders instead of the C ones (HARNESS_NATIVE=0): one digest per module."""
-    native = _states({})
+    native = loaded_states({})
     assert all(len(v) > 10 for v in native.values()), native
-    assert _states({"ATEN_CPU_CAPABILITY": "default", **cpu.LIBRARIES_AVX2}) == native
-    assert _states({"HARNESS_NATIVE": "0"}) == native
+    assert loaded_states({"ATEN_CPU_CAPABILITY": "default", **cpu.LIBRARIES_AVX2}) == native
+    assert loaded_states({"HARNESS_NATIVE": "0"}) == native
 
 
 # ---------------------------------------------------------------------------- the check
@@ -118,55 +124,23 @@ def test_a_state_difference_is_regressed_on_the_same_and_on_other_kernels():
 # ------------------------------------------------------------------------ rounding flips
 
 
-def _flip(explained=True, prompt="p0") -> R.Localisation:
+def _flip(explained=True, prompt="p0", against="transformers") -> R.Localisation:
     at = [R.FlipAt(prompt=prompt, module="model.layers.0.mlp.gate_proj", fragile=3, moved=0.01, bound=0.04, steps=1.2)]
-    return R.Localisation(against="baseline", module="model.layers.0.mlp.gate_proj", kind="quantizer", detail="...",
+    return R.Localisation(against=against, module="model.layers.0.mlp.gate_proj", kind="quantizer", detail="...",
                           rounding_flip=R.RoundingFlip(explained=explained, detail="rounding flip at X" if explained
                                                        else "not a rounding flip: Y", at=at if explained else []))
 
 
-def _judged(run_cpu, state=STATE, flip=None, lps=(-1.0, -2.5, -0.5)):
+def test_a_flip_is_never_explained_away_against_a_baseline_on_any_kernels():
+    """Against a baseline nothing predicts or explains: a cell whose logprobs moved is regressed,
+    on the baseline's own kernels and, where its computation carries, on other kernels too."""
     b = baseline(record(loaded_state=STATE, engine_info=INFO.model_copy(update={"cpu": CPU})))
-    rec = record(loaded_state=state, sequences=[seq(lps=lps)], engine_info=INFO.model_copy(update={"cpu": run_cpu}))
-    rec = judging.verdict(rec, b, bounds=BOUNDS).apply(rec)
-    if flip is not None:
-        rec = rec.model_copy(update={"localisation": [flip]})
-    return rec, b
-
-
-def test_a_rounding_flip_on_other_kernels_with_the_state_exact_passes_and_says_so():
-    rec, b = _judged(OTHER_CPU, flip=_flip())
-    assert rec.verdict == "regressed"
-    j = judging.rounding_flip(rec, b)
-    assert j is not None and j.verdict == "pass"
-    assert "rounding flip at X" in j.reason and "state exact (3 modules)" in j.reason and "position 2" in j.reason
-    assert all(c.ok for c in j.checks)
-    tf = next(c for c in j.checks if c.name == "teacher-forced:baseline")
-    assert tf.detail.startswith("explained by a rounding flip") and tf.data["rounding_flip"]["explained"]
-
-
-def test_a_flip_is_never_explained_away_on_the_baselines_own_kernels():
-    rec, b = _judged(CPU, flip=_flip())
-    assert rec.verdict == "regressed" and judging.rounding_flip(rec, b) is None
-
-
-def test_a_flip_needs_the_state_exact_and_the_localisation_to_show_it():
-    rec, b = _judged(OTHER_CPU, state={**STATE, "lm_head": "0" * 16}, flip=_flip())
-    assert judging.rounding_flip(rec, b) is None
-    rec, b = _judged(OTHER_CPU, flip=_flip(explained=False))
-    assert judging.rounding_flip(rec, b) is None
-    rec, b = _judged(OTHER_CPU)  # not localised
-    assert judging.rounding_flip(rec, b) is None
-    rec, b = _judged(OTHER_CPU, state=None, flip=_flip())  # no digests: nothing shows the state exact
-    assert judging.rounding_flip(rec, b) is None
-
-
-def test_a_flip_on_one_prompt_explains_nothing_on_another():
-    rec, b = _judged(OTHER_CPU, flip=_flip(prompt="p1"))  # the logprobs fail on p0
-    assert rec.verdict == "regressed" and judging.rounding_flip(rec, b) is None
-
-
-# ------------------------------------------------- harness.traces.flips on constructed traces
+    for run_cpu in (CPU, OTHER_CPU):
+        rec = record(loaded_state=STATE, sequences=[seq(lps=(-1.0, -2.5, -0.5))], computation=R.Computation(dtype="float32"),
+                     engine_info=INFO.model_copy(update={"cpu": run_cpu}))
+        rec = judging.verdict(rec, b, bounds=BOUNDS).apply(rec)
+        rec = rec.model_copy(update={"localisation": [_flip(against="baseline")]})
+        assert rec.verdict == "regressed" and judging.rounding_flip(rec) is None
 
 
 def _trace(x, scale, weight, *, out_factor=1.0, prompt="p0"):
@@ -179,15 +153,6 @@ def _trace(x, scale, weight, *, out_factor=1.0, prompt="p0"):
                        inputs={"q": x.clone()}, weights={"q": weight @ weight_probe(weight.shape[1])},
                        quantizers={"q"}, input_scales={"q": scale},
                        column_norms={"q": weight.norm(dim=0)})
-
-
-def _explain(base, fresh, element_noise=1e-5):
-    from harness.traces import fingerprint, flips
-    from harness.traces.noise import ModuleNoise
-
-    noise = ModuleNoise(outputs={"norm": element_noise, "q": element_noise}, measured_by="reference")
-    fp = fingerprint.make([base], "reference", True, noise=noise)
-    return flips.explain(fp, [fresh], fingerprint.deltas(fp, [fresh]))
 
 
 def _inputs():
@@ -209,7 +174,7 @@ def _across_the_boundary(x):
 def test_an_input_element_that_crosses_a_boundary_within_noise_is_a_rounding_flip():
     x, w = _inputs()
     moved = _across_the_boundary(x)
-    flip = _explain(_trace(x, 1.0, w), _trace(moved, 1.0, w))
+    flip = _across(_trace(x, 1.0, w), _trace(moved, 1.0, w))
     assert flip.explained, flip.detail
     (at,) = flip.at
     assert at.module == "q" and at.fragile == 1 and 0.5 < at.steps <= 1.0 + 1e-6 and at.moved <= at.bound
@@ -219,24 +184,24 @@ def test_an_input_element_that_crosses_a_boundary_within_noise_is_a_rounding_fli
 def test_a_quantizer_output_moved_beyond_a_few_flips_is_not_a_rounding_flip():
     x, w = _inputs()
     moved = _across_the_boundary(x)
-    flip = _explain(_trace(x, 1.0, w), _trace(moved, 1.0, w, out_factor=1.5))  # its own code is off
+    flip = _across(_trace(x, 1.0, w), _trace(moved, 1.0, w, out_factor=1.5))  # its own code is off
     assert not flip.explained and "more than 4 one-step flips" in flip.detail
 
 
 def test_a_quantizer_with_no_fragile_input_or_a_moved_input_is_not_a_rounding_flip():
     x, w = _inputs()
     x[1, 2] = 15.0  # nothing near a boundary within the noise
-    flip = _explain(_trace(x, 1.0, w), _trace(x, 1.0, w, out_factor=1.01))
+    flip = _across(_trace(x, 1.0, w), _trace(x, 1.0, w, out_factor=1.01))
     assert not flip.explained and "none can flip" in flip.detail
     moved = x.clone()
     moved[0] += 0.5  # the input itself moved: the first diverging module is the one that made it
-    flip = _explain(_trace(x, 1.0, w), _trace(moved, 1.0, w))
+    flip = _across(_trace(x, 1.0, w), _trace(moved, 1.0, w))
     assert not flip.explained and "first diverging module norm" in flip.detail
 
 
 def test_identical_traces_are_no_flip_and_say_why():
     x, w = _inputs()
-    flip = _explain(_trace(x, 1.0, w), _trace(x, 1.0, w))
+    flip = _across(_trace(x, 1.0, w), _trace(x, 1.0, w))
     assert not flip.explained and "no module differs" in flip.detail
 
 
@@ -250,28 +215,26 @@ def _disagreeing(flip: R.Localisation | None, failing: tuple[str, ...] = ("teach
     checks = [R.Check(name=name, ok=False, detail="exceeds bound",
                       data={"exceeding_prompts": list(prompts), "worst": worst} if name.startswith("teacher") else
                       {"divergences": [{"prompt": p, "ok": False} for p in prompts]}) for name in failing]
-    rec = record(sequences=[seq()]).model_copy(update={"verdict": "failed", "checks": checks})
+    rec = record(sequences=[seq()], computation=R.Computation(dtype="float32")).model_copy(
+        update={"verdict": "failed", "checks": checks})
     return rec.model_copy(update={"localisation": [flip]}) if flip is not None else rec
 
 
 def test_a_rounding_flip_between_two_engines_on_the_same_kernels_passes_and_says_so():
-    flip = _flip().model_copy(update={"against": "transformers"})
-    j = judging.rounding_flip(_disagreeing(flip), None)
+    j = judging.rounding_flip(_disagreeing(_flip()))
     assert j is not None and j.verdict == "pass" and all(c.ok for c in j.checks)
     assert "rounding flip at X" in j.reason and "effective weights equal to transformers's" in j.reason
     assert "largest move 0.07 at prompt p0 position 16" in j.reason
 
 
 def test_a_disagreement_between_engines_needs_a_flip_shown_against_that_engine_on_its_failing_prompts():
-    against_transformers = _flip().model_copy(update={"against": "transformers"})
-    assert judging.rounding_flip(_disagreeing(None), None) is None  # not localised
-    assert judging.rounding_flip(_disagreeing(_flip()), None) is None  # shown against the baseline, not transformers
-    unexplained = _flip(explained=False).model_copy(update={"against": "transformers"})
-    assert judging.rounding_flip(_disagreeing(unexplained), None) is None
-    assert judging.rounding_flip(_disagreeing(against_transformers, prompts=("p1",)), None) is None  # another prompt
+    against_transformers = _flip()
+    assert judging.rounding_flip(_disagreeing(None)) is None  # not localised
+    assert judging.rounding_flip(_disagreeing(_flip(against="baseline"))) is None  # shown against the baseline, not transformers
+    assert judging.rounding_flip(_disagreeing(_flip(explained=False))) is None
+    assert judging.rounding_flip(_disagreeing(against_transformers, prompts=("p1",))) is None  # another prompt
     # a check a flip cannot move: the module diff, or accuracy
-    assert judging.rounding_flip(_disagreeing(against_transformers, ("teacher-forced:transformers", "module-diff:reference")),
-                           None) is None
+    assert judging.rounding_flip(_disagreeing(against_transformers, ("teacher-forced:transformers", "module-diff:reference"))) is None
 
 
 def test_a_flip_between_engines_leaves_the_baseline_and_the_load_time_to_judge():
@@ -279,7 +242,7 @@ def test_a_flip_between_engines_leaves_the_baseline_and_the_load_time_to_judge()
     a rounding flip explains it the rest of the verdict order runs (judging.settle_flip): a load
     over its bound is still regressed, a baseline of another engine version stale, and a cell
     within both passes with the baseline's checks in its record."""
-    flip = _flip().model_copy(update={"against": "transformers"})
+    flip = _flip()
     cross = _disagreeing(flip).checks
 
     def settled(load_s, **provenance):
@@ -291,7 +254,7 @@ def test_a_flip_between_engines_leaves_the_baseline_and_the_load_time_to_judge()
                                    explained=explained)
         judged = judge().apply(rec)
         assert judged.verdict == "failed" and not any(c.name.endswith(":baseline") for c in judged.checks)
-        return judging.settle_flip(judged, b, judge)
+        return judging.settle_flip(judged, judge)
 
     slow = settled(2.0)
     assert slow.verdict == "regressed" and "load-time:baseline" in slow.reason and "rounding flip at X" in slow.reason

@@ -10,8 +10,10 @@ import pytest
 import report_scenario as rs
 import yaml
 
+from harness import cpu
 from harness import matrix as mx
-from harness.records import Record, save
+from harness.records import CpuInfo, Record, save
+from harness.report import annotation
 from harness.report.merge import cross_check, load_results, parse_expected
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,3 +149,85 @@ def test_a_known_failure_about_the_reference_is_decided_where_the_merge_meets_it
     if expected == "unexpected-pass":
         assert "remove or narrow it in models.yaml" in vllm.verdict_reason
         assert m.notes == [f"{cid} ({d}): waived -> unexpected-pass: the reference agrees"]
+
+
+# Records from different agents are compared only where they share a kernel set (harness.report.merge.share_kernels)
+
+EPYC = {"vendor": "AuthenticAMD", "model": "AMD EPYC 7R13 Processor", "flags": ["avx2"], "capability": "avx2"}
+XEON_LIBRARIES_AVX2 = {**rs.CPU, "kernel_env": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def _on(record, cpu_info, platform=None):
+    """The record as another agent wrote it: its CPU (None: a record that names none) and, for a
+    GPU agent, its platform."""
+    update = {"cpu": CpuInfo(**cpu_info) if cpu_info else None, **({"platform": platform} if platform else {})}
+    return record.model_copy(update={"engine_info": record.engine_info.model_copy(update=update)})
+
+
+def _disagreeing_pair(d, ref_machine=(rs.CPU,), vllm_machine=(rs.CPU,)):
+    """The reference's regressed record and vLLM's, which disagree beyond the bounds, each written
+    on the machine given (CPU, platform), then merged."""
+    ref = rs.build(rs.REGRESSED, "regressed", started=T1)
+    vllm = _as_vllm(rs.build(rs.REGRESSED.replace("reference", "transformers"), "pass", started=T1))
+    d.mkdir(parents=True)
+    save(d / f"{rs.REGRESSED}.json", _on(ref, *ref_machine))
+    save(d / "llama.bnb-nf4-skip-ambiguous.vllm.json", _on(vllm, *vllm_machine))
+    m = load_results([d])
+    cross_check(m, _vllm_cpu_matrix())
+    return m, m.current[rs.REGRESSED].record, m.current["llama.bnb-nf4-skip-ambiguous.vllm"].record
+
+
+@pytest.mark.parametrize("ref_machine, vllm_machine", [
+    ((rs.CPU,), (rs.CPU,)),  # two agents of one kind, same kernels
+    ((rs.CPU, "cuda-sm90"), (EPYC, "cuda-sm90")),  # two GPU agents of one compute capability, other hosts
+], ids=["same-cpu", "same-gpu-other-hosts"])
+def test_engines_on_the_same_kernels_are_compared_at_merge(tmp_path, ref_machine, vllm_machine):
+    m, ref, vllm = _disagreeing_pair(tmp_path / "results", ref_machine, vllm_machine)
+    assert ref.verdict == vllm.verdict == "failed"
+    assert any(c.name == "teacher-forced:vllm" and not c.ok for c in ref.checks)
+    assert not any("not compared" in n for n in m.notes) and "not compared" not in ref.verdict_reason
+
+
+@pytest.mark.parametrize("vllm_machine, theirs", [
+    ((EPYC,), cpu.kernel_set(EPYC)),  # another kind of CPU: other flags
+    ((XEON_LIBRARIES_AVX2,), cpu.kernel_set(XEON_LIBRARIES_AVX2)),  # the same Xeon, MKL restricted to AVX2
+    ((None,), "no CPU recorded"),  # a record that names no CPU
+    ((rs.CPU, "cuda-sm90"), "cuda-sm90"),  # a GPU agent: its host's CPU is the same, its kernels are not
+], ids=["other-flags", "kernel-env", "no-cpu", "gpu"])
+def test_engines_on_other_kernels_are_not_compared_and_the_merge_says_so(tmp_path, vllm_machine, theirs):
+    d = tmp_path / "results"
+    m, ref, vllm = _disagreeing_pair(d, vllm_machine=vllm_machine)
+    # they disagree beyond the bounds, but on other kernels that is no evidence: neither is compared
+    assert (ref.verdict, vllm.verdict) == ("regressed", "pass")
+    assert not any(c.name.endswith(":vllm") for c in ref.checks)
+    assert not any(c.name.endswith(":reference") for c in vllm.checks)
+    xeon = cpu.kernel_set(rs.CPU)
+    said_ref = f"not compared with vllm: recorded on other kernels ({theirs}) than this record ({xeon})"
+    said_vllm = f"not compared with reference: recorded on other kernels ({xeon}) than this record ({theirs})"
+    assert ref.verdict_reason.endswith("; " + said_ref) and vllm.verdict_reason.endswith("; " + said_vllm)
+    assert m.notes == [f"{rs.REGRESSED} ({d}): {said_ref}", f"llama.bnb-nf4-skip-ambiguous.vllm ({d}): {said_vllm}"]
+    assert f"- {annotation.md(m.notes[0])}" in annotation.render(m, matrix=_vllm_cpu_matrix())
+    cross_check(m, _vllm_cpu_matrix())  # a second merge says nothing twice
+    assert len(m.notes) == 2 and m.current[rs.REGRESSED].record.verdict_reason.count(said_ref) == 1
+
+
+def test_a_known_failure_is_not_shown_gone_by_an_engine_on_other_kernels(tmp_path):
+    """vLLM's bnb cell, waived for want of the reference in its step, meets at merge a reference
+    that agrees, but recorded on other kernels: that agreement would not carry to vLLM's kernels,
+    so the known failure is not decided there (compare the unexpected pass on the same kernels in
+    test_a_known_failure_about_the_reference_is_decided_where_the_merge_meets_it)."""
+    cid = "llama.bnb-nf4.vllm"
+    alike = _as_vllm(rs.build("llama.bnb-nf4.reference", "pass", started=T1))
+    step = rs.judged(cid, alike, alike, known=rs.CELLS[cid].known_failures)
+    d = tmp_path / "results"
+    d.mkdir()
+    save(d / "llama.bnb-nf4.reference.json", _on(rs.build("llama.bnb-nf4.reference", "pass", started=T1), EPYC))
+    save(d / f"{cid}.json", step)
+    m = load_results([d])
+    cross_check(m, mx.load())
+    vllm = m.current[cid].record
+    assert vllm.verdict == "waived" and vllm.known_failure is not None
+    assert not any(c.name.endswith(":reference") for c in vllm.checks)
+    assert vllm.verdict_reason.startswith(step.verdict_reason)
+    assert f"not compared with reference: recorded on other kernels ({cpu.kernel_set(EPYC)})" in vllm.verdict_reason
+    assert not any("unexpected-pass" in n for n in m.notes)

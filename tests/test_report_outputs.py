@@ -32,7 +32,7 @@ EXPECTED = [*rs.ALL_KINDS, rs.MISSING_CELL]
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """Two result sets (for the trend) covering all ten verdicts, plus one missing cell."""
+    """Two result sets (for the trend) covering every verdict but ``fixed``, plus one missing cell."""
     d = tmp_path_factory.mktemp("report")
     rs.write(d / "run1", rs.ALL_KINDS, started=T1, load_scale=1.4)
     rs.write(d / "run2", rs.ALL_KINDS, started=T2)
@@ -104,7 +104,7 @@ def test_grid_counts_filter_and_details(written):
         assert re.search(rf'class="f v-{s}" data-verdict="{s}"[^>]*>{s}<span class="n">1</span>', page), s
     for tier in ("cpu-tiny", "gpu-tiny", "gpu-full"):
         assert f'data-tier="{tier}"' in page
-    assert page.count('<td class="cell"') == 10  # model x scheme cells holding the 11 engine chips
+    assert page.count('<td class="cell"') == 11  # model x scheme cells holding the 12 engine chips
     # the regressed cell's details: |Δlogprob| chart, first greedy divergence with both top-k
     assert "Teacher-forced |Δlogprob| against baseline ✗ beyond the bound" in page
     assert "First greedy divergence against baseline" in page
@@ -128,7 +128,7 @@ def test_junit_has_one_testcase_per_cell(written):
     kind = {c.get("name"): next((ch.tag for ch in c if ch.tag in ("failure", "error", "skipped")), "passed") for c in cases}
     by_verdict = {rs.ALL_KINDS.get(n, MISSING): k for n, k in kind.items()}
     assert by_verdict == {  # the unified policy (harness.verdicts): what fails the run is never passed or skipped
-        "pass": "passed", "improved": "passed", "unexpected-pass": "failure",
+        "pass": "passed", "portable-pass": "passed", "improved": "passed", "unexpected-pass": "failure",
         "regressed": "failure", "failed": "failure", "error": "error", MISSING: "error",
         "unsupported": "skipped", "waived": "skipped", "stale-baseline": "failure", "missing-baseline": "failure",
     }
@@ -136,13 +136,18 @@ def test_junit_has_one_testcase_per_cell(written):
     assert {s.get("name") for s in root.findall("testsuite")} == {"harness cpu-tiny", "harness gpu-tiny", "harness gpu-full"}
     err = next(c for c in cases if c.get("name") == "whisper.fp8-static-kv.transformers").find("error")
     assert rs.EVIL in err.text  # XML-escaped by the writer, intact for the reader
+    # portable-pass passes, and says so: its verdict, and the checks it was not judged by
+    portable = next(c for c in cases if c.get("name") == rs.PORTABLE)
+    props = {p.get("name"): p.get("value") for p in portable.iter("property")}
+    assert props["verdict"] == "portable-pass" and props["not_judged"] == "teacher-forced:baseline, greedy:baseline"
+    assert "teacher-forced:baseline: not judged: the baseline is from other kernels" in portable.find("system-out").text
 
 
 def test_annotation_summary_and_style(written):
     d, w = written
     text = w.annotation.read_text()
     assert (d / "out" / "annotation-style.txt").read_text() == "error\n"
-    assert text.startswith("#### Quantized loading matrix: 9 of 11 cells need attention")
+    assert text.startswith("#### Quantized loading matrix: 9 of 12 cells need attention")
     for s in BASE_STATES:
         assert f"{ROWS[s].emoji} {s} **1**" in text
     assert "| scheme \\\\ model | llama | whisper |" in text
@@ -213,24 +218,73 @@ def test_harness_report_cli(tmp_path, capsys, monkeypatch):
     assert (out / "report.html").is_file()
 
 
-def test_noise_judgement_and_onset_are_shown(tmp_path):
-    """What the noise-aware comparison adds to a teacher-forced:baseline check: the share of positions
-    the family bound protects, positions judged by the noise-derived bound shaded apart, the onset."""
+def _one_set(tmp_path, name: str, kinds: dict[str, str]):
+    """The outputs of one result set of ``kinds`` (cell id -> kind)."""
+    rs.write(tmp_path / name, kinds, started=T1, logs=False)
+    return write_reports([tmp_path / name], tmp_path / f"{name}-out", matrix=rs.MATRIX)
+
+
+def test_portable_pass_is_counted_apart_from_pass(tmp_path):
+    """A portable-pass passes the run, needs no attention, and every output counts it on its own:
+    never summed into pass, and "all pass" is said only when every cell is a plain pass."""
+    w = _one_set(tmp_path, "both", {"llama.unquantized.reference": "pass", rs.PORTABLE: "portable-pass"})
+    assert {s: n for s, n in w.counts.items() if n} == {"pass": 1, "portable-pass": 1}
+    assert not w.bad and w.style == "success"
+    page = w.html.read_text()
+    assert '<div class="banner v-portable-pass">2 cells · 1 pass, 1 portable-pass</div>' in page
+    assert 'data-verdict="pass" title="matches the baseline within the bounds">pass<span class="n">1</span>' in page
+    assert f'<span class="chip v-portable-pass" data-verdict="portable-pass" title="{rs.PORTABLE}: portable-pass">' in page
+    assert "Needs attention" not in page
+    text = w.annotation.read_text()
+    assert text.startswith("#### Quantized loading matrix: none of 2 cells needs attention: 1 pass, 1 portable-pass")
+    assert "✅ pass **1** · ☑️ portable-pass **1**" in text
+    assert "<b>cpu-tiny</b>: 2 cells, 1 pass, 1 portable-pass</summary>" in text and "all pass" not in text
+    assert "☑️vllm" in text and "**Needs attention**" not in text
+    # beside a cell that needs attention it is still counted apart, after it
+    w = _one_set(tmp_path, "bad", {rs.REGRESSED: "regressed", rs.PORTABLE: "portable-pass"})
+    assert '<div class="banner v-regressed">2 cells · 1 regressed, 1 portable-pass</div>' in w.html.read_text()
+    assert "<b>cpu-tiny</b>: 2 cells, 1 needs attention, 1 portable-pass</summary>" in w.annotation.read_text()
+    # and a plain pass alone is all pass
+    w = _one_set(tmp_path, "plain", {"llama.unquantized.reference": "pass"})
+    assert '<div class="banner v-pass">1 cells · all pass</div>' in w.html.read_text()
+    assert w.annotation.read_text().startswith("#### Quantized loading matrix: all 1 cells pass")
+
+
+def test_a_check_not_judged_is_shown_as_such(tmp_path):
+    """A check computed but not judged (portable-pass's logprobs against a baseline from other
+    kernels) wears a grey "shown, not judged" badge wherever checks are listed, never a tick or a
+    cross; its chart still draws, the family bound a reference line, the bars above it not red."""
+    page = _one_set(tmp_path, "portable", {rs.PORTABLE: "portable-pass"}).html.read_text()
+    badge = '<span class="badge shown" title="computed and shown for reference, not judged: neither a pass nor a failure">shown, not judged</span>'
+    assert f"<h4>Teacher-forced |Δlogprob| against baseline {badge}</h4>" in page
+    assert f"<h4>Greedy against baseline {badge}</h4>" in page
+    for name in ("teacher-forced:baseline", "greedy:baseline"):
+        assert f'<tr class="shown"><td>{badge}</td><td><code>{name}</code></td><td>not judged: ' in page, name
+    assert '<tr class="ok"><td>✓</td><td><code>load-time:baseline</code>' in page  # a judged check keeps its tick
+    assert "✗ beyond the bound" not in page and "<td>✗</td>" not in page
+    # the chart: the moved positions above the family bound, drawn apart, the bound for reference
+    assert '<svg class="chart"' in page and 'class="bar above"' in page and 'class="bar over"' not in page
+    assert 'class="bound ref"/>' in page and ">reference</text>" in page
+    assert "shown for reference: not judged" in page
+    # judged, the same deltas are beyond the bound: red, and a cross
+    judged = _one_set(tmp_path, "judged", {rs.REGRESSED: "regressed"}).html.read_text()
+    assert 'class="bar over"' in judged and 'class="bar above"' not in judged and "badge shown" not in judged
+    assert "Teacher-forced |Δlogprob| against baseline ✗ beyond the bound" in judged
+
+
+def test_a_record_of_the_noise_aware_harness_is_judged_as_it_was(tmp_path):
+    """An older record's teacher-forced check carries ``judged`` as positions by bound ("family" or
+    "noise"): that is no "not judged" mark, and the keys it no longer writes are not shown."""
     cid = "llama.unquantized.reference"
-    rec = rs.with_noise_judgement(rs.build(cid, "pass", started=T1))
-    save(tmp_path / "results" / f"{cid}.json", rec)
-    page = write_reports([tmp_path / "results"], tmp_path / "out", matrix=rs.MATRIX).html.read_text()
-    share = next(c.data["family_share"] for c in rec.checks if c.name == "teacher-forced:baseline")
-    assert f"family bound protects {share * 100:.0f}% of positions" in page
-    assert 'class="bar noise"' in page and 'class="bar"' in page and 'class="nb"' in page
-    assert "judged by the noise-derived bound" in page
-    assert 'class="onset"' in page
-    assert ("onset at position 9: quantizer model.layers.3.mlp.down_proj, value 0.0123, distance 4.5, "
-            "noise 0.0021") in page
-    # an older record without any of it renders as before
-    save(tmp_path / "old" / f"{cid}.json", rs.without_noise_judgement(rs.build(cid, "pass", started=T1)))
-    old = write_reports([tmp_path / "old"], tmp_path / "out2", matrix=rs.MATRIX).html.read_text()
-    assert "family bound protects" not in old and 'class="bar noise"' not in old and 'class="onset"' not in old
+    rec = rs.build(cid, "pass", started=T1)
+    old = [c.model_copy(update={"data": {**c.data, "judged": {p: ["family"] * len(v) for p, v in c.data["per_position"].items()},
+                                         "family_share": 1.0, "onsets": {}, "noise_bound": {}}})
+           if c.name == "teacher-forced:baseline" else c for c in rec.checks]
+    save(tmp_path / "old" / f"{cid}.json", rec.model_copy(update={"checks": old}))
+    page = write_reports([tmp_path / "old"], tmp_path / "out", matrix=rs.MATRIX).html.read_text()
+    assert "Teacher-forced |Δlogprob| against baseline ✓</h4>" in page and "badge shown" not in page
+    assert '<tr class="ok"><td>✓</td><td><code>teacher-forced:baseline</code>' in page
+    assert "family bound protects" not in page and "onset" not in page
 
 
 def test_provenance_shows_the_run_and_the_baseline_cpu():

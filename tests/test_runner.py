@@ -831,33 +831,3 @@ def test_the_write_check_covers_the_kernel_baselines_a_run_may_write(tmp_path, m
     assert kernels in written(update_kernel_baselines=True)
     (kernels / "amd-epyc-avx2-0000000" / "cpu-tiny").mkdir(parents=True)
     assert kernels in written()
-
-
-def test_update_noise_measures_a_baselines_noise_again_and_changes_nothing_else(tmp_path, capsys):
-    """--update-noise: the noise of a baseline whose kernels and sequences the cell's run shares is
-    measured as the noise is measured now (harness.measure_noise.other_kernels), every other
-    field kept; a baseline from other kernels is left as it was, and the run says why."""
-    from harness import measure_noise
-
-    cell = "llama.fp8-dynamic.reference"
-    baselines = tmp_path / "b"
-    path = baselines / "cpu-tiny" / f"{cell}.json"
-    run = ["run", "-k", cell, "--baselines", baselines]
-    assert harness(capsys, *run, "--results", tmp_path / "r0", "--update-baselines")[0] == 0
-    written = json.loads(path.read_text())
-    old = {**written, "noise": {**written["noise"], "kernels": written["noise"]["kernels"][:2]}}  # as measured before 2026-12-05
-    old["noise"]["prompts"] = {pid: {**p, "bound_after_onset": 9.0} for pid, p in written["noise"]["prompts"].items()}
-    path.write_text(json.dumps(old, indent=2))
-    code, out, _ = harness(capsys, *run, "--results", tmp_path / "r1", "--update-noise")
-    assert code == 0 and f"{path}: measured noise refreshed (kernels " in out, out
-    after = json.loads(path.read_text())
-    own = written["provenance"]["cpu"]["capability"]
-    assert after["noise"]["kernels"] == [own, *(label for label, _, _ in measure_noise.other_kernels(own))]
-    assert after["noise"] == written["noise"]  # measured again, alike
-    assert {k: v for k, v in after.items() if k != "noise"} == {k: v for k, v in old.items() if k != "noise"}
-
-    _from_a_faster_machine(path)
-    elsewhere = path.read_text()
-    code, out, _ = harness(capsys, *run, "--results", tmp_path / "r2", "--update-noise")
-    assert f"{path}: noise not measured again: only a cell run on its baseline's own kernels is" in out
-    assert path.read_text() == elsewhere

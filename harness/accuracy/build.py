@@ -17,7 +17,7 @@ prompts do:
 - ``rolling`` (``loglikelihood_rolling``, metric ``bits_per_byte``): fixed texts, no gold.
 
 **Margins.** The items are scored twice, in this interpreter and in a fresh one with
-``ATEN_CPU_CAPABILITY=default`` (other kernels, as harness.measure_noise does for logprobs). The noise is
+``ATEN_CPU_CAPABILITY=default`` (other kernels, as harness.measure_noise does for module traces). The noise is
 the largest difference of any choice's loglikelihood (or step gap) between the two; an item is
 kept only when its margin (the gold's lead over the runner-up; for generation, the smallest
 top-1/top-2 gap over the generated steps) is at least max(``MIN_MARGIN``, ``NOISE_FACTOR`` x the

@@ -12,8 +12,8 @@
 - automatic retry only for lost agents (``signal_reason: agent_stop``, ``exit_status: -1``),
   never for 143 (SIGTERM, which a cancel also sends);
 - ``soft_fail`` (exit status 1 only) for cells with known failures;
-- ``artifact_paths``: the cell's record ``<results>/<cell id>.json`` and its engine log
-  ``<results>/<cell id>.log``;
+- ``artifact_paths``: the cell's record ``<results>/<job id>/<cell id>.json`` and its engine log
+  ``<results>/<job id>/logs/<cell id>.log``: each job writes a results directory of its own;
 - a final step that depends on every cell step, runs even when they fail, downloads the
   records, writes the HTML report, the JUnit XML and the annotation, annotates the build (one
   context per pipeline) and uploads to Buildkite Test Engine when ``BUILDKITE_ANALYTICS_TOKEN``
@@ -148,10 +148,16 @@ def _unit_selection(unit: Sequence[Cell], universe: Sequence[Cell]) -> list[str]
     return ["-k", selection.exact_k_many(unit, universe), "--tier", unit[0].tier, "--engine", ",".join(c.engine for c in unit)]
 
 
+# Each job's results directory: its own under --results-dir, named by its job id. A run owns its
+# results directory and refuses another run's (harness.runs; docs/design.md, "Runs side by side"),
+# and an agent may run two jobs in one checkout, or a job again there.
+JOB_DIR = '"${BUILDKITE_JOB_ID:-local-$$}"'
+
+
 def _harness_run(unit: Sequence[Cell], selection: list[str], opts: Options, prefetch: bool) -> str:
     results = shlex.quote(opts.results_dir)
     # the results directory, absolute (the engine children run in another working directory)
-    results_abs = results if opts.results_dir.startswith("/") else f'"$PWD"/{results}'
+    results_abs = (results if opts.results_dir.startswith("/") else f'"$PWD"/{results}') + "/" + JOB_DIR
     candidates = [f"{engine}={spec}" for engine, spec in opts.candidates if any(c.engine == engine for c in unit)]
     return " ".join([
         *(["HF_HUB_OFFLINE=1"] if prefetch else []),  # prefetched: the cells never reach the hub
@@ -199,10 +205,11 @@ def _unit_command(unit: Sequence[Cell], env: Environment, universe: Sequence[Cel
 
 def _unit_artifacts(unit: Sequence[Cell], opts: Options) -> list[str]:
     artifacts = []
+    job = f"{opts.results_dir}/*"  # the job's own directory (JOB_DIR)
     for c in unit:
-        artifacts += [f"{opts.results_dir}/{c.id}.json", f"{opts.results_dir}/logs/{c.id}.log"]
+        artifacts += [f"{job}/{c.id}.json", f"{job}/logs/{c.id}.log"]
         if any(c.engine == engine for engine, _ in opts.candidates):
-            artifacts += [f"{opts.results_dir}/candidate/{c.id}.json", f"{opts.results_dir}/candidate/logs/{c.id}.log"]
+            artifacts += [f"{job}/candidate/{c.id}.json", f"{job}/candidate/logs/{c.id}.log"]
     return artifacts
 
 
@@ -263,10 +270,10 @@ def annotation_context(cells: Sequence[Cell], opts: Options) -> str:
 def final_step(cells: Sequence[Cell], depends_on: Sequence[str], opts: Options) -> dict[str, Any]:
     results, reports = shlex.quote(opts.results_dir), shlex.quote(opts.reports_dir)
     context = annotation_context(cells, opts)
-    report = shlex.join([
-        "python3", "-m", "harness.report", opts.results_dir,
-        "-o", opts.reports_dir, "--matrix", opts.matrix_path, "--strict",
-    ]) + ' --expect "$HARNESS_EXPECTED_CELLS"'
+    # every job's directory (JOB_DIR) is one set of results; none downloaded: the report says every cell is missing
+    report = (shlex.join(["python3", "-m", "harness.report"]) + ' "$@" '
+              + shlex.join(["-o", opts.reports_dir, "--matrix", opts.matrix_path, "--strict"])
+              + ' --expect "$HARNESS_EXPECTED_CELLS"')
     lines = [
         "set +e",
         *agents.venv_setup([
@@ -274,12 +281,14 @@ def final_step(cells: Sequence[Cell], depends_on: Sequence[str], opts: Options) 
             shlex.join([*agents.PIP, "--no-deps", "-e", "."]),
         ]),
         f"mkdir -p {results} {reports}",
-        f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/*.json')} . "
+        f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/*/*.json')} . "
         '|| echo "no result records to download"',
-        f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/logs/*.log')} . "
+        f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/*/logs/*.log')} . "
         '|| echo "no engine logs to download"',
-        *([f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/candidate/*')} . "
+        *([f"buildkite-agent artifact download {shlex.quote(opts.results_dir + '/*/candidate/*')} . "
            '|| echo "no candidate records to download"'] if opts.candidates else []),
+        f"set -- {results}/*/",
+        f'[ -d "$1" ] || set -- {results}',
         "status=0",
         f"{report} || status=$?",
         f"if [ -f {reports}/annotation.md ]; then",

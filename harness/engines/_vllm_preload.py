@@ -14,6 +14,7 @@ try:
     import vllm  # noqa: F401
     from vllm import LLM, ModelRegistry, SamplingParams  # noqa: F401
 
+    import harness.engines.vllm_state  # noqa: F401
     import harness.engines.vllm_worker  # noqa: F401
 except Exception:  # the child imports it again and its log says why it fails
     pass

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness import architectures, cpu, files, hub, loaded_state, probes
 from harness import records as R
+from harness.quant import schema
 from harness.registry import ENGINES, resolve
 
 if TYPE_CHECKING:
@@ -178,6 +179,16 @@ class Engine(abc.ABC):
     def info(self) -> R.EngineInfo:
         return R.EngineInfo(name=self.name, version=self.version(), environment=self.cell.environment,
                             torch=self.torch_version(), platform=self.platform(), cpu=R.CpuInfo(**cpu.describe()))
+
+    def compute_dtype(self, checkpoint: Checkpoint) -> str:
+        """The dtype its matmuls run in: float32, the fixtures' dtype, unless the engine says otherwise."""
+        return "float32"
+
+    def computation(self, checkpoint: Checkpoint) -> R.Computation:
+        """What it computes the cell in: its matmuls' dtype and what the effective quantization (the
+        checkpoint's, or the online scheme's preset) quantizes besides weights."""
+        qc = online_quantization(self.cell) or checkpoint.quantization_config
+        return R.Computation(dtype=self.compute_dtype(checkpoint), quantized_activations=schema.quantized_activations(qc))
 
     # ---- the five steps ------------------------------------------------------------------
     def probe(self, checkpoint: Checkpoint) -> str | None:

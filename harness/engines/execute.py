@@ -103,7 +103,8 @@ def _measure(engine: Engine, ckpt: Checkpoint, run: _CellRun, sequences: dict[st
     acc = []
     if accuracy and cell.accuracy:
         acc = lmeval.evaluate(engine, ckpt, cell.accuracy, log=log)
-    record = run.record("ok", sequences=_sequence_results(prompts, scored, greedy), load=load, module_diff=diff,
+    record = run.record("ok", sequences=_sequence_results(prompts, scored, greedy), load=load,
+                        computation=engine.computation(ckpt), module_diff=diff,
                         loaded_state=loaded_state, accuracy=acc, input_sensitivity=sensitivity)
     return record, prompts, scored_seqs
 

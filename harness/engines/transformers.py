@@ -62,6 +62,13 @@ def bnb_float_compute(model) -> int:
 class TransformersEngine(InProcessEngine):
     name = "transformers"
 
+    def compute_dtype(self, checkpoint: Checkpoint) -> str:
+        """A bnb 4-bit checkpoint's ``bnb_4bit_compute_dtype`` (the matmul's dtype, once the
+        AVX512-BF16 path is off), else float32, the dtype it loads in."""
+        qc = online_quantization(self.cell) or checkpoint.quantization_config or {}
+        dtype = qc.get("bnb_4bit_compute_dtype") if qc.get("quant_method") == "bitsandbytes" else None
+        return str(dtype).removeprefix("torch.") if dtype else "float32"
+
     def version(self) -> str:
         import transformers
 

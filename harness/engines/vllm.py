@@ -34,6 +34,8 @@ The five steps (harness.engines.base):
 - ``greedy``: ``SamplingParams(temperature=0, max_tokens, logprobs=top_k, ignore_eos=True)``.
 - ``teacher_forced``: the sequence as the prompt, ``SamplingParams(max_tokens=1, prompt_logprobs=top_k)``.
 - ``module_diff``: the first module whose label or effective weight differs from the reference's.
+- ``loaded_state``: the per-module digest vllm_state takes as vLLM's model loading returns (before
+  any forward pass), of logical values only, so the same under every kernel condition.
 """
 from __future__ import annotations
 
@@ -48,8 +50,8 @@ from typing import Any
 from harness import architectures, cpu, loadtime
 from harness import records as R
 from harness.dialects.names import to_vllm
-from harness.engines import vllm_mutations, vllm_worker
-from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem
+from harness.engines import vllm_mutations, vllm_state, vllm_worker
+from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem, online_quantization
 from harness.traces import vllm as vllm_traces
 
 MUTATION_ENV = "HARNESS_VLLM_MUTATION"
@@ -388,6 +390,12 @@ class VllmEngine(Engine):
             return "bfloat16"
         return "float32"
 
+    def compute_dtype(self, checkpoint: Checkpoint) -> str:
+        """The model dtype, except that vllm-bnb-plugin computes every 4-bit linear in bfloat16
+        (``apply_bnb_4bit`` casts its input), online-quantized ones too."""
+        qc = online_quantization(self.cell) or checkpoint.quantization_config or {}
+        return "bfloat16" if qc.get("quant_method") == "bitsandbytes" else self.choose_dtype(checkpoint)
+
     def calibration_workload(self, checkpoint: Checkpoint) -> int | str:
         """For a torchao checkpoint on the CPU, torchao's ``quantize_``
         (harness.loadtime.TORCHAO_QUANTIZE), because vLLM's load runs it over every full-size weight
@@ -405,6 +413,7 @@ class VllmEngine(Engine):
         for m in mutations:
             self._log(f"vllm: TEST MUTATION {m}: {vllm_mutations.MUTATIONS[m][0] if m in vllm_mutations.MUTATIONS else '?'}")
         vllm_worker.install()
+        vllm_state.install()
         vllm_mutations.apply(mutations)
         from vllm import LLM
 
@@ -551,6 +560,18 @@ class VllmEngine(Engine):
 
     def module_diff(self, checkpoint: Checkpoint) -> R.ModuleDiff | None:
         return self._module_diff
+
+    def loaded_state(self) -> dict[str, str] | None:
+        """Module -> digest of what vLLM loaded there, in vLLM's module names
+        (``vllm_state.loaded_state``: taken inside vLLM as its model loading returns, before any
+        forward pass, and read back through ``apply_model``); None, logged, where none was taken."""
+        if self.llm is None:
+            return None
+        held = self.llm.apply_model(vllm_state.held_loaded_state)[0]
+        if isinstance(held, dict):
+            return held
+        self._log(f"vllm: loaded state not digested: {held or 'vLLM model loading did not run through the harness'}")
+        return None
 
     def trace(self, prompts, sequences):
         """Module traces recorded inside vLLM through ``apply_model`` (harness.traces.vllm)."""

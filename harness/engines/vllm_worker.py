@@ -25,6 +25,9 @@ The log lines themselves are parsed too (:class:`LogCapture`): "Loading weights 
 and the effective weight of each checkpoint shard, dequantized the way the stored state says (see
 :func:`effective_shards` and docs/README-vllm.md for the exactness rule of each format).
 
+**After the load** (:data:`AFTER_LOAD`): what runs on vLLM's model as ``load_model`` returns,
+before any forward pass: the loaded-state digest, harness.engines.vllm_state.
+
 The test-only mutations, deliberate vLLM loading bugs, are harness.engines.vllm_mutations.
 """
 from __future__ import annotations
@@ -32,12 +35,16 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 TIMINGS: dict[str, float] = {}
 # Set by VllmEngine.load_timed_only: the LLM's construction ends with ModelLoaded once the model
 # loading span is timed.
 STOP_AFTER_LOAD = False
+# Called in order with vLLM's model as ``BaseModelLoader.load_model`` returns it (not where
+# STOP_AFTER_LOAD ends the construction): the loaded-state digest (harness.engines.vllm_state.install).
+AFTER_LOAD: list[Callable[[Any], None]] = []
 _INSTALLED = False
 
 
@@ -164,6 +171,8 @@ def _install_load_timing() -> None:
                 pass
         if STOP_AFTER_LOAD:
             raise ModelLoaded
+        for after_load in AFTER_LOAD:
+            after_load(model)
         return model
 
     base_loader.BaseModelLoader.load_model = load_model
@@ -405,21 +414,27 @@ def effective_shards(name: str, layer, packed: dict[str, list[str]]) -> dict:
             "shards": shards.readings, "note": note}
 
 
+def _is_linear(module) -> bool:
+    """Whether the module reader reads ``module``: a linear (or LM head) with a quant method."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    if getattr(module, "quant_method", None) is None or not hasattr(module, "weight"):
+        return False
+    return isinstance(module, LinearBase) or type(module).__name__ == "ParallelLMHead"
+
+
+def _packed(model) -> dict[str, list[str]]:
+    return dict(getattr(model, "packed_modules_mapping", {}) or {})
+
+
 def read_modules(model, reduce=None) -> dict:
     """The ``LLM.apply_model`` function: every module with a linear (or LM-head) quant method.
     ``reduce``, when given, replaces each module's reading as it is taken (the module traces keep a
     projection of each weight: one dequantized weight is held at a time)."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    packed = _packed(model)
     found = {}
     for name, module in model.named_modules():
-        qm = getattr(module, "quant_method", None)
-        if qm is None or not hasattr(module, "weight"):
-            continue
-        is_head = type(module).__name__ == "ParallelLMHead"
-        if not (isinstance(module, LinearBase) or is_head):
-            continue
-        entry = effective_shards(name, module, packed)
-        found[name] = reduce(entry) if reduce is not None else entry
+        if _is_linear(module):
+            entry = effective_shards(name, module, packed)
+            found[name] = reduce(entry) if reduce is not None else entry
     return {"modules": found, "packed": packed}

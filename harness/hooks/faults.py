@@ -9,6 +9,7 @@ loaded model right after it:
 |---|---|
 | ``bnb-dq-no-offset`` | double-quantized bnb absmax decoded without its ``nested_offset`` |
 | ``fp8-scale-dropped:GLOB`` | the ``weight_scale`` of the FP8 weights matching GLOB read as 1.0 |
+| ``fp8-requantize-dropped`` | fused per-tensor FP8 shards given the group's max scale without their codes requantized to it (vLLM's FP8 Mllama skipped ``process_weights_after_loading`` on its cross-attention) |
 | ``skip-ignored`` | online quantization ignores the skip rules: every linear is quantized, ``lm_head`` included |
 | ``rows:PARAM:LO-HI[,LO-HI...]:FACTOR`` | after loading, those rows of parameter PARAM multiplied by FACTOR (embedding or LM-head rows of tokens the logprob prompts never use: the logprob cells cannot see it) |
 | ``tensor-scaled:GLOB:FACTOR`` | the checkpoint tensors matching GLOB (on-disk names) read multiplied by FACTOR: a wrong FP8 ``weight_scale``, a corrupted bnb ``absmax`` |
@@ -60,6 +61,13 @@ def _fp8_scale_dropped(arg: str | None) -> None:
         return torch.ones_like(t) if fnmatch.fnmatchcase(name, pattern) else t
 
     fp8._read_scale = _read_scale
+
+
+def _fp8_requantize_dropped(arg: str | None) -> None:
+    # lazy: torch, pydantic and more, +2.6 s (scripts/import-graph --costs)
+    from harness.quant import fp8
+
+    fp8._requantized_codes = lambda parts, new_scale, dq_dtype: parts.remap
 
 
 def _skip_ignored(arg: str | None) -> None:
@@ -267,6 +275,7 @@ def _output_scaled(arg: str | None) -> Callable:
 FAULTS: dict[str, Callable[[str | None], Callable | None]] = {
     "bnb-dq-no-offset": _bnb_dq_no_offset,
     "fp8-scale-dropped": _fp8_scale_dropped,
+    "fp8-requantize-dropped": _fp8_requantize_dropped,
     "skip-ignored": _skip_ignored,
     "rows": _rows,
     "tensor-scaled": _tensor_scaled,

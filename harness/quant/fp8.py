@@ -117,17 +117,8 @@ def decode(src: TensorSource, weight: str) -> Decoded:
 # numerics
 
 
-# A function every scaled activation passes through before rounding, or None. harness.noise_child sets
-# it to find activations that lie within kernel noise of a rounding boundary, and to simulate
-# another CPU's kernels (docs/design.md, "Portability across CPUs").
-scaled_observer = None
-
-
 def _scaled(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    scaled = x / scale
-    if scaled_observer is not None:
-        scaled = scaled_observer(scaled)
-    return torch.clamp(scaled, -FP8_MAX, FP8_MAX)
+    return torch.clamp(x / scale, -FP8_MAX, FP8_MAX)
 
 
 @functools.cache

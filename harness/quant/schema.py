@@ -28,9 +28,11 @@ import functools
 import importlib
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      WrapValidator, field_validator)
+from pydantic_core import PydanticCustomError
 
 from harness import registry
 from harness.errors import CheckpointError
@@ -71,26 +73,65 @@ class ConfigJson(Open):
 # ------------------------------------------------------------------------ quantization configs
 
 
+Number = StrictFloat  # an integer or a float (never a boolean): strict floats take both
+
+
+def either(*kinds, expected: str):
+    """A field of several types whose mismatch is one problem at the field, saying all of them:
+    pydantic reports a plain union member by member, each at a made-up key (``dynamic.bool: must
+    be a boolean``)."""
+    def check(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("either", f"Input should be {expected}") from None
+
+    return Annotated[Union[kinds], WrapValidator(check)]  # noqa: UP007 (a tuple of types: Union[] spells it)
+
+
+# The dtype names transformers' BitsAndBytesConfig turns into a torch dtype (``getattr(torch, name)``):
+# the floating ones for the compute dtype, its own list for the quant storage.
+COMPUTE_DTYPES = Literal["float32", "float16", "bfloat16", "float64", "float", "half", "double"]
+QUANT_STORAGE_DTYPES = Literal["uint8", "int8", "float16", "bfloat16", "float32", "float64"]
+
+
 class BitsandbytesConfig(Open):
-    """transformers' ``BitsAndBytesConfig`` as the bnb dialects read it."""
+    """transformers' ``BitsAndBytesConfig`` as it serializes itself, every field it writes: the bnb
+    dialects read the skip lists, the reference and the engines the rest (vLLM's bnb loader the
+    private ``_load_in_4bit``)."""
 
     quant_method: StrictStr | None = None
     load_in_4bit: StrictBool | None = None
     load_in_8bit: StrictBool | None = None
+    private_load_in_4bit: StrictBool | None = Field(default=None, alias="_load_in_4bit")
+    private_load_in_8bit: StrictBool | None = Field(default=None, alias="_load_in_8bit")
     llm_int8_skip_modules: Names | None = None
     modules_to_not_convert: Names | None = None
+    llm_int8_threshold: Number | None = None
+    llm_int8_has_fp16_weight: StrictBool | None = None
+    llm_int8_enable_fp32_cpu_offload: StrictBool | None = None
     bnb_4bit_quant_type: Literal["nf4", "fp4"] | None = None
     bnb_4bit_use_double_quant: StrictBool | None = None
+    bnb_4bit_compute_dtype: COMPUTE_DTYPES | None = None
+    bnb_4bit_quant_storage: QUANT_STORAGE_DTYPES | None = None
 
 
 class QuantArgs(Open):
-    """compressed-tensors ``QuantizationArgs``: the fields the loader reads."""
+    """compressed-tensors ``QuantizationArgs``, every field it serializes (the loader reads the
+    first five and the group and block layout; the engines hand the rest to the library)."""
 
     num_bits: StrictInt | None = Field(default=None, ge=1, le=64)
     type: Literal["int", "float"] | None = None
     strategy: StrictStr | None = None
-    dynamic: StrictBool | Literal["local"] | None = None
+    dynamic: either(StrictBool, Literal["local"], expected="a boolean or 'local'") | None = None
     symmetric: StrictBool | None = None
+    group_size: StrictInt | None = None
+    block_structure: list[StrictInt] | None = None
+    actorder: either(StrictBool, StrictStr, expected="a boolean or a string") | None = None
+    observer: StrictStr | None = None
+    observer_kwargs: dict | None = None
+    scale_dtype: StrictStr | None = None  # a torch dtype's name, "float32" or "torch.float32"
+    zp_dtype: StrictStr | None = None
 
 
 class CtScheme(Open):
@@ -100,6 +141,7 @@ class CtScheme(Open):
     weights: QuantArgs | None = None
     input_activations: QuantArgs | None = None
     output_activations: QuantArgs | None = None
+    format: StrictStr | None = None
 
 
 class CompressedTensorsConfig(Open):
@@ -108,16 +150,25 @@ class CompressedTensorsConfig(Open):
     ignore: Names | None = None
     kv_cache_scheme: QuantArgs | None = None
     format: StrictStr | None = None
+    quantization_status: StrictStr | None = None
+    global_compression_ratio: Number | None = None
+    sparsity_config: dict | None = None
+    transform_config: dict | None = None
+    version: StrictStr | None = None
 
 
 class Fp8Config(Open):
-    """``quant_method: fp8`` (vLLM's ``Fp8Config``, transformers' ``FineGrainedFP8Config``)."""
+    """``quant_method: fp8`` (vLLM's ``Fp8Config``, transformers' ``FineGrainedFP8Config``: every
+    field either writes)."""
 
     quant_method: StrictStr
     activation_scheme: Literal["static", "dynamic"] | None = None
     ignored_layers: Names | None = None
     modules_to_not_convert: Names | None = None
+    modules_to_convert: Names | None = None
     weight_block_size: list[StrictInt] | None = None
+    dequantize: StrictBool | None = None
+    scale_fmt: StrictStr | None = None
 
 
 @functools.cache
@@ -183,6 +234,7 @@ class TorchaoConfig(Open):
     quant_type: dict[StrictStr, TorchaoSerialized] | None = None
     modules_to_not_convert: Names | None = None
     include_input_output_embeddings: StrictBool | None = None
+    untie_embedding_weights: StrictBool | None = None
 
 
 # ------------------------------------------------------------------------------------ messages
@@ -218,6 +270,21 @@ def method_of(qc: Mapping, file: str, prefix: str = "quantization_config") -> st
         raise ConfigProblem(file, _key(prefix, "quant_method"), f"unknown quant_method {method!r} "
                                                                f"(known: {', '.join(KNOWN_METHODS)})")
     return normal
+
+
+def quantized_activations(qc: Mapping | None) -> list[str]:
+    """What an (already validated) quantization config quantizes besides weights: ``input`` (FP8
+    input scales, static or dynamic per token: compressed-tensors ``input_activations``, the fp8
+    method's activation scheme, which is dynamic when unsaid, torchao's dynamic-activation configs)
+    and ``kv-cache`` (a ``kv_cache_scheme``). Empty for weight-only schemes and for None."""
+    if not qc:
+        return []
+    method = method_of(qc, "config.json")
+    groups = (qc.get("config_groups") or {}).values() if method == "compressed-tensors" else ()
+    quant_types = json.dumps(qc.get("quant_type")) if method == "torchao" else ""
+    inputs = (method == "fp8" or any(g.get("input_activations") for g in groups)
+              or "DynamicActivation" in quant_types)
+    return ["input"] * bool(inputs) + ["kv-cache"] * bool(qc.get("kv_cache_scheme"))
 
 
 def quantization_config(qc: Any, file: str, prefix: str = "quantization_config") -> str:

@@ -4,17 +4,19 @@ the other engines) came out."""
 from __future__ import annotations
 
 from harness.records import Record
+from harness.report.states import check_state
 
 
 def rows(rec: Record) -> list[dict]:
-    """One row per accuracy task of ``rec``: the result and its checks (``against`` -> ok, detail)."""
+    """One row per accuracy task of ``rec``: the result and its checks (``against`` -> ok, its
+    state (harness.report.states.check_state: ``shown`` when not judged), detail)."""
     out = []
     for a in rec.accuracy:
         checks = []
         for c in rec.checks:
             kind, _, against = c.name.partition(":")
             if kind == f"accuracy/{a.task}":
-                checks.append({"against": against, "ok": c.ok, "detail": c.detail,
+                checks.append({"against": against, "ok": c.ok, "state": check_state(c), "detail": c.detail,
                                "expected": (c.data or {}).get(against)})
         out.append({"task": a.task, "lm_eval_task": a.lm_eval_task, "metric": f"{a.metric},{a.filter}",
                     "value": a.value, "stderr": a.stderr, "samples": a.samples, "seconds": a.seconds,
@@ -31,15 +33,17 @@ def value_text(row: dict) -> str:
     return f"{text} (n={row['samples']})"
 
 
-def annotation_lines(records: list[Record], md, ok_emoji: str, bad_emoji: str) -> list[str]:
-    """A collapsed markdown table of every accuracy result, for the Buildkite annotation."""
+def annotation_lines(records: list[Record], md, ok_emoji: str, bad_emoji: str, shown_emoji: str = "➖") -> list[str]:
+    """A collapsed markdown table of every accuracy result, for the Buildkite annotation; a check
+    shown but not judged is marked ``shown_emoji`` and said so."""
     body = []
     failing = 0
     for rec in sorted(records, key=lambda r: r.cell):
         for row in rows(rec):
             marks = []
             for c in row["checks"]:
-                marks.append(f"{ok_emoji if c['ok'] else bad_emoji} {md(c['against'], 20)}")
+                mark = bad_emoji if not c["ok"] else ok_emoji if c["state"] == "ok" else shown_emoji
+                marks.append(f"{mark} {md(c['against'], 20)}" + (" (not judged)" if c["state"] == "shown" else ""))
                 failing += not c["ok"]
             body.append(f"| `{md(rec.cell, 120)}` | {md(row['task'], 60)} | {md(row['metric'], 60)} | "
                         f"{md(value_text(row), 60)} | {' '.join(marks) or 'no check'} |")

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from harness.matrix import TIERS
 from harness.registry import ENGINES
-from harness.report.states import counts_of, state_of
+from harness.report.states import counts_of, passing, passing_apart, state_of
 from harness.report.merge import Entry, Merged
 from harness.report import accuracy, candidates
 from harness.verdicts import MISSING, SEVERITY, STATES, needs_attention, row
@@ -82,6 +82,8 @@ def _headline(merged: Merged, slots: list[Slot], counts: dict[str, int]) -> list
         head = "#### Quantized loading matrix: no cells selected"
     elif bad:
         head = f"#### Quantized loading matrix: {sum(counts[s] for s in bad)} of {len(slots)} cells need attention"
+    elif passing_apart(counts):
+        head = f"#### Quantized loading matrix: none of {len(slots)} cells needs attention: {', '.join(passing(counts))}"
     else:
         head = f"#### Quantized loading matrix: all {len(slots)} cells pass"
     lines = [head, "", " · ".join(f"{_emoji(s)} {s} **{counts[s]}**" for s in STATES if counts.get(s)) or "nothing ran"]
@@ -96,8 +98,11 @@ def _tier_table(tier: str, slots: list[Slot], models_order: list[str], scheme_or
     models = _in_order(models_order, {s.model for s in slots})
     schemes = _in_order(scheme_order, {s.scheme for s in slots})
     tier_bad = sum(1 for s in slots if needs_attention(s.state))
+    counts = counts_of(s.state for s in slots)
+    said = ([f"{tier_bad} need{'s' if tier_bad == 1 else ''} attention", *passing_apart(counts)] if tier_bad
+            else passing(counts))
     lines = ["", f"<details{' open' if tier_bad else ''}><summary><b>{html.escape(tier)}</b>: {_n(len(slots), 'cell')}"
-             f"{f', {tier_bad} need' + ('s' if tier_bad == 1 else '') + ' attention' if tier_bad else ', all pass'}</summary>", ""]
+             f"{''.join(', ' + x for x in said)}</summary>", ""]
     lines.append("| scheme \\\\ model | " + " | ".join(md(m, 60) for m in models) + " |")
     lines.append("|---" * (len(models) + 1) + "|")
     for sc in schemes:

@@ -44,63 +44,48 @@ class _LogScale:
 
 
 def delta(values: Sequence[float | None], *, topk: Sequence[float | None] | None = None, bound: float | None = None,
-          prompt_len: int | None = None, judged: Sequence[Any] | None = None,
-          noise_bound: Sequence[float | None] | None = None, onset: dict | None = None, caption: str = "") -> dict:
-    """|Δlogprob| per position on a log scale: a bar per scored position (red above the bound;
-    lighter where the noise-derived bound judged it instead of the family's), a dot for the shared
-    top-k, the family bound dashed, the noise bound as a tick over each position it judged, the
-    prompt/generated boundary and the onset. ``values[i]`` scores position i + 1; ``judged``,
-    ``noise_bound`` and the onset's ``position`` index the same way (i)."""
+          prompt_len: int | None = None, judged: bool = True, caption: str = "") -> dict:
+    """|Δlogprob| per position on a log scale: a bar per scored position (red above the bound), a
+    dot for the shared top-k, the family bound dashed and the prompt/generated boundary.
+    ``values[i]`` scores position i + 1. Where the check was not ``judged`` (shown only), the bound
+    is drawn for reference: a bar above it is marked apart, never red."""
     n = len(values)
     w, h, left, right, top, bottom = 640, 160, 46, 58, 12, 30
     pw, ph = w - left - right, h - top - bottom
-    y = _LogScale([*values, *(topk or []), *(noise_bound or [])], bound, top, ph)
+    y = _LogScale([*values, *(topk or [])], bound, top, ph)
     band = pw / max(n, 1)
     chart: dict[str, Any] = {"w": w, "h": h, "left": left, "top": top, "pw": pw, "ph": ph, "caption": caption,
-                             "bars": [], "dots": [], "noise": [], "bound": None, "split": None, "onset": None}
+                             "bars": [], "dots": [], "bound": None, "split": None}
     chart["grid"] = [{"y": y(10.0 ** e), "label": f"1e{e}"}
                      for e in range(int(math.floor(math.log10(y.lo))), int(math.floor(math.log10(y.hi))) + 1) if not e % 2]
     if prompt_len is not None and 0 < prompt_len - 1 < n:
         chart["split"] = left + (prompt_len - 1) * band  # positions >= prompt_len are generated tokens
     for i, v in enumerate(values):
-        noise = _judged(judged, i) == "noise"
-        limit = (noise_bound[i] if noise_bound and i < len(noise_bound) else None) if noise else bound
-        chart["bars"].append(_bar(i, v, y, limit, noise, band, left, top, ph))
+        chart["bars"].append(_bar(i, v, y, bound, judged, band, left, top, ph))
     for i, v in enumerate(topk or []):
         if v is not None and math.isfinite(v) and v > 0:
             chart["dots"].append({"x": left + i * band + band / 2, "y": y(v),
                                   "title": f"position {i + 1}: shared top-k max |Δ| {fmt(v)}"})
-    for i, nb in enumerate(noise_bound or []):
-        if nb is not None and math.isfinite(nb) and nb > 0 and _judged(judged, i) == "noise":
-            chart["noise"].append({"x1": left + i * band, "x2": left + (i + 1) * band, "y": y(nb),
-                                   "title": f"position {i + 1}: noise bound {fmt(nb)}"})
     if bound:
-        chart["bound"] = {"y": y(bound), "label": fmt(bound)}
-    at = onset.get("position") if isinstance(onset, dict) else None
-    if isinstance(at, int) and 0 <= at < n:
-        chart["onset"] = {"x": left + at * band + band / 2, "position": at + 1}
+        chart["bound"] = {"y": y(bound), "label": fmt(bound), "text": "bound" if judged else "reference",
+                          "cls": "" if judged else " ref"}
     step = max(1, math.ceil(n / 12))
     chart["xticks"] = [{"x": left + i * band + band / 2, "label": i + 1} for i in range(0, n, step)]
     return chart
 
 
-def _judged(judged: Sequence[Any] | None, i: int) -> str | None:
-    return judged[i] if isinstance(judged, list) and i < len(judged) and isinstance(judged[i], str) else None
-
-
-def _bar(i: int, v: float | None, y: _LogScale, limit: float | None, by_noise: bool, band: float, left: float,
+def _bar(i: int, v: float | None, y: _LogScale, bound: float | None, judged: bool, band: float, left: float,
          top: float, ph: float) -> dict:
-    """One position's bar; ``limit``: the bound that judged it (the noise-derived one when ``by_noise``)."""
+    """One position's bar: red above the bound where it was judged, ``above`` where it was only shown."""
     pos, x0, bw = i + 1, left + i * band + band * 0.15, max(band * 0.7, 1.0)
     if v is None or not math.isfinite(v):
         return {"x": x0, "y": top, "w": bw, "h": ph, "cls": "bar inf", "title": f"position {pos}: |Δ| not finite"}
-    over = limit is not None and v > limit
+    over = bound is not None and v > bound
     yy = y(v) if v > 0 else top + ph - 1
-    which = "noise-derived bound" if by_noise else "bound"
-    title = f"position {pos}: |Δlogprob| {fmt(v)}" + (f" (judged by the noise-derived bound {fmt(limit)})" if by_noise else "")
+    title = f"position {pos}: |Δlogprob| {fmt(v)}"
     if over:
-        title += f" (above the {which})"
-    cls = "bar" + (" noise" if by_noise else "") + (" over" if over else "")
+        title += " (above the bound)" if judged else " (above the family bound, shown for reference: not judged)"
+    cls = "bar" + ((" over" if judged else " above") if over else "")
     return {"x": x0, "y": yy, "w": bw, "h": top + ph - yy, "cls": cls, "title": title}
 
 

@@ -7,12 +7,17 @@ Layout: a banner with the worst state (a candidate build's cells included), a fi
 also the legend (one button per state of harness.verdicts' table, in its colours), a "needs
 attention" list, then one grid per tier: a row per scheme, a column per model, and inside each grid
 cell one chip per engine, coloured by verdict. Clicking a grid cell opens its details below the
-row: per engine the verdict and its reason, the share of positions the family bound protects, the
-teacher-forced |Δlogprob| per position (inline SVG; positions judged by the noise-derived bound
-shaded apart, each prompt's onset marked with its evidence), the first greedy divergence with both
-tokens and both top-k side by side, the module diff, load time against the baseline and its trend
-across result sets, the checks, provenance (the run's and the baseline's CPU included) and the log
-tail.
+row: per engine the verdict and its reason, the teacher-forced |Δlogprob| per position (inline SVG,
+the family bound dashed), the first greedy divergence with both tokens and both top-k side by side,
+the module diff, load time against the baseline and its trend across result sets, the checks,
+provenance (the run's and the baseline's CPU included) and the log tail.
+
+``portable-pass`` (a cell on other kernels than its baseline's whose logprobs against it are shown,
+not judged) is a state of its own everywhere: its chip and filter, and its own count in the banner,
+never summed into ``pass``. A check computed but not judged (harness.report.states.check_state,
+``shown``) wears a grey "shown, not judged" badge wherever checks are listed, in place of a tick;
+its chart still draws, the family bound as a reference line and the bars above it marked apart,
+not red.
 
 With a candidate build (``harness run --candidate``), its headline under the banner and a "Base and
 candidate" table: each of its cells with the base build's verdict and the candidate's.
@@ -35,7 +40,7 @@ from harness.matrix import TIERS
 from harness.records import Record
 from harness.registry import ENGINE_NAMES
 from harness.report import charts
-from harness.report.states import counts_of, state_of
+from harness.report.states import check_state, counts_of, passing, passing_apart, state_of
 from harness.report.merge import Entry, Merged
 from harness.verdicts import ROWS, SEVERITY, STATES, needs_attention, row, worst
 from harness.report import accuracy, candidates, localisation, sensitivity
@@ -70,7 +75,6 @@ class _Slot:
             entry.record.model, entry.record.scheme, entry.record.engine)
         self.tier = tier
         self.state = state_of(entry.record if entry else None)
-        self.family_share = _family_share(entry.record) if entry else None
 
 
 def _slots(merged: Merged, matrix) -> list[_Slot]:
@@ -105,13 +109,6 @@ def _checks_of(rec: Record, kind: str):
             yield c, against
 
 
-def _family_share(rec: Record) -> float | None:
-    """The share of positions the family bound judged, from the teacher-forced:baseline check."""
-    c = next((c for c in rec.checks if c.name == "teacher-forced:baseline" and c.data), None)
-    share = c.data.get("family_share") if c is not None else None
-    return float(share) if isinstance(share, (int, float)) and not isinstance(share, bool) else None
-
-
 def _dict(data: dict, key: str) -> dict:
     value = data.get(key)
     return value if isinstance(value, dict) else {}
@@ -122,38 +119,29 @@ def _teacher_forced(rec: Record) -> list[dict]:
     for c, against in _checks_of(rec, "teacher-forced"):
         per, bound = _dict(c.data, "per_position"), _dict(c.data, "bound").get("logprob")
         bound = bound if isinstance(bound, (int, float)) else None
+        state = check_state(c)
         figures = []
         for prompt, values in list(per.items())[:MAX_PROMPTS]:
             if isinstance(values, list):
-                figures.append(_figure(c.data, str(prompt), charts.numbers(values), bound, against))
-        out.append({"against": against, "ok": c.ok, "detail": c.detail, "figures": figures,
-                    "more": max(0, len(per) - MAX_PROMPTS), "noise": any(f["noise"] for f in figures)})
+                figures.append(_figure(c.data, str(prompt), charts.numbers(values), bound, against, state != "shown"))
+        out.append({"against": against, "state": state, "detail": c.detail, "figures": figures,
+                    "more": max(0, len(per) - MAX_PROMPTS)})
     return out
 
 
-def _figure(data: dict, prompt: str, values: list, bound: float | None, against: str) -> dict:
+def _figure(data: dict, prompt: str, values: list, bound: float | None, against: str, judged: bool) -> dict:
     pl = _dict(data, "prompt_len").get(prompt)
-    judged = _dict(data, "judged").get(prompt)
-    onset = _dict(data, "onsets").get(prompt)
-    onset = onset if isinstance(onset, dict) else None
     chart = charts.delta(values, topk=charts.numbers(_dict(data, "topk_per_position").get(prompt)), bound=bound,
-                         prompt_len=pl if isinstance(pl, int) else None,
-                         judged=judged if isinstance(judged, list) else None,
-                         noise_bound=charts.numbers(_dict(data, "noise_bound").get(prompt)), onset=onset,
+                         prompt_len=pl if isinstance(pl, int) else None, judged=judged,
                          caption=f"|Δlogprob| per position, prompt {prompt}, against {against}")
-    evidence = None
-    if onset is not None:
-        evidence = ", ".join(f"{k} {charts.fmt(onset.get(k))}" for k in ("quantizer", "value", "distance", "noise")
-                             if onset.get(k) is not None)
-    return {"prompt": prompt, "chart": chart, "onset": onset, "evidence": evidence, "noise": bool(chart["noise"]) or (
-        isinstance(judged, list) and "noise" in judged)}
+    return {"prompt": prompt, "chart": chart}
 
 
 def _greedy(rec: Record) -> list[dict]:
     out = []
     for c, against in _checks_of(rec, "greedy"):
         divs = [d for d in (c.data.get("divergences") or []) if isinstance(d, dict)]
-        item: dict[str, Any] = {"against": against, "ok": c.ok, "detail": c.detail, "divergence": None}
+        item: dict[str, Any] = {"against": against, "state": check_state(c), "detail": c.detail, "divergence": None}
         if divs:
             d = next((d for d in divs if not d.get("ok", True)), divs[0])
             ta, tb = d.get(against), d.get("obtained")
@@ -252,9 +240,10 @@ def _panel(slot: _Slot, merged: Merged, baselines) -> dict:
         "state": slot.state, "id": slot.id, "missing": False, "reason": r.verdict_reason,
         "unsupported": r.unsupported_reason if r.unsupported_reason != r.verdict_reason else None,
         "known": r.known_failure, "known_link": _link(r.known_failure.link) if r.known_failure else None,
-        "module_diff": r.module_diff, "family_share": slot.family_share,
+        "module_diff": r.module_diff,
         "tf": _teacher_forced(r), "greedy": _greedy(r), "load": _load(r, merged.history.get(r.cell, [])),
-        "log": _log_tail(slot.entry), "checks": r.checks, "accuracy": accuracy.rows(r),
+        "log": _log_tail(slot.entry), "accuracy": accuracy.rows(r),
+        "checks": [{"name": c.name, "detail": c.detail, "state": check_state(c)} for c in r.checks],
         "localisation": localisation.rows(r), "sensitivity": sensitivity.rows(r),
         "provenance": _provenance(slot.entry, baselines.get(r) if baselines else None),
     }
@@ -335,6 +324,15 @@ def _candidates(merged: Merged, matrix) -> dict | None:
             "rows": [{"id": cid, "base": _side(b), "candidate": _side(c)} for cid, b, c in candidates.pairs(merged, matrix)]}
 
 
+def _summary(counts: dict[str, int]) -> str:
+    """The banner's counts: the states that need attention, worst first, then those that pass
+    otherwise than plainly (portable-pass, improved, fixed), each counted apart from ``pass``."""
+    attention = [f"{counts[s]} {s}" for s in SEVERITY if counts.get(s) and needs_attention(s)]
+    if attention:
+        return ", ".join(attention + passing_apart(counts))
+    return ", ".join(passing(counts)) if any(counts.values()) else "no cells"
+
+
 def render(merged: Merged, *, matrix=None, title: str | None = None, now: datetime | None = None,
            baselines_root: str | Path | None = None) -> str:
     slots = _slots(merged, matrix)
@@ -347,14 +345,13 @@ def render(merged: Merged, *, matrix=None, title: str | None = None, now: dateti
     ids: dict[tuple[str, str, str], str] = {}
     tiers = [_tier(t, by_tier[t], orders, merged, baselines, ids)
              for t in [t for t in TIERS if t in by_tier] + sorted(t for t in by_tier if t not in TIERS)]
-    bad = [(s, counts[s]) for s in SEVERITY if counts.get(s) and s != "pass"]
     return _ENV.get_template("report.html.j2").render(
         title=title or "Quantized model loading: regression matrix",
         generated=(now or datetime.now(timezone.utc)).strftime("%Y-%m-%d %H:%M UTC"),
         slots=len(slots), models=len({s.model for s in slots}), sets=merged.sets,
         # a candidate's failing cell colours the banner as the run's exit status counts it
         worst=worst([*(s.state for s in slots), *(state_of(r) for r in merged.candidate_records())]) or "unsupported",
-        summary=", ".join(f"{n} {s}" for s, n in bad) or ("all pass" if slots else "no cells"),
+        summary=_summary(counts),
         states=STATES, rows=ROWS, counts=counts, tiers=tiers, attention=_attention(slots, ids),
         problems=merged.problems, notes=merged.notes, candidates=_candidates(merged, matrix),
     )

@@ -7,7 +7,9 @@ Buildkite Test Engine (and any CI) can read the matrix.
   run exactly when it is a failure or an error here (every verdict that fails ``harness run``;
   an expected cell without a record is an error).
 - Each case carries the verdict, engine, engine version and platform as properties, and the
-  verdict and its reason in system-out.
+  verdict and its reason in system-out. ``portable-pass`` is a passed case whose ``verdict``
+  property says so; the checks computed but not judged (harness.report.states.check_state) are
+  named in a ``not_judged`` property and listed, with their details, in system-out.
 - An unreadable record file is an error case in the suite ``harness unreadable``.
 - A candidate build's record (``harness run --candidate``) is a case of its own after the base
   build's, named ``<cell id> [candidate <engine> <version> vs base <version>]``, its result the
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Sequence
 
 from junitparser import Attr, Error, Failure, JUnitXml, Properties, Property, Skipped, TestCase, TestSuite
 
 from harness.report import candidates
-from harness.report.states import state_of
+from harness.report.states import check_state, state_of
 from harness.report.merge import Merged
 from harness.verdicts import MISSING, row
 
@@ -47,7 +50,7 @@ def _split(cell_id: str) -> tuple[str, str]:
 
 
 def _case(cell_id: str, classname: str, seconds: float, state: str, reason: str, detail: str | None,
-          properties: dict[str, str]) -> _Case:
+          properties: dict[str, str], shown: Sequence[str] = ()) -> _Case:
     case = _Case(_clean(cell_id), _clean(classname), round(seconds, 3))
     case.file = "models.yaml"
     if properties:
@@ -64,7 +67,7 @@ def _case(cell_id: str, classname: str, seconds: float, state: str, reason: str,
             result.text = _clean(detail)
         case.result = [result]
     if properties:
-        case.system_out = _clean(f"verdict: {state}\n{reason}")
+        case.system_out = _clean("\n".join([f"verdict: {state}", reason, *shown]))
     return case
 
 
@@ -79,7 +82,11 @@ def _record_case(r, name: str | None = None) -> _Case:
              "platform": r.engine_info.platform or ""}
     if r.candidate is not None:
         props["candidate"] = r.candidate
-    return _case(name or r.cell, f"{r.tier}.{r.model}.{r.scheme}", r.duration_s, state, reason, detail, props)
+    shown = [c for c in r.checks if check_state(c) == "shown"]
+    if shown:
+        props["not_judged"] = ", ".join(c.name for c in shown)
+    return _case(name or r.cell, f"{r.tier}.{r.model}.{r.scheme}", r.duration_s, state, reason, detail, props,
+                 [f"{c.name}: {c.detail}" for c in shown])
 
 
 def render(merged: Merged, *, matrix=None) -> str:

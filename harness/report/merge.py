@@ -22,7 +22,11 @@ within the cell's bounds by the runner's own rule and judgement (``compare.cross
 engine with a known failure is no witness; engines that differ in fusing shards are compared only
 in a run that holds both; ``compare.disagreement``: a disagreement makes the verdict ``failed``, or
 ``waived`` when a known failure matches every failing check), as the verdict order of
-docs/design.md, "Verdicts", has it.
+docs/design.md, "Verdicts", has it. Records of one result set may come from different agents, so
+two engines are compared only where their records share a kernel set (``share_kernels``): on other
+kernels an FP8-quantized activation or a bfloat16 sum may round differently and move the logprobs
+past the family bound with no bug (docs/design.md, "Portability across CPUs"). A comparison left
+out for that reason is said in the record's verdict reason and in the merge's notes.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import compare, files, verdicts
+from harness import compare, cpu, files, verdicts
 from harness.layout import Layout
 from harness.records import Record, RecordError
 
@@ -178,8 +182,9 @@ def _groups(merged: Merged, source: str) -> list[list[Entry]]:
 
 def cross_check(merged: Merged, matrix: Matrix) -> None:
     """Compare the engines of each model x scheme within each result set (see the module doc), by
-    the runner's rule and judgement (compare.cross_engine, compare.disagreement). Records gain the
-    missing cross-engine checks; their verdict changes only when one fails."""
+    the runner's rule and judgement (compare.cross_engine, compare.disagreement), between records
+    that share a kernel set (share_kernels). Records gain the missing cross-engine checks; their
+    verdict changes only when one fails; a comparison left out for the kernels is said."""
     cells = {c.id: c for c in matrix.cells()}
     for source in merged.sets:
         for group in _groups(merged, source):
@@ -190,6 +195,76 @@ def cross_check(merged: Merged, matrix: Matrix) -> None:
                     _cross_check(entry, [o.record for o in group if o is not entry], cell, known, merged)
 
 
+# ------------------------------------------------------------------------------- kernel sets
+
+NO_CPU = "no CPU recorded"
+
+
+def _accelerator(record: Record) -> str | None:
+    """The record's platform when its results were computed off the CPU (``cuda-sm90``)."""
+    platform = record.engine_info.platform
+    return platform if platform and not platform.startswith("cpu") else None
+
+
+def _cpu_of(record: Record) -> dict | None:
+    info = record.engine_info.cpu
+    return info.model_dump() if info is not None else None
+
+
+def share_kernels(a: Record, b: Record) -> bool:
+    """Whether two records' results were computed by the same kernels, so that the family bounds
+    hold between them (docs/design.md, "Portability across CPUs").
+
+    - Records computed on a GPU (platform ``cuda-sm90``): the same platform. Their host CPU selects
+      none of the kernels that compute the logprobs, so two GPU agents of one compute capability
+      share kernels whatever their hosts, and a GPU record never shares them with a CPU record.
+    - Records computed on a CPU: harness.cpu.same_kernels of their CPUs (vendor, model, kernel
+      flags, torch capability, kernel-restricting variables).
+    - A CPU record that names no CPU (a harness older than the CPU provenance) is never known to
+      share kernels, as cpu.same_kernels and a baseline of unknown CPU (harness.baselines.other_kernels)
+      have it: comparing it could make ``failed`` of a mere kernel difference, and every record of
+      today's harness names its CPU, so what is left out is said rather than guessed.
+    """
+    if _accelerator(a) or _accelerator(b):
+        return _accelerator(a) == _accelerator(b)
+    return cpu.same_kernels(_cpu_of(a), _cpu_of(b))
+
+
+def kernels_of(record: Record) -> str | None:
+    """A name for the kernels a record's results come from: its GPU platform, or its CPU's kernel
+    set (harness.cpu.kernel_set, e.g. ``amd-epyc-avx2-ddc0264a``); None when unknown."""
+    mine = _cpu_of(record)
+    return _accelerator(record) or (cpu.kernel_set(mine) if mine else None)
+
+
+def _not_compared(record: Record, other: Record) -> str:
+    """Why ``record`` is not compared with ``other``: they do not share a kernel set."""
+    mine, theirs = kernels_of(record) or NO_CPU, kernels_of(other) or NO_CPU
+    return f"not compared with {other.engine}: recorded on other kernels ({theirs}) than this record ({mine})"
+
+
+def _apart(rec: Record, others: list[Record], cell, known, have: set[str]) -> list[Record]:
+    """The records of ``others`` on other kernels that the cross-engine rule would otherwise have
+    compared ``rec`` with here (not those it never compares, nor those its own run compared it with)."""
+    return [o for o in others if not share_kernels(rec, o)
+            and any(c.name not in have for c in compare.cross_engine(rec, [o], cell.bounds, known_failures=known))]
+
+
+def _say_not_compared(entry: Entry, apart: list[Record], merged: Merged) -> None:
+    """The record's verdict reason and the merge's notes say which comparison was left out, once
+    (a second merge of the same records says nothing twice)."""
+    rec = entry.record
+    said = [why for why in (_not_compared(rec, o) for o in apart) if why not in (rec.verdict_reason or "")]
+    if not said:
+        return
+    reason = "; ".join(([rec.verdict_reason] if rec.verdict_reason else []) + said)
+    entry.record = rec.model_copy(update={"verdict_reason": reason})
+    merged.notes.extend(f"{rec.cell} ({entry.source}): {why}" for why in said)
+
+
+# ------------------------------------------------------------------------------- one record
+
+
 def _held_its_baseline(rec: Record) -> bool:
     own = [c for c in rec.checks if c.name.endswith(":baseline")]
     return bool(own) and all(c.ok for c in own)
@@ -197,12 +272,23 @@ def _held_its_baseline(rec: Record) -> bool:
 
 def _cross_check(entry: Entry, others: list[Record], cell, known, merged: Merged) -> None:
     rec = entry.record
+    have = {c.name for c in rec.checks}
+    # on other kernels the family bounds do not hold between two engines (share_kernels): such a
+    # record is no witness here, and the reason says it was left out
+    alike = [o for o in others if share_kernels(rec, o)]
+    apart = _apart(rec, others, cell, known, have)
     # no unfused reference here: engines that differ in fusing shards are compared only by a run
     # holding both (and then the checks are in the records already)
-    have = {c.name for c in rec.checks}
-    new = [c for c in compare.cross_engine(rec, others, cell.bounds, known_failures=known) if c.name not in have]
-    if not new:
-        return
+    new = [c for c in compare.cross_engine(rec, alike, cell.bounds, known_failures=known) if c.name not in have]
+    if new:
+        _judge_new(entry, new, cell, merged)
+    _say_not_compared(entry, apart, merged)
+
+
+def _judge_new(entry: Entry, new: list, cell, merged: Merged) -> None:
+    """The record with the new cross-engine checks, judged again where one fails, or where they
+    show that the known failure it was waived by, about a comparison its run lacked, no longer shows."""
+    rec = entry.record
     checks = [*rec.checks, *new]
     failing_new = [c for c in new if not c.ok]
     j = None
@@ -222,7 +308,9 @@ def _cross_check(entry: Entry, others: list[Record], cell, known, merged: Merged
 
 def _shown_no_longer(rec: Record, checks: list, new: list) -> compare.Judgement:
     """A record waived with every check holding was waived for want of the engine its known failure
-    compares it with, which its run did not hold (harness.judging): here that engine agrees."""
+    compares it with, which its run did not hold (harness.judging): here that engine agrees. ``new``
+    holds only comparisons with records on the same kernels (_cross_check), so an engine on other
+    kernels never shows a known failure gone: their agreement there would not carry to these."""
     k = rec.known_failure
     engines = ", ".join(sorted({c.name.partition(":")[2] for c in new}))
     return compare.Judgement("unexpected-pass", f"the {engines} agrees: known failure {k.pattern!r} ({k.engine} "

@@ -18,12 +18,12 @@ def rows(rec: Record) -> list[dict]:
     if s is None:
         return []
     check = next((c for c in rec.checks if c.name == "input-sensitivity:contrast" and c.data), None)
-    judged = check.data.get("prompts", {}) if check is not None else {}
+    data = check.data.get("prompts", {}) if check is not None else {}
     out = []
     for p in s.prompts:
         pictures = _pictures(p.input) if p.kind == "image" else None
         out.append({"prompt": p.prompt, "kind": p.kind, "input": p.input, "contrast": p.contrast,
-                    "max_delta": p.max_delta, "noise": judged.get(p.prompt, {}).get("noise"),
+                    "max_delta": p.max_delta, "bound": data.get(p.prompt, {}).get("bound"),
                     "positions": [{"index": p.first + i, "logprob": a, "contrast": b, "delta": abs(a - b)}
                                   for i, (a, b) in enumerate(zip(p.logprobs, p.contrast_logprobs))],
                     "picture": pictures[0] if pictures else None,

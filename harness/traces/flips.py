@@ -1,24 +1,22 @@
-"""Telling an FP8 rounding flip from a bug (docs/design.md, "Portability across CPUs").
+"""Telling an FP8 rounding flip between two engines from a bug (docs/design.md, "Cross-engine").
 
-On other kernels a scaled activation that lies within kernel noise of a rounding boundary may round
-to the neighbouring FP8 value, and attention carries the change to every later position. Such a
-difference is explained when, on every prompt whose trace differs from the baseline's fingerprint
-(or, on the same kernels, from another engine's full trace of the same sequences):
+Two engines on the same machine sum in different orders, so a scaled activation that lies within
+kernel noise of a rounding boundary may round to the neighbouring FP8 value in one of them, and
+attention carries the change to every later position. Such a difference is explained when, on
+every prompt whose trace differs from the other engine's full trace of the same sequences:
 
 1. the first diverging module (harness.traces.localise) is a leaf that quantizes its input;
 2. its input agrees with the baseline's within kernel noise;
 3. some of its input's elements lie within that noise of a rounding boundary (they can flip); and
 4. its output moved no more than flipping ``MAX_FLIPS`` of those elements by one FP8 step can move
    it: each flip of element j at position p moves that position's output by step x scale x |W[:, j]|
-   (L2), a projection on the fingerprint's unit matrix by at most that times the matrix row's norm;
-   against another engine's full output, each position's row is held to its own fragile elements.
+   (L2), each position's row held to its own fragile elements.
 
-The noise is the element noise the fingerprint stores (or the group's measured noise, across
-engines) for the module that made the input (or for the input itself where code between modules
-made it). Nothing here is a prediction: it is what this run's own trace shows against what the
-baseline stored or the other engine computed. Whether the loaded state is exact, the other half of
-the rule, is the comparison's against a baseline (harness.judging.rounding_flip); across engines,
-every module's effective weights in the two traces must agree (:func:`explain_across`).
+The noise is the group's measured module noise (harness.measure_noise) for the module that made
+the input (or for the input itself where code between modules made it). Nothing here is a
+prediction: it is what this run's own traces show against what the other engine computed on the
+same kernels. Every module's effective weights in the two traces must agree (:func:`explain_across`).
+Against a baseline nothing is explained away (harness.judging.rounding_flip).
 """
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ from dataclasses import dataclass
 
 from harness import records as R
 from harness.traces import PromptTrace
-from harness.traces.fingerprint import Fingerprint, unit_matrices
 from harness.traces.localise import PromptDeltas, classify, first_diverging
 from harness.traces.noise import ModuleNoise
 
@@ -35,14 +32,6 @@ MAX_FLIPS = 4
 
 class Unexplained(Exception):
     """Why a difference is not a rounding flip; ``str()`` is one line."""
-
-
-def explain(fp: Fingerprint, traces: list[PromptTrace], prompts: list[PromptDeltas]) -> R.RoundingFlip:
-    """Whether rounding flips explain how ``traces`` moved from ``fp`` (``prompts``: the per-module
-    deltas of fingerprint.deltas), compared on the fingerprint's projections."""
-    noise = _Noise(inputs={r.module: r.input_noise[0] for r in fp.modules if r.input_noise},
-                   outputs={r.module: r.noise[0] for r in fp.modules})
-    return _explain(traces, prompts, noise, theirs=None, state=lambda p: None)
 
 
 def explain_across(traces: list[PromptTrace], theirs: list[PromptTrace], noise: ModuleNoise | None,
@@ -58,8 +47,7 @@ def explain_across(traces: list[PromptTrace], theirs: list[PromptTrace], noise: 
         differ = [m for m, d in p.weights.items() if d]
         return f"{differ[0]}'s effective weights differ from {other}'s" if differ else None
 
-    return _explain(traces, prompts, _Noise(noise.inputs, noise.outputs), theirs={t.prompt: t for t in theirs},
-                    state=state)
+    return _explain(traces, prompts, _Noise(noise.inputs, noise.outputs), {t.prompt: t for t in theirs}, state)
 
 
 @dataclass
@@ -70,10 +58,10 @@ class _Noise:
     outputs: dict[str, float]
 
 
-def _explain(traces: list[PromptTrace], prompts: list[PromptDeltas], noise: _Noise, *,
-             theirs: dict[str, PromptTrace] | None, state) -> R.RoundingFlip:
-    """``theirs``: the other side's full traces by prompt; None where it is a fingerprint's
-    projections. ``state(prompt deltas)``: why the loaded state is not shown equal there, or None."""
+def _explain(traces: list[PromptTrace], prompts: list[PromptDeltas], noise: _Noise,
+             theirs: dict[str, PromptTrace], state) -> R.RoundingFlip:
+    """``theirs``: the other engine's full traces by prompt. ``state(prompt deltas)``: why the
+    loaded state is not shown equal there, or None."""
     by_prompt = {t.prompt: t for t in traces}
     at = []
     try:
@@ -82,8 +70,7 @@ def _explain(traces: list[PromptTrace], prompts: list[PromptDeltas], noise: _Noi
                 raise Unexplained(f"prompt {p.prompt}: {why}")
             m = first_diverging(p)
             if m is not None:
-                other = theirs[p.prompt] if theirs is not None else None
-                at.append(_flip_at(p, m, by_prompt[p.prompt], other, noise))
+                at.append(_flip_at(p, m, by_prompt[p.prompt], theirs[p.prompt], noise))
         if not at:
             raise Unexplained("no module differs beyond its noise")
     except Unexplained as e:
@@ -94,7 +81,7 @@ def _explain(traces: list[PromptTrace], prompts: list[PromptDeltas], noise: _Noi
     return R.RoundingFlip(explained=True, at=at, detail=f"rounding flip at {worst.module}: {where} (at most {MAX_FLIPS})")
 
 
-def _flip_at(p: PromptDeltas, m: str, trace: PromptTrace, other: PromptTrace | None, stored: _Noise) -> R.FlipAt:
+def _flip_at(p: PromptDeltas, m: str, trace: PromptTrace, other: PromptTrace, stored: _Noise) -> R.FlipAt:
     import torch
 
     # lazy: torch, numpy, +3.8 s (scripts/import-graph --costs)
@@ -131,24 +118,8 @@ def _flip_at(p: PromptDeltas, m: str, trace: PromptTrace, other: PromptTrace | N
                           "an FP8 rounding boundary, so none can flip")
     # a flip of element j at position p moves that position's output row by this much (L2)
     per_flip = fp8.step_at(boundary) * scale * norms.double()[None, :]
-    if other is None:
-        moved, bound, largest = _on_projections(p, m, trace, per_flip, fragile, count)
-    else:
-        moved, bound, largest = _on_full_outputs(p, m, trace, other, per_flip, fragile, stored.outputs.get(m, 0.0))
+    moved, bound, largest = _on_full_outputs(p, m, trace, other, per_flip, fragile, stored.outputs.get(m, 0.0))
     return R.FlipAt(prompt=p.prompt, module=m, fragile=count, moved=moved, bound=bound, steps=moved / largest)
-
-
-def _on_projections(p: PromptDeltas, m: str, trace: PromptTrace, per_flip, fragile, count: int) -> tuple[float, float, float]:
-    """(moved, bound, largest single move) of ``m``'s output on the fingerprint's projections: each
-    projection moves by at most its unit matrix row's norm times a flip's move."""
-    row_norm = unit_matrices(tuple(trace.outputs[m].shape)).norm(dim=2).amax(dim=0)  # [positions]
-    moves = (per_flip * row_norm[:, None])[fragile]
-    bound = float(moves.topk(min(MAX_FLIPS, count)).values.sum())
-    moved = p.outputs[m]
-    if not moved.delta <= bound + moved.noise:
-        raise Unexplained(f"prompt {p.prompt}: {m}'s output moved {moved.delta:.3g}, more than {MAX_FLIPS} one-step "
-                          f"flips of its {count} fragile input element(s) can ({bound:.3g})")
-    return moved.delta, bound, float(moves.max())
 
 
 def _on_full_outputs(p: PromptDeltas, m: str, trace: PromptTrace, other: PromptTrace, per_flip, fragile,

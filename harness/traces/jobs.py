@@ -31,9 +31,9 @@ from harness import compare as C
 from harness import records as R
 from harness.layout import Layout, group_key
 from harness.matrix import ENGINES
-from harness.noise import NoiseError
+from harness.measure_noise import NoiseError
 from harness.registry import fuses_shards
-from harness.traces import diff, fingerprint, flips
+from harness.traces import diff, fingerprint
 from harness.traces.localise import OTHER_KERNELS_MARGIN, localise
 
 if TYPE_CHECKING:
@@ -231,12 +231,12 @@ class Tracer:
         """Add or refresh the fingerprint of the cell's baseline ``record`` passed against, where it
         ran on the baseline's own kernels (a fingerprint is compared as the baseline's kernels'
         traces); returns what was done, one line (None when the record did not pass)."""
-        if record.verdict != "pass":
-            return None
         baseline = B.read(self.runner.baselines_root, cell.tier, cell.id)
         if baseline is not None and B.other_kernels(record, baseline):
             return (f"{B.path_for(self.runner.baselines_root, cell.tier, cell.id)}: fingerprint not written: only a "
                     "cell run on its baseline's own kernels is")
+        if record.verdict != "pass":
+            return None
         fused = fuses_shards(cell.engine)
         m = self.measured(cell, fused, record)
         if isinstance(m, str):
@@ -252,11 +252,10 @@ class Tracer:
 def against_fingerprint(record: R.Record, baseline: B.Baseline, traces: list[PromptTrace], note: str = "") -> R.Localisation:
     """The localisation of ``record``'s ``traces`` against its baseline's fingerprint: the loaded
     state first, then the outputs, beyond OTHER_KERNELS_MARGIN x their noise where the baseline is
-    from other kernels; and whether rounding flips explain the difference."""
+    from other kernels."""
     deltas = fingerprint.deltas(baseline.fingerprint, traces)
     margin = OTHER_KERNELS_MARGIN if C.other_kernels(record, baseline) else 1.0
-    return localise(deltas, "baseline", note, changed_state=changed_state(record, baseline), margin=margin).model_copy(
-        update={"rounding_flip": flips.explain(baseline.fingerprint, traces, deltas)})
+    return localise(deltas, "baseline", note, changed_state=changed_state(record, baseline), margin=margin)
 
 
 def changed_state(record: R.Record, baseline: B.Baseline) -> list[str]:

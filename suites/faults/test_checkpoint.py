@@ -390,6 +390,9 @@ CASES: dict[str, Case] = {
                                  f"{CFG}: quantization_config.ignored_layers: must be a list (got 5)"),
     "bnb quant type int4": Case("silent", B, qc(bnb_4bit_quant_type="int4"),
                                 f"{CFG}: quantization_config.bnb_4bit_quant_type: must be 'nf4' or 'fp4' (got \"int4\")"),
+    "bnb compute dtype 32": Case("silent", B, qc(bnb_4bit_compute_dtype=32),
+                                 f"{CFG}: quantization_config.bnb_4bit_compute_dtype: must be 'float32', 'float16', "
+                                 "'bfloat16', 'float64', 'float', 'half' or 'double' (got 32)"),
     # --- smaller ones
     "static FP8 without input_scale": Case("small", F8, drop(f"{Q}.input_scale"),
                                            f"error: {Q}.input_scale: missing tensor: the static activation scheme needs an input_scale"),
