@@ -14,29 +14,21 @@ environment, torch, platform, date, commit.
   baseline kind): a mismatch writes ``<cell id>.obtained.json`` beside the baseline in the same
   format, so ``diff baselines/cpu-tiny/X.json baselines/cpu-tiny/X.obtained.json`` shows it.
   Obtained files are git-ignored.
-- ``kernels_root(root, record)``: the root of the baselines recorded for one set of kernels,
-  ``<root>/kernels/<kernel set>/``, laid out as ``<root>`` is. A cell whose computation does not
-  carry across kernels (FP8 activations, bfloat16 matmuls) is judged by what carries against a
-  baseline from other kernels; ``read_for(root, record)`` gives the baseline recorded for the
-  record's own kernels instead where ``harness run --update-kernel-baselines`` wrote one
-  (docs/design.md, "Portability across CPUs").
-- ``load_baseline_for(root, record, baseline)``: the baseline a load time is judged against, one
-  recorded on the record's kind of CPU under any kernel condition before one from another CPU
-  (docs/design.md, "Load-time baselines per kind of CPU"); ``load_baseline_here`` the same for a CPU description
-  (harness bench).
+- Baselines recorded for one set of kernels live under ``<root>/kernels/<kernel set>/``, laid out
+  as ``<root>`` is; which baseline judges a record is harness.resolver's choice.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from harness import cpu, files, store, verdicts
+from harness import cpu, files, store
 from harness.records import (
     CpuInfo,
     FixtureRef,
@@ -49,10 +41,8 @@ from harness.records import (
     SourceRef,
     TopK,
     allocation_named,
-    atomic_write_text,
-    is_version,
-    render_json,
 )
+from harness.files import atomic_write_text, is_version, render_json
 from harness.store import Change, Outcome, git_commit, refusal_of
 from harness.traces.fingerprint import Fingerprint
 from harness.validation import one_line, strict_json
@@ -205,23 +195,13 @@ def path_for(root: str | Path, tier: str, cell_id: str) -> Path:
 def other_kernels(record: Record, baseline: Baseline) -> bool:
     """Whether the record ran on other kernels than the baseline (another CPU, another torch
     capability, a kernel-restricting variable: harness.cpu.same_kernels)."""
-    return not cpu.same_kernels(_cpu_of_record(record), _cpu_of(baseline))
+    return not cpu.same_kernels(cpu_of_record(record), cpu_of(baseline))
 
 
 def kernel_set_of(baseline) -> str:
     """The name of the kernels a baseline (logprob or accuracy) was recorded on (harness.cpu.kernel_set)."""
-    mine = _cpu_of(baseline)
+    mine = cpu_of(baseline)
     return cpu.kernel_set(mine) if mine else "an unknown CPU"
-
-
-def kernels_root(root: str | Path, record: Record) -> Path | None:
-    """The root of the baselines recorded on the kernels ``record`` ran on (``<root>/kernels/<kernel
-    set>``, harness.cpu.kernel_set), None for a record that does not say its CPU."""
-    return _kernels_root(root, _cpu_of_record(record))
-
-
-def _kernels_root(root: str | Path, mine: dict | None) -> Path | None:
-    return Path(root, KERNELS_FOLDER, cpu.kernel_set(mine)) if mine else None
 
 
 def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
@@ -243,89 +223,11 @@ def read(root: str | Path, tier: str, cell_id: str) -> Baseline | None:
     return baseline
 
 
-def read_for(root: str | Path, record: Record) -> tuple[Baseline | None, Path]:
-    """The baseline ``record`` is judged against, and the root it was read from: the cell's own
-    where it was recorded on the record's kernels; else the one recorded on those kernels
-    (:func:`kernels_root`) where it exists; else the cell's own; and where the cell has none, one
-    recorded on the record's kind of CPU under another kernel condition (:func:`_on_this_cpu`).
-    BaselineError as :func:`read`."""
-    return _read_on(root, record.tier, record.cell, _cpu_of_record(record))
-
-
-def load_baseline_for(root: str | Path, record: Record, baseline: Baseline | None) -> tuple[Baseline | None, Path | None]:
-    """The baseline ``record``'s load time is judged against, and its root where that is not
-    ``baseline`` (read by :func:`read_for`): ``baseline`` where it was recorded on the record's kind
-    of CPU (harness.cpu.same_cpu) or there is none; else the cell's baseline recorded on this kind of
-    CPU under another kernel condition (:func:`_on_this_cpu`); else ``baseline``. A load's
-    calibration is timed under the record's kernel condition, so it carries a CPU's speed across
-    that CPU's kernel conditions, not across CPUs (docs/design.md, "Load-time baselines per kind of CPU")."""
-    return _load_baseline_on(root, record.tier, record.cell, _cpu_of_record(record), baseline)
-
-
-def load_baseline_here(root: str | Path, tier: str, cell_id: str, description: dict) -> Baseline | None:
-    """The baseline whose load time a run of the cell on ``description``'s CPU and kernels
-    (harness.cpu.describe) is judged against: :func:`read_for`, then :func:`load_baseline_for`."""
-    baseline, _ = _read_on(root, tier, cell_id, description)
-    return _load_baseline_on(root, tier, cell_id, description, baseline)[0]
-
-
-def _read_on(root: str | Path, tier: str, cell_id: str, mine: dict | None) -> tuple[Baseline | None, Path]:
-    baseline = read(root, tier, cell_id)
-    if baseline is not None and cpu.same_kernels(mine, _cpu_of(baseline)):
-        return baseline, Path(root)
-    kernels = _kernels_root(root, mine)
-    on_these = read(kernels, tier, cell_id) if kernels is not None else None
-    if on_these is not None:
-        return on_these, kernels
-    if baseline is not None:
-        return baseline, Path(root)
-    return _on_this_cpu(root, tier, cell_id, mine) or (None, Path(root))
-
-
-def _load_baseline_on(root: str | Path, tier: str, cell_id: str, mine: dict | None,
-                      baseline: Baseline | None) -> tuple[Baseline | None, Path | None]:
-    if baseline is None or mine is None or cpu.same_cpu(mine, _cpu_of(baseline)):
-        return baseline, None
-    return _on_this_cpu(root, tier, cell_id, mine) or (baseline, None)
-
-
-def _on_this_cpu(root: str | Path, tier: str, cell_id: str, mine: dict | None) -> tuple[Baseline, Path] | None:
-    """The cell's baseline recorded on ``mine``'s kind of CPU under any kernel condition
-    (``<root>/kernels/*``), its own kernels first (harness.cpu.native_first), and its root."""
-    folder = Path(root, KERNELS_FOLDER)
-    if mine is None or not folder.is_dir():
-        return None
-    found = []
-    for kernels in sorted(p for p in folder.iterdir() if p.is_dir()):
-        candidate = read(kernels, tier, cell_id)
-        if candidate is not None and cpu.same_cpu(mine, _cpu_of(candidate)):
-            found.append((cpu.native_first(_cpu_of(candidate)), kernels, candidate))
-    if not found:
-        return None
-    _, kernels, candidate = min(found, key=lambda f: f[:2])
-    return candidate, kernels
-
-
-def loads_of_another_cpu(root: str | Path, cells: Sequence, mine: dict) -> str | None:
-    """One line naming the gated ``cells`` whose load time has a baseline only from another kind of
-    CPU than ``mine`` (harness.cpu.describe), which vLLM's loads do not carry (docs/design.md,
-    "Load-time baselines per kind of CPU"), and how to record this kind's; None where there are none."""
-    judged_by = {c.id: load_baseline_here(root, c.tier, c.id, mine) for c in cells}
-    foreign = [c for c in cells if judged_by[c.id] is not None and not cpu.same_cpu(mine, _cpu_of(judged_by[c.id]))]
-    if not foreign:
-        return None
-    tiers = ",".join(sorted({c.tier for c in foreign}))
-    return (f"{len(foreign)} gated cell(s) have no load-time baseline recorded on this kind of CPU ({mine.get('model')}): "
-            f"{', '.join(c.id for c in foreign)}; they are judged against another kind's, which vLLM's loads do not "
-            f"carry (docs/design.md, \"Load-time baselines per kind of CPU\"): harness run --tier {tiers} "
-            "--update-kernel-baselines records this kind's once, and --candidate times a build against the pinned one here")
-
-
-def _cpu_of_record(record: Record) -> dict | None:
+def cpu_of_record(record: Record) -> dict | None:
     return record.engine_info.cpu.model_dump() if record.engine_info.cpu else None
 
 
-def _cpu_of(baseline: Baseline) -> dict | None:
+def cpu_of(baseline: Baseline) -> dict | None:
     return baseline.provenance.cpu.model_dump() if baseline.provenance.cpu else None
 
 
@@ -502,13 +404,15 @@ def _loaded_state_change(old: dict[str, str] | None, new: dict[str, str]) -> str
     return f"loaded state changed in {len(changed)} module(s), first {changed[0]}"
 
 
-def update(root: str | Path, record: Record, verdict: str | None = None, *, commit: str | None = None) -> Change:
+def update(root: str | Path, record: Record, verdict: str | None = None, *, commit: str | None = None,
+           rewrite: bool = False) -> Change:
     """Store ``record`` as its cell's baseline and return what changed.
 
     ``verdict`` defaults to ``record.verdict``; a record that was never judged, or whose verdict
-    is failed, error or unsupported, raises BaselineRefused. When nothing material
-    changed (only the date, commit or load time) and the verdict is not about load time, the
-    file is left untouched and the change is ``unchanged``. Any obtained file is removed."""
+    is failed, error or unsupported, raises BaselineRefused. When nothing material changed (only
+    the date, commit or load time) and not ``rewrite`` (the stored one moved beyond a bound, the
+    load time's included, or is stale: the runner says), the file is left untouched and the change
+    is ``unchanged``. Any obtained file is removed."""
     verdict = verdict if verdict is not None else record.verdict
     refusal = refusal_of(record, verdict)
     if refusal:
@@ -533,7 +437,7 @@ def update(root: str | Path, record: Record, verdict: str | None = None, *, comm
     if unreadable:
         messages.insert(0, f"old baseline unreadable, replaced: {unreadable}")
         material = True
-    if old is not None and not material and not verdicts.row(verdict).rewrites_baseline:
+    if old is not None and not material and not rewrite:
         return store.save(root, new, "unchanged", messages)
     return store.save(root, new, "new" if old is None and not unreadable else "updated", messages)
 
@@ -559,11 +463,11 @@ def _set_measured(root: str | Path, tier: str, cell_id: str, field: str, value, 
     return f"{path}: {what} {kind}{detail}"
 
 
-def handle(root: str | Path, record: Record, *, update_baselines: bool = False) -> Outcome:
+def handle(root: str | Path, record: Record, *, update_baselines: bool = False, rewrite: bool = False) -> Outcome:
     """The step after a verdict, for the CLI and the pytest plugin (harness.store.handle): with
-    ``update_baselines``, update (a refusal is returned, not raised); otherwise write the obtained
-    file when the record is ok and its verdict is a mismatch, and clear a stale obtained file on
-    pass."""
+    ``update_baselines``, update (a refusal is returned, not raised; ``rewrite`` as update's);
+    otherwise write the obtained file when the record is ok and its verdict is a mismatch, and
+    clear a stale obtained file on pass."""
     # a refused result is kept beside the baseline, so that what was refused can be diffed
     return store.handle(Baseline, root, record, update_baselines=update_baselines,
-                        regenerate=lambda: update(root, record), obtained_when_refused=True)
+                        regenerate=lambda: update(root, record, rewrite=rewrite), obtained_when_refused=True)

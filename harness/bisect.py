@@ -27,6 +27,7 @@ from packaging.version import Version
 
 from harness import candidates as K
 from harness import judging, runner, runs, terminal
+from harness import files
 from harness import records as R
 from harness.errors import UsageError
 from harness.matrix import Cell, Matrix
@@ -71,7 +72,7 @@ def _changes(cell: Cell, rec: R.Record | None, previous: Build | None) -> str | 
     if before.status != "ok" or rec.status != "ok":
         return None
     checks = judging.judge_against_base(cell, rec, before, known_failures=cell.known_failures).checks
-    moved = [c for c in checks if not c.ok and c.name.endswith(":baseline")]  # the record's own, not the module diff
+    moved = [c for c in checks if not c.ok and c.against_baseline]  # the record's own, not the module diff
     return f"moved from {previous.spec}: " + "; ".join(f"{c.name}: {c.detail}" for c in moved) if moved else None
 
 
@@ -136,10 +137,10 @@ def write_report(builds: list[Build], cell_ids: list[str], out: Path) -> Path:
     if skipped:
         lines += ["", "## Builds skipped", ""] + [f"- {b.spec}: {b.skipped}" for b in skipped]
     path = out / "bisect.md"
-    R.atomic_write_text(path, "\n".join(lines) + "\n")
+    files.atomic_write_text(path, "\n".join(lines) + "\n")
     data = [{"spec": b.spec, "version": b.version, "skipped": b.skipped, "changed": b.changed,
              "verdicts": {c: r.verdict for c, r in b.records.items()}} for b in builds]
-    R.atomic_write_text(out / "bisect.json", json.dumps(data, indent=1) + "\n")
+    files.atomic_write_text(out / "bisect.json", json.dumps(data, indent=1) + "\n")
     return path
 
 

@@ -177,9 +177,9 @@ def _run_owned(args, m, cells, run, results: Path) -> int:
     gated = [c for c in cells if c.gate_load_time and c.tier in matrix.CPU_TIERS]
     if gated and not args.update_kernel_baselines:
         # lazy: loaded with harness.runner above: no cost here
-        from harness import baselines, cpu
+        from harness import cpu, resolver
 
-        foreign = baselines.loads_of_another_cpu(args.baselines, gated, cpu.describe())
+        foreign = resolver.loads_of_another_cpu(args.baselines, gated, cpu.describe())
         if foreign:
             progress.echo(foreign)
     return _run_interruptibly(args, m, cells, r, progress, results)
@@ -319,7 +319,7 @@ def _add_fixtures(sub) -> None:
 def _add_selection(sp) -> None:
     """The cell-selection options that cells, run, bisect and prefetch share (harness.matrix)."""
     # lazy: pydantic, +250 ms (scripts/import-graph --costs)
-    from harness.matrix import DEFAULT_PATH, TIERS
+    from harness.matrix import DEFAULT_PATH, ENGINES, TIERS
 
     sp.add_argument("-k", metavar="EXPR", help="select cells with a pytest -k expression over their ids")
     def tiers(text: str) -> str:
@@ -333,7 +333,8 @@ def _add_selection(sp) -> None:
     sp.add_argument("--tier", default="cpu-tiny", type=tiers, metavar="TIER[,TIER]",
                     help=f"the tiers to select ({', '.join(TIERS)}; default: cpu-tiny; all: every tier but cpu-load, "
                          "which is selected only by name)")
-    sp.add_argument("--engine", metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
+    sp.add_argument("--engine", metavar="NAME[,NAME]",
+                    help=f"limit the engines (registered here: {', '.join(ENGINES)})")
     sp.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (default: models.yaml)")
 
 
@@ -377,7 +378,7 @@ def _add_run(sub) -> None:
     run.add_argument("--later-look", type=_seconds, default=None, metavar="SECONDS",
                      help="on a gated tier, how long at least after its first child a cell over its load-time bound in "
                           "every child is timed again before it is called regressed; the other gated cells are timed "
-                          "meanwhile (default: 600; README, 'Troubleshooting')")
+                          "meanwhile (default: 600; docs/troubleshooting.md, 'Load time on cpu-load')")
     run.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                      help="run N (model, scheme) groups at once, each engine in its own child process (default: "
                           "one per core, as many as the available memory holds; the cpu-load groups, whose load "

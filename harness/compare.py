@@ -1,13 +1,15 @@
 """The comparison rules (docs/design.md, "Comparison rules"). Pure functions on records.
 
-Checks (each a records.Check named ``<kind>:<against>``):
+Checks (each a records.Check of a kind of harness.checks.KINDS, against a baseline, another engine
+or a contrast input):
 - ``teacher-forced``: the main check. On the same scored sequence, |Δlogprob| of the scored token
   and over the shared top-k ids, bounded at every position; max |Δ|, worst position, per position.
 - ``scored-tokens``: the runs scored different sequences (teacher-forced then means nothing).
 - ``greedy``: vLLM's check_logprobs_close rule: where the greedy tokens first differ, each run's
   token must be in the other run's top-k.
 - ``prompts``: both runs have the same prompt ids.
-- ``load-time``: the load-time ratio, calibrated where both runs measured the calibration.
+- ``load-time``: the load-time ratio, calibrated where both runs measured the calibration
+  (harness.loadcheck).
 - ``module-diff``: vLLM's module-level conformance (from the record).
 - ``input-sensitivity``: a multimodal record's output against a second image or audio input,
   which must differ by more than the noise (docs/design.md, "Input sensitivity"; no baseline).
@@ -24,12 +26,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from harness import cpu
-from harness.baselines import other_kernels
+from harness.checks import BASELINE, logprob_difference
 from harness.accuracy import gates as accuracy_gates
 from harness.registry import fuses_shards
-from harness.records import (Check, KnownFailureRef, LoadInfo, Record, SequenceResult, allocation_named,
-                             platform_key)
+from harness.records import Check, Evidence, KnownFailureRef, Record, SequenceResult, platform_key
 
 if TYPE_CHECKING:
     from harness.baselines import Baseline
@@ -54,27 +54,22 @@ class Judgement:
     reason: str
     checks: list[Check] = field(default_factory=list)
     known_failure: KnownFailureLike | None = None
-    # Its logprobs against a baseline from other kernels were not judged (harness.judging,
-    # _Case.judges_logprobs): --update-kernel-baselines records one of these kernels for it.
-    loaded_state_only: bool = False
+    # what it was judged from besides the checks (harness.evidence), for the record
+    evidence: Evidence | None = None
 
     def apply(self, record: Record) -> Record:
-        """A copy of ``record`` carrying this verdict, its reason, checks and known failure."""
+        """A copy of ``record`` carrying this verdict, its reason, checks, evidence and known failure."""
         k = self.known_failure
         kf = k and KnownFailureRef(engine=k.engine, versions=k.versions, pattern=k.pattern, reason=k.reason, link=k.link)
-        return record.model_copy(update={"verdict": self.verdict, "verdict_reason": self.reason, "checks": list(self.checks), "known_failure": kf})
+        update = {"verdict": self.verdict, "verdict_reason": self.reason, "checks": list(self.checks), "known_failure": kf}
+        return record.model_copy(update=update | ({"evidence": self.evidence} if self.evidence is not None else {}))
 
 
 # --------------------------------------------------------------------------------- helpers
 
 
 def _delta(a: float, b: float) -> float:
-    # equal infinities, and NaN against NaN: the same non-result reproduced (a waived cell's
-    # recorded behaviour can be NaN throughout), while NaN against a number is infinitely far
-    if a == b or (math.isnan(a) and math.isnan(b)):
-        return 0.0
-    d = abs(a - b)
-    return math.inf if math.isnan(d) else d
+    return logprob_difference(a, b, nan="apart")
 
 
 def _safe(x: float) -> float | None:
@@ -107,7 +102,7 @@ def check_prompts(expected: Sequence[SequenceResult], obtained: Sequence[Sequenc
         parts.append(f"missing {', '.join(missing)}")
     if extra:
         parts.append(f"not in {against}: {', '.join(extra)}")
-    return Check(name=f"prompts:{against}", ok=False, detail="prompt set differs: " + "; ".join(parts),
+    return Check(kind="prompts", against=against, ok=False, detail="prompt set differs: " + "; ".join(parts),
                  data={"missing": missing, "extra": extra})
 
 
@@ -120,7 +115,7 @@ def _token_difference(pid: str, e: SequenceResult, o: SequenceResult, against: s
 
 def _scored_tokens_check(differing: list[dict], against: str) -> Check:
     first = differing[0]
-    return Check(name=f"scored-tokens:{against}", ok=False, data={"sequences": differing},
+    return Check(kind="scored-tokens", against=against, ok=False, data={"sequences": differing},
                  detail=(f"scored tokens differ from {against}'s in {len(differing)} sequence(s); first: prompt "
                          f"{first['prompt']} position {first['position']}: {against} {first[against]} vs obtained "
                          f"{first['obtained']} (the runs scored different sequences; logprobs not comparable)"))
@@ -152,7 +147,7 @@ def check_teacher_forced(expected: Sequence[SequenceResult], obtained: Sequence[
     detail = (f"max |Δlogprob| vs {against} {fmt(worst['delta'])}{where}; scored tokens {fmt(positions.worst_tok)} "
               f"(bound {fmt(logprob_bound)}), shared top-k {fmt(positions.worst_topk)} (bound {fmt(topk_bound)})")
     checks.append(Check(
-        name=f"teacher-forced:{against}",
+        kind="teacher-forced", against=against,
         ok=not positions.exceeding,
         detail=detail if not positions.exceeding else "exceeds bound: " + detail,
         data=_teacher_forced_data(positions, same, logprob_bound, topk_bound),
@@ -241,23 +236,20 @@ def check_greedy(expected: Sequence[SequenceResult], obtained: Sequence[Sequence
         detail = (f"greedy tokens diverge from {against}'s at prompt {d['prompt']} step {d['step']}: {against} "
                   f"{d[against]} vs obtained {d['obtained']}, and a token is missing from the other run's top-k "
                   f"({against} top-k {[t for t, _ in d[f'{against}_topk']]}, obtained top-k {[t for t, _ in d['obtained_topk']]})")
-        return Check(name=f"greedy:{against}", ok=False, detail=detail, data={"divergences": divergences})
+        return Check(kind="greedy", against=against, ok=False, detail=detail, data={"divergences": divergences})
     if divergences:
         d = divergences[0]
         detail = (f"greedy tokens diverge at prompt {d['prompt']} step {d['step']} ({against} {d[against]} vs "
                   f"obtained {d['obtained']}), each within the other's top-k")
     else:
         detail = f"greedy tokens equal to {against}'s"
-    return Check(name=f"greedy:{against}", ok=True, detail=detail, data={"divergences": divergences})
-
-
-SEQUENCE_CHECKS = ("prompts", "scored-tokens", "teacher-forced", "greedy")
+    return Check(kind="greedy", against=against, ok=True, detail=detail, data={"divergences": divergences})
 
 
 def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[SequenceResult], bounds: Bounds, *,
                       against: str) -> list[Check]:
     """All sequence checks of ``obtained`` against ``expected`` (a baseline or another engine): of
-    SEQUENCE_CHECKS, those that apply."""
+    the kinds of harness.checks that compare sequences, those that apply."""
     checks: list[Check] = []
     p = check_prompts(expected, obtained, against=against)
     if p is not None:
@@ -268,69 +260,6 @@ def compare_sequences(expected: Sequence[SequenceResult], obtained: Sequence[Seq
     if g is not None:
         checks.append(g)
     return checks
-
-
-# The load-time check's name: what a module trace cannot localise (harness.traces.jobs).
-LOAD_TIME_CHECK = "load-time:baseline"
-
-
-def load_ratio(obtained: LoadInfo, baseline: LoadInfo) -> tuple[float, bool]:
-    """(ratio, calibrated): the calibrated ratio (obtained load / its calibration) over (baseline
-    load / its calibration) when both recorded the ``calibration`` phase of the same workload
-    (``LoadInfo.calibration_workload``, harness.loadtime), else the plain ratio of the load times
-    (docs/design.md, "Load time")."""
-    ratio = obtained.seconds / baseline.seconds
-    cal_obt, cal_base = obtained.phases.get("calibration"), baseline.phases.get("calibration")
-    if cal_obt and cal_base and cal_obt > 0 and cal_base > 0 and not other_calibration_workload(obtained, baseline):
-        return ratio / (cal_obt / cal_base), True
-    return ratio, False
-
-
-def other_calibration_workload(obtained: LoadInfo, baseline: LoadInfo) -> bool:
-    """Whether the two calibrations timed different workloads (a record without the version timed
-    the first)."""
-    return (obtained.calibration_workload or 1) != (baseline.calibration_workload or 1)
-
-
-def check_load_time(record: Record, baseline: Baseline, *, bound: float, gated: bool) -> Check | None:
-    """Load-time ratio obtained / baseline, calibrated where both runs measured the calibration
-    workload (:func:`load_ratio`). ``ok`` is False only when gated and the ratio exceeds
-    ``bound``; data["improved"] marks a ratio below 1/bound."""
-    if record.load is None or baseline.load is None or baseline.load.seconds <= 0:
-        return None
-    s_obt, s_base = record.load.seconds, baseline.load.seconds
-    ratio, calibrated = load_ratio(record.load, baseline.load)
-    regressed = ratio > bound
-    improved = ratio < 1 / bound
-    text = f"load {fmt(s_obt)} s vs baseline {fmt(s_base)} s: {'calibrated ' if calibrated else ''}ratio {fmt(ratio)}, bound {fmt(bound)}"
-    if calibrated:
-        text += (f" (calibration {fmt(record.load.phases['calibration'])} s vs "
-                 f"{fmt(baseline.load.phases['calibration'])} s)")
-    elif other_calibration_workload(record.load, baseline.load):
-        text += (" (not calibrated: the baseline's calibration timed another workload; record the "
-                 "baseline again with --update-baselines)")
-    if not gated:
-        text += " (measured, not gated on this tier)"
-    elif regressed or improved:
-        text = ("slower than bound: " if regressed else "faster than 1/bound: ") + text + _timed_otherwise(record, baseline)
-    return Check(name=LOAD_TIME_CHECK, ok=not (gated and regressed), detail=text,
-                 data={"ratio": _safe(ratio), "calibrated": calibrated, "seconds": s_obt, "baseline_seconds": s_base,
-                       "bound": bound, "gated": gated, "regressed": gated and regressed, "improved": gated and improved})
-
-
-def _timed_otherwise(record: Record, baseline: Baseline) -> str:
-    """A clause for each thing the calibration does not carry that differs between the two loads:
-    the kernels (docs/design.md, "Load-time baselines per kind of CPU"), the memory allocation ("Memory allocation")."""
-    said = ""
-    if other_kernels(record, baseline) and baseline.provenance.cpu is not None:
-        said += (f"; the baseline was recorded on other kernels ({cpu.kernel_set(baseline.provenance.cpu.model_dump())}): "
-                 "harness run --update-kernel-baselines records these kernels' once, and --candidate times a "
-                 "build against the pinned one here")
-    mine, theirs = (allocation_named(info.allocation) for info in (record.load, baseline.load))
-    if mine != theirs:
-        said += (f"; the loads were timed under other memory allocation than the baseline's ({mine} here, "
-                 f"{theirs} there), which a calibration does not carry")
-    return said
 
 
 def check_loaded_state(record: Record, baseline: Baseline) -> Check | None:
@@ -345,7 +274,7 @@ def check_loaded_state(record: Record, baseline: Baseline) -> Check | None:
     extra = [m for m in mine if m not in theirs]
     data = {"modules": len(theirs), "differing": differing, "missing": missing, "extra": extra}
     if not (differing or missing or extra):
-        return Check(name="loaded-state:baseline", ok=True, data=data,
+        return Check(kind="loaded-state", against=BASELINE, ok=True, data=data,
                      detail=f"loaded state equal to the baseline's in all {len(theirs)} modules")
     moved = {*differing, *missing, *extra}
     first = next(m for m in [*theirs, *extra] if m in moved)
@@ -353,7 +282,7 @@ def check_loaded_state(record: Record, baseline: Baseline) -> Check | None:
     parts += [f"{len(missing)} not loaded ({_few(missing)})"] if missing else []
     parts += [f"{len(extra)} not in the baseline ({_few(extra)})"] if extra else []
     data["first"] = first
-    return Check(name="loaded-state:baseline", ok=False, data=data,
+    return Check(kind="loaded-state", against=BASELINE, ok=False, data=data,
                  detail=f"loaded state differs from the baseline's at {first}: of {len(theirs)} modules, " + ", ".join(parts))
 
 
@@ -361,7 +290,7 @@ def check_module_diff(record: Record, *, against: str = "reference") -> Check | 
     if record.module_diff is None:
         return None
     md = record.module_diff
-    return Check(name=f"module-diff:{against}", ok=False,
+    return Check(kind="module-diff", against=against, ok=False,
                  detail=f"first differing module {md.first_differing_module}: {md.detail}",
                  data={"first_differing_module": md.first_differing_module})
 
@@ -470,9 +399,9 @@ def check_input_sensitivity(record: Record, bound: float) -> Check | None:
                  for pid in flat]
         if closed:
             parts.append(f"cross-attention gate(s) {', '.join(closed)} are 0: the image never reaches the decoder")
-        return Check(name="input-sensitivity:contrast", ok=False, detail="; ".join(parts), data=data)
+        return Check(kind="input-sensitivity", against="contrast", ok=False, detail="; ".join(parts), data=data)
     worst = min(margins, key=margins.get)
-    return Check(name="input-sensitivity:contrast", ok=True, data=data,
+    return Check(kind="input-sensitivity", against="contrast", ok=True, data=data,
                  detail=f"the output depends on every input: smallest max |Δlogprob| {fmt(deltas[worst])} "
                         f"against bound {fmt(bound)} (prompt {worst}, {fmt(margins[worst])}x)")
 
@@ -529,7 +458,7 @@ def disagreement(record: Record, checks: Iterable[Check], known_failures: Iterab
     ``failed``, or ``waived`` when known failures match every one of them; None when none fails.
     The judgement carries all of ``checks``."""
     checks = list(checks)
-    failing = [c for c in checks if not c.ok and c.name.partition(":")[2] not in ("baseline", "")]
+    failing = [c for c in checks if not c.ok and not c.against_baseline]
     if not failing:
         return None
     return failed_or_waived("failed", applicable(known_failures, record.engine, record.engine_info.version),

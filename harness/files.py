@@ -12,11 +12,14 @@ not a regular file``, ``is not UTF-8 (byte 0xff at offset 3)``...); callers turn
 one-line error (``CheckpointError``, ``MatrixError``, ``BaselineError``) with the path in front.
 
 Writing has its check before the work too: :func:`write_problem` takes every path a command will
-write (:class:`Written`) and says, in one line, the first that cannot be written.
+write (:class:`Written`) and says, in one line, the first that cannot be written. Every file the
+harness writes is written whole or not at all (:func:`atomic_write_text`), and its records and
+baselines in one JSON layout made for review in a diff (:func:`render_json`).
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import tempfile
@@ -24,6 +27,7 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # JSON and YAML files the harness reads are small; a config.json or a baseline of more than this
 # is not one.
@@ -191,3 +195,82 @@ def write_problem(paths: Iterable[Written]) -> str | None:
             if problem:
                 return f"{where}: {problem} ({w.option})"
     return None
+
+
+# ---- writing ------------------------------------------------------------------------------
+
+
+def is_version(value: Any, version: int) -> bool:
+    """Whether a file's ``schema_version`` is ``version``: the JSON integer (``true`` and ``1.0`` are not)."""
+    return type(value) is int and value == version
+
+
+def _has_dict(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(_has_dict(x) for x in obj)
+    return False
+
+
+def _inline(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
+
+
+def render_json(obj: Any, _level: int = 0) -> str:
+    """Pretty JSON for review in a diff: keys in the order given (never re-sorted), mappings one
+    key per line, a list of plain values on one line, and a list of flat mappings (rows, e.g. one
+    sequence position each) one row per line. Floats are written in Python's shortest
+    round-trip form, so a rewrite of unchanged numbers is byte-identical."""
+    text = _render(obj, _level)
+    return text + "\n" if _level == 0 else text
+
+
+def _render(obj: Any, level: int) -> str:
+    pad, inner = "  " * level, "  " * (level + 1)
+    if isinstance(obj, dict):
+        if not obj:
+            return "{}"
+        items = [f"{inner}{json.dumps(str(k), ensure_ascii=False)}: {_render(v, level + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, (list, tuple)):
+        if not _has_dict(obj):
+            return _inline(obj)
+        if all(isinstance(x, dict) and not any(_has_dict(v) for v in x.values()) for x in obj):
+            return "[\n" + ",\n".join(inner + _inline(x) for x in obj) + "\n" + pad + "]"
+        return "[\n" + ",\n".join(inner + _render(x, level + 1) for x in obj) + "\n" + pad + "]"
+    return _inline(obj)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (other threads may be creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temp file in the same directory, fsync, then os.replace over ``path``.
+    On any failure the old file is left as it was and the temp file is removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a written file gets the normal mode
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

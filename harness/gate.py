@@ -22,8 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from harness import compare as C
-from harness import loadtime, terminal
+from harness import loadcheck, loadtime, terminal
 from harness import records as R
 from harness.layout import Layout
 
@@ -67,7 +66,7 @@ class LoadGate:
                 messages.append(unsteady)
         elif baseline is not None and baseline.load is not None and baseline.load.seconds > 0:
             bound = cell.bounds.load_time
-            load = loadtime.confirm(record.load, retime, lambda info: C.load_ratio(info, baseline.load)[0] > bound,
+            load = loadtime.confirm(record.load, retime, lambda info: loadcheck.load_ratio(info, baseline.load)[0] > bound,
                                     later=self._later_look(cell, messages))
             what = "over the bound: fastest of"
         else:

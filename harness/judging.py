@@ -1,8 +1,10 @@
 """The verdict of a record (docs/design.md, "Verdicts"): ``VERDICT_ORDER``, the one place the
-order is written, a sequence of steps that each judge a record or pass it on; ``verdict()`` applies
-it to one record and its baseline; ``judge()`` is verdict() with the cell's settings and the
-cross-engine checks, the entry point the runner uses; ``rounding_flip()`` the verdict a
-localisation between engines may settle after it. The checks themselves are harness.compare's.
+order is written, a sequence of steps that each judge a record or pass it on, and :func:`decide`,
+the one judgement, which applies it to a record whose checks and evidence are gathered
+(harness.evidence). Before it, a cell that fails may be localised (:func:`needs_localisation`) and
+rounding flips between engines it shows explained (:func:`explain_flips`). ``verdict()`` and
+``judge()`` gather and decide in one call, for a record and a baseline in hand;
+``judge_against_base()`` judges a candidate build against the pinned build's record of the run.
 
 Across machines only what carries is judged (docs/design.md, "Portability across CPUs"): against a
 baseline from other kernels, a cell whose computation carries (harness.records.Computation) is
@@ -18,14 +20,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from harness.accuracy import gates as accuracy_gates
+from harness import evidence
 from harness.accuracy.store import AccuracyBaseline
-from harness.baselines import Baseline, kernel_set_of
-from harness import verdicts
-from harness.compare import (Judgement, KnownFailureLike, applicable, baseline_key_problems, check_input_sensitivity,
-                             SEQUENCE_CHECKS, check_load_time, check_loaded_state, check_module_diff, compare_sequences, cross_engine,
-                             disagreement, failed_or_waived, fmt, match_error, other_kernels)
-from harness.records import Check, Record
+from harness.baselines import Baseline
+from harness.compare import (Judgement, KnownFailureLike, applicable, cross_engine, disagreement, failed_or_waived, fmt,
+                             match_error)
+from harness.checks import KINDS
+from harness.records import Check, Evidence, Record
 from harness.registry import ENGINE_NAMES
 
 if TYPE_CHECKING:
@@ -34,42 +35,42 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class _Case:
-    """One record with everything verdict() was given to judge it. Each check is computed once, by
-    the first step that needs it: the steps before the baseline's need none of the baseline's."""
+    """One record with its gathered checks and evidence (harness.evidence), and the cell's known
+    failures: all a step reads."""
 
     record: Record
-    baseline: Baseline | None
-    bounds: Bounds
     known_failures: tuple[KnownFailureLike, ...]
-    cross_engine_checks: tuple[Check, ...]
-    expected_engine_version: str | None
-    platform: str | None
-    gate_load_time: bool
-    accuracy_baseline: object
-    keyed_by_version: bool = True  # False against another build of the same run (judge_against_base)
-    # the baseline of the load time where it is not ``baseline`` (baselines.load_baseline_for)
-    load_baseline: Baseline | None = None
-    # checks a rounding flip between engines explained (rounding_flip(), by name), which pass in
-    # place of the same checks computed here
-    explained: tuple[Check, ...] = ()
 
-    def _settled(self, checks: list[Check]) -> list[Check]:
-        flipped = {c.name: c for c in self.explained}
-        return [flipped.get(c.name, c) if not c.ok else c for c in checks]
+    @property
+    def evidence(self) -> Evidence:
+        return self.record.evidence
+
+    @property
+    def checks(self) -> list[Check]:
+        return list(self.record.checks)
+
+    @cached_property
+    def other_checks(self) -> list[Check]:
+        """The checks not against the baseline: the module diff, the input sensitivity, the cross-engine checks."""
+        return [c for c in self.record.checks if not c.against_baseline]
+
+    @cached_property
+    def cross_engine_checks(self) -> list[Check]:
+        return [c for c in self.other_checks if c.cross_engine]
+
+    @cached_property
+    def baseline_checks(self) -> list[Check]:
+        """The loaded state, the sequences and accuracy against the baseline (not the load time)."""
+        return [c for c in self.record.checks if c.against_baseline and c.kind != "load-time"]
+
+    @cached_property
+    def load_check(self) -> Check | None:
+        return next((c for c in self.record.checks if c.kind == "load-time"), None)
 
     @cached_property
     def known(self) -> list[KnownFailureLike]:
         """The known failures covering this engine version."""
         return applicable(self.known_failures, self.record.engine, self.record.engine_info.version)
-
-    @cached_property
-    def other_checks(self) -> list[Check]:
-        """The checks not against the baseline: the module diff, the input sensitivity, then the
-        cross-engine checks."""
-        record = self.record
-        md = check_module_diff(record)
-        sensitivity = check_input_sensitivity(record, self.bounds.logprob)
-        return [c for c in (md, sensitivity) if c is not None] + self._settled(list(self.cross_engine_checks))
 
     @cached_property
     def disagreement(self) -> Judgement | None:
@@ -81,75 +82,10 @@ class _Case:
         j = self.disagreement
         return j if j is not None and j.verdict == "waived" else None
 
-    @cached_property
-    def other_kernels(self) -> bool:
-        """Whether the baseline was recorded on other kernels than this run's."""
-        return self.baseline is not None and other_kernels(self.record, self.baseline)
-
-    def judged_against(self, baseline) -> bool:
-        """Whether what the record computed is judged against ``baseline`` (logprob or accuracy): on
-        the baseline's own kernels, or where the record's computation carries to other kernels
-        (float32, no quantized activation). Elsewhere an FP8 rounding flip or a bfloat16 sum moves
-        it by more than any bound that still guards, so it is shown, not judged (docs/design.md,
-        "Portability across CPUs")."""
-        computation = self.record.computation
-        return (baseline is None or not other_kernels(self.record, baseline)
-                or (computation is not None and computation.carries))
-
     @property
     def judges_logprobs(self) -> bool:
-        """Whether every check against a stored baseline is judged (:meth:`judged_against`)."""
-        return self.not_judged is None
-
-    @property
-    def not_judged(self) -> str | None:
-        """What is not judged against its baseline and why, for a reason; None when all is judged."""
-        if not self.judged_against(self.baseline):
-            return f"logprobs against the baseline not judged: {self.why_not_judged(self.baseline)}"
-        if not self.judged_against(self.accuracy_baseline):
-            return f"accuracy against its baseline not judged: {self.why_not_judged(self.accuracy_baseline)}"
-        return None
-
-    @cached_property
-    def accuracy(self) -> accuracy_gates.AgainstBaseline:
-        return accuracy_gates.against_baseline(self.record, self.accuracy_baseline)
-
-    @cached_property
-    def baseline_checks(self) -> list[Check]:
-        """The loaded state, the sequences and accuracy against the baseline (not the load time)."""
-        record, baseline = self.record, self.baseline
-        state = check_loaded_state(record, baseline)
-        sequences = compare_sequences(baseline.record_sequences(), record.sequences, self.bounds, against="baseline")
-        # which prompts ran carries to any kernels; what they computed may not
-        return ([state] if state is not None else []) + [
-            c if c.name.startswith("prompts:") else self._judged_or_shown(c, baseline) for c in sequences] + [
-            self._judged_or_shown(c, self.accuracy_baseline) for c in self.accuracy.checks]
-
-    def _judged_or_shown(self, check: Check, baseline) -> Check:
-        return check if self.judged_against(baseline) else _shown(check, self.why_not_judged(baseline))
-
-    def why_not_judged(self, baseline) -> str:
-        """Why the checks against ``baseline`` are not judged, for a check's detail and a reason."""
-        computation = self.record.computation
-        what = ("its computation is unknown" if computation is None
-                else f"it computes in {computation.dtype}" if computation.dtype != "float32"
-                else f"it quantizes activations ({', '.join(computation.quantized_activations)})")
-        return f"the baseline is from other kernels ({kernel_set_of(baseline)}) and {what}"
-
-    @cached_property
-    def load_check(self) -> Check | None:
-        return check_load_time(self.record, self.load_baseline or self.baseline, bound=self.bounds.load_time,
-                               gated=self.gate_load_time)
-
-    @property
-    def checks(self) -> list[Check]:
-        """Every check, as a judgement from step 4 on carries them."""
-        load = [self.load_check] if self.load_check is not None else []
-        return self.other_checks + self.baseline_checks + load
-
-    def key_problems(self, baseline) -> list[str]:
-        return baseline_key_problems(self.record, baseline, expected_engine_version=self.expected_engine_version,
-                                     platform=self.platform, keyed_by_version=self.keyed_by_version)
+        """Whether every check against a stored baseline is judged (harness.evidence.judged_against)."""
+        return self.evidence.not_judged is None
 
 
 def _probe_unsupported(case: _Case) -> Judgement | None:
@@ -183,31 +119,24 @@ def _disagreement(case: _Case) -> Judgement | None:
 
 
 def _missing_baseline(case: _Case) -> Judgement | None:
-    """4. No baseline -> missing-baseline."""
-    if case.baseline is not None:
+    """4. No baseline, or an accuracy task with no value in the accuracy baseline -> missing-baseline."""
+    if case.evidence.accuracy_missing:
+        return Judgement("missing-baseline", f"no accuracy baseline for {', '.join(case.evidence.accuracy_missing)}; "
+                         "run with --update-baselines to create one", case.checks)
+    if case.evidence.baseline:
         return None
     if case.waiver is not None:
         return Judgement("missing-baseline", f"no baseline stored for this cell: {_excused(case)} only as far "
-                         "as this engine's recorded behaviour; run with --update-baselines to record it", case.other_checks)
+                         "as this engine's recorded behaviour; run with --update-baselines to record it", case.checks)
     return Judgement("missing-baseline", "no baseline stored for this cell; run with --update-baselines to create one",
-                     case.other_checks)
-
-
-def _missing_accuracy_baseline(case: _Case) -> Judgement | None:
-    """4, for accuracy: a task with no value in the accuracy baseline -> missing-baseline."""
-    if not case.accuracy.missing:
-        return None
-    return Judgement("missing-baseline", f"no accuracy baseline for {', '.join(case.accuracy.missing)}; run with "
-                     "--update-baselines to create one", case.checks)
+                     case.checks)
 
 
 def _stale_baseline(case: _Case) -> Judgement | None:
     """5. Baseline from another engine version / platform (or fixture, source), or an accuracy
     baseline's, or a changed accuracy task -> stale-baseline (the baseline checks are still run and
     reported)."""
-    stale = case.key_problems(case.baseline)
-    if case.accuracy.checks:
-        stale += [f"accuracy baseline: {p}" for p in case.key_problems(case.accuracy_baseline)] + case.accuracy.stale
+    stale = case.evidence.stale
     return Judgement("stale-baseline", "; ".join(stale), case.checks) if stale else None
 
 
@@ -230,8 +159,7 @@ def _load_time_regressed(case: _Case) -> Judgement | None:
     if load is None or load.ok:
         return None
     # a load time is judged on any kernels of its kind of CPU; the logprobs still as step 6 says
-    return dataclasses.replace(failed_or_waived("regressed", case.known, [load], case.checks),
-                               loaded_state_only=not case.judges_logprobs)
+    return failed_or_waived("regressed", case.known, [load], case.checks)
 
 
 def _waived(case: _Case) -> Judgement | None:
@@ -240,15 +168,8 @@ def _waived(case: _Case) -> Judgement | None:
     if j is None:
         return None
     within = ("within its baseline" if case.judges_logprobs
-              else f"its loaded state equal to its baseline's; {case.not_judged}")
-    return Judgement("waived", f"{j.reason}; {within}", case.checks, j.known_failure,
-                     loaded_state_only=not case.judges_logprobs)
-
-
-def _shown(check: Check, why: str) -> Check:
-    """``check`` kept for the record and the report, but not judged: ok, its data saying so."""
-    return check.model_copy(update={"ok": True, "detail": f"not judged: {why}: {check.detail}",
-                                    "data": {**(check.data or {}), "judged": False, "within_bounds": check.ok}})
+              else f"its loaded state equal to its baseline's; {case.evidence.not_judged}")
+    return Judgement("waived", f"{j.reason}; {within}", case.checks, j.known_failure)
 
 
 def _excused(case: _Case) -> str:
@@ -271,8 +192,7 @@ def _unexpected_pass(case: _Case) -> Judgement | None:
     if absent:
         return Judgement("waived", f"no comparison with the {absent} ran here, so known failure {k.pattern!r} "
                          f"({k.engine} {k.versions}), about it, can neither show nor be refuted; matches its baseline, "
-                         f"which records that behaviour (run the {absent} too to decide it)", case.checks, k,
-                         loaded_state_only=not case.judges_logprobs)
+                         f"which records that behaviour (run the {absent} too to decide it)", case.checks, k)
     return Judgement("unexpected-pass", f"passes, but a known failure covers {record.engine} "
                      f"{record.engine_info.version}: {k.reason}; remove or narrow it in models.yaml", case.checks, k)
 
@@ -280,9 +200,9 @@ def _unexpected_pass(case: _Case) -> Judgement | None:
 def _compared_with_absent_engine(k: KnownFailureLike, record: Record, cross_engine_checks: Iterable[Check]) -> str | None:
     """The engine with which a comparison of ``record`` would match the known failure, where no
     check against that engine ran here (a run of one engine: `harness run -k vllm`)."""
-    compared = {c.name.partition(":")[2] for c in cross_engine_checks}
+    compared = {c.against for c in cross_engine_checks}
     return next((engine for engine in ENGINE_NAMES if engine != record.engine and engine not in compared
-                 and any(k.matches(f"{check}:{engine}: ") for check in SEQUENCE_CHECKS)), None)
+                 and any(k.matches(f"{kind.name}:{engine}: ") for kind in KINDS.values() if kind.sequence)), None)
 
 
 def _improved(case: _Case) -> Judgement | None:
@@ -298,14 +218,14 @@ def _portable_pass(case: _Case, note: str = "") -> Judgement | None:
     portable-pass: never counted as pass, its reason says what was judged and what could not be."""
     if case.judges_logprobs:
         return None
-    state = next((c for c in case.baseline_checks if c.name == "loaded-state:baseline"), None)
-    engines = [c.name.partition(":")[2] for c in case.cross_engine_checks if c.name.startswith("teacher-forced:")]
+    state = next((c for c in case.baseline_checks if c.kind == "loaded-state"), None)
+    engines = [c.against for c in case.cross_engine_checks if c.kind == "teacher-forced"]
     said = [f"loaded state exact ({state.data['modules']} modules)" if state is not None
             else "loaded state not compared (no digest on one side)",
             f"agrees with {', '.join(dict.fromkeys(engines))} in this run" if engines
             else "no other engine in this run to agree with"]
-    return Judgement("portable-pass", f"{'; '.join(said)}; {case.not_judged} (record this kind's: harness run "
-                     f"--update-kernel-baselines -k {case.record.scheme}){note}", case.checks, loaded_state_only=True)
+    return Judgement("portable-pass", f"{'; '.join(said)}; {case.evidence.not_judged} (record this kind's: harness run "
+                     f"--update-kernel-baselines -k {case.record.scheme}){note}", case.checks)
 
 
 def _pass(case: _Case) -> Judgement:
@@ -319,7 +239,6 @@ VERDICT_ORDER: tuple[Callable[[_Case], Judgement | None], ...] = (
     _engine_error,
     _disagreement,
     _missing_baseline,
-    _missing_accuracy_baseline,
     _stale_baseline,
     _regressed,
     _load_time_regressed,
@@ -331,43 +250,37 @@ VERDICT_ORDER: tuple[Callable[[_Case], Judgement | None], ...] = (
 )
 
 
+def decide(record: Record, known_failures: Iterable[KnownFailureLike] = ()) -> Judgement:
+    """The verdict of a record whose checks and evidence are gathered (harness.evidence.gather):
+    the judgement of the first step of VERDICT_ORDER that judges it (each step's docstring gives
+    its rule and its number in docs/design.md, "Verdicts"), with the cell's ``known_failures``.
+    The one judgement of a record, in a run, in pytest and in the Buildkite merge alike."""
+    if record.evidence is None:
+        raise ValueError(f"{record.cell}: judged before its evidence was gathered (harness.evidence.gather)")
+    j = next(j for j in (step(_Case(record, tuple(known_failures))) for step in VERDICT_ORDER) if j is not None)
+    flips = record.evidence.rounding_flips
+    if flips:  # what explained the failing checks against other engines, in the reason
+        j = dataclasses.replace(j, reason=flips if j.verdict == "pass" else f"{j.reason}; {flips}")
+    # every check gathered goes with the verdict, whichever step decided it
+    return dataclasses.replace(j, checks=list(record.checks), evidence=record.evidence)
+
+
 def verdict(record: Record, baseline: Baseline | None, *, bounds: Bounds,
-            known_failures: Iterable[KnownFailureLike] = (), cross_engine_checks: Iterable[Check] = (),
-            expected_engine_version: str | None = None, platform: str | None = None,
-            gate_load_time: bool = False, accuracy_baseline=None, keyed_by_version: bool = True,
-            explained: Iterable[Check] = (), load_baseline: Baseline | None = None) -> Judgement:
-    """The verdict of one record: the judgement of the first step of VERDICT_ORDER that judges it
-    (each step's docstring gives its rule and its number in docs/design.md, "Verdicts").
-    ``keyed_by_version=False``: the baseline is another build's record of this run, whose engine
-    version differs on purpose. ``explained``: the checks of a rounding flip's judgement
-    (:func:`settle_flip`). ``load_baseline``: the load time's, where not ``baseline``'s
-    (baselines.load_baseline_for)."""
-    case = _Case(record, baseline, bounds, tuple(known_failures), tuple(cross_engine_checks),
-                 expected_engine_version, platform, gate_load_time, accuracy_baseline, keyed_by_version,
-                 load_baseline, tuple(explained))
-    return next(j for j in (step(case) for step in VERDICT_ORDER) if j is not None)
+            known_failures: Iterable[KnownFailureLike] = (), **gathering) -> Judgement:
+    """:func:`decide` on ``record`` gathered against ``baseline`` (harness.evidence.gather, whose
+    keyword arguments ``gathering`` are)."""
+    return decide(evidence.gather(record, baseline, bounds=bounds, **gathering), known_failures)
 
 
 def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterable[Record] = (), *,
           known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None,
-          accuracy_baseline=None, explained: Iterable[Check] = (), load_baseline: Baseline | None = None) -> Judgement:
-    """verdict() with every setting taken from the cell (bounds, known failures, the pinned engine
-    version, load-time gating) and the cross-engine checks against ``others``, the other engines'
-    records of its (model, scheme) in this run, by cross_engine()'s rule (``known_failures``: the
-    group's; ``unfused``: the reference executed unfused), and the cell's accuracy baseline
-    (``accuracy_baseline``, harness.accuracy.store)."""
-    return verdict(
-        record,
-        baseline,
-        bounds=cell.bounds,
-        known_failures=cell.known_failures,
-        cross_engine_checks=cross_engine(record, others, cell.bounds, known_failures=known_failures, unfused=unfused),
-        expected_engine_version=cell.engine_version,
-        gate_load_time=cell.gate_load_time,
-        accuracy_baseline=accuracy_baseline,
-        explained=explained,
-        load_baseline=load_baseline,
-    )
+          accuracy_baseline=None, load_baseline: Baseline | None = None) -> Judgement:
+    """:func:`decide` on ``record`` gathered with the cell's settings against ``baseline`` and
+    ``others``, the other engines' records of its (model, scheme) in this run
+    (harness.evidence.gather_for; ``known_failures``: the group's)."""
+    return decide(evidence.gather_for(cell, record, baseline, others, known_failures=known_failures, unfused=unfused,
+                                      accuracy_baseline=accuracy_baseline, load_baseline=load_baseline),
+                  cell.known_failures)
 
 
 def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterable[Record] = (), *,
@@ -385,9 +298,15 @@ def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterabl
                                                  unfused=unfused),
                 gate_load_time=cell.gate_load_time, keyed_by_version=False,
                 accuracy_baseline=AccuracyBaseline.from_record(base) if ok and base.accuracy else None)
+    return dataclasses.replace(_as_candidate(j, record, base), evidence=j.evidence)
+
+
+def _as_candidate(j: Judgement, record: Record, base: Record) -> Judgement:
+    """The verdict of a candidate's record, ``j`` against the base's, said as a candidate's
+    (:func:`judge_against_base`)."""
     base_name = f"base {base.engine} {base.engine_info.version or '(version unknown)'}"
     # what vouches for the candidate: a base that could not run at all, or another engine of this run
-    vouched = base.status != "ok" or any(c.name.partition(":")[2] not in ("baseline", "") for c in j.checks)
+    vouched = base.status != "ok" or any(not c.against_baseline for c in j.checks)
     if base.known_failure is not None and record.status == "ok" and vouched and disagreement(record, j.checks) is None:
         k = base.known_failure
         return Judgement("fixed", f"{base_name} is {base.verdict} by known failure {k.pattern!r} ({k.engine} "
@@ -409,28 +328,34 @@ def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterabl
     return Judgement(j.verdict, f"against {base_name}: {j.reason}", j.checks, j.known_failure)
 
 
-def settle_flip(judged: Record, rejudge: Callable[[list[Check]], Judgement]) -> Judgement | None:
-    """The verdict of a localised record once rounding flips explain its failing logprobs against
-    other engines (:func:`rounding_flip`): ``rejudge``, the verdict order run again with the
-    explained checks passing, its reason ending in the flips' (a pass: the flips' alone); None when
-    no flip explains them. A disagreement with another engine is judged (step 3) before the
-    baseline is read, so a flip that explains it leaves every later step to run: the baseline's
-    key, its sequences and loaded state, the load time."""
-    flip = rounding_flip(judged)
-    if flip is None:
-        return None
-    settled = rejudge([c for c in flip.checks if c.data and "rounding_flip" in c.data])
-    return dataclasses.replace(settled, reason=flip.reason if settled.verdict == "pass" else f"{settled.reason}; {flip.reason}")
+def needs_localisation(record: Record, known_failures: Iterable[KnownFailureLike] = ()) -> bool:
+    """Whether a trace of the loaded model should localise ``record`` (harness.traces.jobs), from its
+    gathered checks: a check fails that the cell's known failures do not all excuse, the load time
+    aside (a trace cannot place a slower load)."""
+    failing = [c for c in record.checks if not c.ok and c.kind != "load-time"]
+    known = applicable(known_failures, record.engine, record.engine_info.version)
+    return record.status == "ok" and bool(failing) and failed_or_waived("failed", known, failing, []).verdict != "waived"
 
 
-# The checks a rounding flip can move: the logprobs, not the loaded state, the load time or accuracy.
-FLIP_MOVES = ("teacher-forced", "greedy")
+def explain_flips(record: Record) -> Record:
+    """``record`` (gathered and localised) with the failing logprob checks against other engines
+    that rounding flips explain passing, each saying which flip, and the flips in its evidence for
+    the verdict's reason (:func:`rounding_flip`); ``record`` itself where nothing is explained. A
+    disagreement with another engine is judged (step 3) before the baseline is read, so a flip that
+    explains it leaves every later step to judge: the baseline's key, its sequences and loaded
+    state, the load time."""
+    found = rounding_flip(record)
+    if found is None:
+        return record
+    checks, reason = found
+    return record.model_copy(update={"checks": checks,
+                                     "evidence": record.evidence.model_copy(update={"rounding_flips": reason})})
 
 
-def rounding_flip(record: Record) -> Judgement | None:
-    """A ``failed`` record whose disagreement with other engines rounding flips explain, judged
-    ``pass`` (docs/design.md, "Cross-engine"); None when the rule does not apply, and the record
-    keeps its verdict.
+def rounding_flip(record: Record) -> tuple[list[Check], str] | None:
+    """The record's checks with its failing disagreement with other engines explained by rounding
+    flips, and the flips' reason (docs/design.md, "Cross-engine"); None when the rule does not
+    apply.
 
     The rule: every failing check is a logprob check against another engine (same machine, same
     kernels); for each engine, the localisation against it shows a rounding flip on every prompt
@@ -438,37 +363,40 @@ def rounding_flip(record: Record) -> Judgement | None:
     on one prompt explains nothing on another; and every module's effective weights equal that
     engine's (harness.traces.flips.explain_across requires it). Nothing is explained away against a
     baseline: there, other kernels leave such a cell's logprobs unjudged instead."""
-    if record.verdict not in verdicts.LOCALISED:  # the rule reads the localisation
+    if not record.localisation:  # the rule reads the localisation
         return None
-    failing = [c for c in record.checks if not c.ok]
-    if not failing or any(c.name.partition(":")[0] not in FLIP_MOVES or c.name.endswith(":baseline") for c in failing):
+    # what a disagreement is made of (step 3); the checks against the baseline are left to judge
+    failing = [c for c in record.checks if not c.ok and not c.against_baseline]
+    # a rounding flip moves logprobs (harness.checks: moved_by_rounding), not the module diff, the
+    # input sensitivity or accuracy
+    if not failing or any(not (c.spec.moved_by_rounding and c.cross_engine) for c in failing):
         return None
     shown = {}
-    for against in dict.fromkeys(c.name.partition(":")[2] for c in failing):
+    for against in dict.fromkeys(c.against for c in failing):
         loc = next((x for x in record.localisation if x.against == against), None)
         flip = loc.rounding_flip if loc is not None else None
         if flip is None or not flip.explained:
             return None
         flipped = {a.prompt for a in flip.at}
-        for c in (c for c in failing if c.name.endswith(f":{against}")):
+        for c in (c for c in failing if c.against == against):
             prompts = _failing_prompts(c)
             if prompts is None or not prompts <= flipped:
                 return None
-        tf = next((c for c in failing if c.name == f"teacher-forced:{against}" and c.data), None)
+        tf = next((c for c in failing if c.kind == "teacher-forced" and c.against == against and c.data), None)
         worst = tf.data["worst"] if tf is not None else None
         where = f", largest move {fmt(worst['delta'])} at prompt {worst['prompt']} position {worst['position']}" if worst else ""
         shown[against] = (flip, f"{flip.detail}{where}; every module's effective weights equal to {against}'s, same kernels")
-    checks = [c if c.ok else c.model_copy(update={
-        "ok": True, "detail": f"explained by a rounding flip ({shown[c.name.partition(':')[2]][0].detail}): {c.detail}",
-        "data": {**(c.data or {}), "rounding_flip": shown[c.name.partition(':')[2]][0].model_dump()}})
+    checks = [c if c.ok or c.against_baseline else c.model_copy(update={
+        "ok": True, "detail": f"explained by a rounding flip ({shown[c.against][0].detail}): {c.detail}",
+        "data": {**(c.data or {}), "rounding_flip": shown[c.against][0].model_dump()}})
         for c in record.checks]
-    return Judgement("pass", "; ".join(reason for _, reason in shown.values()), checks)
+    return checks, "; ".join(reason for _, reason in shown.values())
 
 
 def _failing_prompts(check: Check) -> set[str] | None:
     """The prompts on which a failing logprob check fails (None: its data does not say)."""
     data = check.data or {}
-    if check.name.startswith("greedy:"):
+    if check.kind == "greedy":
         return {d["prompt"] for d in data.get("divergences", []) if not d["ok"]}
     exceeding = data.get("exceeding_prompts")
     return set(exceeding) if exceeding is not None else None

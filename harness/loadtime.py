@@ -4,7 +4,7 @@ A load on a slower (or busier) machine is slower without the loader being any wo
 child therefore times a fixed workload OUTSIDE the loader, in the same process, right before and
 right after the load, and records it as the load phase ``calibration``; the comparison gates the
 calibrated ratio (load / calibration, obtained, over the same of the baseline; harness.compare,
-``check_load_time``). The workload resembles a load, in two parts whose times enter as their
+``loadcheck.check_load_time``). The workload resembles a load, in two parts whose times enter as their
 geometric mean: a memory pass reads a fixed file through the page cache (a checkpoint's bytes),
 converts its half-precision values to float32 (a decode) and reduces them (memory bandwidth), into
 buffers allocated once per process (fresh memory's page faults cost what the process freed before); a
@@ -29,7 +29,7 @@ slow, loads and calibration alike but not by the same factor. So across children
 re-times a gated cell found over its bound in up to ``CONFIRMATIONS`` fresh children and reports
 the fastest (the cell flags only when every child is over). Those children share the host's level
 of the moment, which wanders over minutes (an AMX Xeon: two cells 7-8% over their recording for
-several minutes and back within 18, docs/decisions.md, 2026-12-05): a cell over the bound in every
+several minutes and back within 18, docs/decisions.md, "A later look for a load over its bound"): a cell over the bound in every
 child is therefore looked at again ``LATER_LOOK_S`` after its first child, in as many fresh
 children, and flags only when over in those too. And ``baseline_load`` records the
 median of ``BASELINE_CHILDREN`` children as a baseline, whose own error would otherwise enter every
@@ -62,30 +62,31 @@ CALIBRATION_REPEATS = 4
 CALIBRATION_REPEATS_AFTER = 2
 # The loads a gated cell times in each child and the statistic it reports, the fresh children that
 # confirm a cell over its bound, with models.yaml's load_time bound the gate's rule, chosen by
-# `harness bench` (BENCHMARKS.md, target 3; its second run of 2026-12-01 with the two-part noise
-# model: one load per child, child-to-child spread 1.8% (1.8% back to back), 2 confirmations, bound 1.113).
+# `harness bench` (BENCHMARKS.md, target 3; docs/decisions.md, "The committed rule: first load, two
+# confirmations, bound 1.113": one load per child, child-to-child spread 1.8% (1.8% back to back), 2 confirmations, bound 1.113).
 LOAD_REPEATS = 1
 STATISTIC = "min"
 CONFIRMATIONS = 2
 # How long after a cell's first child its later look begins: longer than the one excursion of the
-# host's level measured (over for at least 3.5 minutes, back by 18; docs/decisions.md, 2026-12-05).
+# host's level measured (over for at least 3.5 minutes, back by 18; docs/decisions.md, "A later look for a load over its bound").
 # Paid only by a cell over its bound in every child of its first look, so by a real regression.
 LATER_LOOK_S = 600.0
 # The pairs of fresh children that time a candidate build's gated load against the pinned build's
 # (:func:`paired`): even, so that each build loads first as often as second; four, because the
 # median of four children is the steadiest of the rules tried on vLLM's cells (docs/decisions.md,
-# 2026-12-05, third session).
+# "A candidate build's load time against the base, in balanced pairs").
 CANDIDATE_PAIRS = 4
 # The rounds of such pairs a candidate outside its bound is timed in, at most: over (or under) only
-# when every one is (one clean round in 14 read over, docs/decisions.md, 2026-12-05, third session).
+# when every one is (one clean round in 14 read over, docs/decisions.md, "A candidate build's load time against the
+# base, in balanced pairs").
 CANDIDATE_ROUNDS = 2
 # The children a gated baseline is the median of (the detection bench takes its baseline the same way).
 BASELINE_CHILDREN = 5
 # Variables that change what a load's first touch of fresh memory costs, and so its time, but no
 # result: torch's huge-page allocations and the C library's allocator tunables (glibc.malloc.hugetlb
 # gives its allocations huge pages too). Under THP_MEM_ALLOC_ENABLE=1 vLLM's loads and the
-# calibrations moved apart, each its own way (BENCHMARKS.md, "A calibration made of vLLM's own
-# work, tried"). Not LD_PRELOAD: vLLM's CPU platform rewrites it for its own processes (libgomp).
+# calibrations moved apart, each its own way (BENCHMARKS.md, "Why vLLM's loads do not carry
+# across kinds of CPU"). Not LD_PRELOAD: vLLM's CPU platform rewrites it for its own processes (libgomp).
 # A gated load says which were set (LoadInfo.allocation).
 ALLOCATION_ENV = ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -116,12 +117,14 @@ def calibration_file() -> Path:
 CALIBRATION_WORKLOAD = 2
 # The workload of a load that is mostly torchao quantizing full-size float weights (vLLM's torchao
 # load, docs/findings.md): one int8 weight-only quantize_ of a fixed [5632, 2048] float32 weight,
-# as vLLM's torchao_quantize_param_data runs it (docs/decisions.md, 2026-12-04, fifth session).
+# as vLLM's torchao_quantize_param_data runs it (docs/decisions.md, "vLLM's torchao load calibrated by
+# torchao's quantize_").
 TORCHAO_QUANTIZE = "torchao-quantize-1"
 TORCHAO_QUANTIZE_SHAPE = (5632, 2048)
 # The memory pass's two buffers, allocated once per process and reused: a pass that allocated its
 # own would time the page faults of fresh memory, which depend on what the process had freed before
-# (in a vLLM child a pass after the load ran 0.6-0.95 of one before it, docs/decisions.md, 2026-12-04).
+# (in a vLLM child a pass after the load ran 0.6-0.95 of one before it, docs/decisions.md, "The
+# calibration's memory pass reuses its buffers").
 _MEMORY_BUFFERS: dict[int, tuple[bytearray, object]] = {}
 
 
@@ -308,7 +311,8 @@ def paired(retime: Callable[[], R.LoadInfo | None], retime_base: Callable[[], R.
     most ``rounds`` in all; the round nearest a ratio of 1 decides, so the candidate is over (or
     under) only when every round is (a spell of the host can cover a round). Uncalibrated: the two builds share the host of the
     same minutes, which is what the calibration stands in for elsewhere, and its own noise would
-    only widen the ratio (docs/decisions.md, 2026-12-05, third session); for the same reason no
+    only widen the ratio (docs/decisions.md, "A candidate build's load time against the base, in
+    balanced pairs"); for the same reason no
     later look. Returns (candidate, base), each the deciding round's median child without its
     ``calibration`` phase, every child of every round listed; None when no round was completed."""
     done: list[tuple[list[R.LoadInfo], list[R.LoadInfo]]] = []
@@ -382,7 +386,8 @@ def unsteady_baseline(load: R.LoadInfo, bound: float) -> str | None:
     """What to say when a baseline's fastest child is faster than its median child (the level it
     stores) by more than the cell's bound, calibrated: the median is then not the cell's level on
     this machine, and a loader slower by up to that much passes whenever its child loads fast
-    (vLLM unquantized on the AMX Xeon: 0.75-2.14 s, docs/decisions.md, 2026-12-04, fifth session).
+    (vLLM unquantized on the AMX Xeon: 0.75-2.14 s, docs/decisions.md, "Confirmations in fresh
+    children; a baseline the median of five").
     A slow child alone leaves the median where it was; a gate child that slow is timed again
     (:func:`confirm`)."""
     values = sorted(c.seconds / c.calibration if c.calibration else c.seconds for c in load.children)

@@ -13,17 +13,16 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from harness import files
+from harness import checks, files
+from harness.files import atomic_write_text, is_version, render_json
 from harness.cpu import platform as cpu_platform  # noqa: F401  (the engines' platform string)
-from harness.registry import ENGINE_NAMES
+from harness.registry import known_engine
 from harness.validation import one_line, strict_json
 from harness.verdicts import VERDICTS
 
@@ -35,7 +34,9 @@ SCHEMA_VERSION = 1
 Verdict = Literal[VERDICTS]  # type: ignore[valid-type]
 Status = Literal["ok", "error", "unsupported"]
 PromptKind = Literal["text", "image", "audio"]
-EngineName = Literal[ENGINE_NAMES]  # type: ignore[valid-type]
+# A registered engine (harness.registry.ENGINES, an installed package's included), checked when a
+# record is validated, not fixed when this module is imported.
+EngineName = Annotated[str, AfterValidator(known_engine)]
 # A top-k entry: (token id, logprob), written as a two-element JSON list.
 TopK = list[tuple[int, float]]
 
@@ -293,13 +294,50 @@ class InputSensitivity(_Strict):
 
 
 class Check(_Strict):
-    """One comparison. ``name`` is ``<kind>:<against>``, e.g. ``teacher-forced:baseline`` or
-    ``greedy:transformers``; ``data`` carries numbers for the report (JSON-safe)."""
+    """One comparison: its ``kind`` (an entry of harness.checks.KINDS), what it was compared
+    ``against`` (``baseline``, another engine, ``contrast``), an accuracy check's ``task``;
+    ``data`` carries numbers for the report (JSON-safe)."""
 
-    name: str
+    kind: str
+    against: str
     ok: bool
     detail: str
     data: dict[str, Any] | None = None
+    task: str | None = None
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        checks.kind(value)
+        return value
+
+    spec = property(lambda self: checks.kind(self.kind))  # its entry of harness.checks.KINDS
+
+    @property
+    def name(self) -> str:
+        """``<kind>:<against>`` (``accuracy/<task>:<against>``): what people and known-failure
+        patterns read; code reads the fields."""
+        return f"{self.kind}{'/' + self.task if self.task else ''}:{self.against}"
+
+    @property
+    def against_baseline(self) -> bool:
+        return self.against == checks.BASELINE
+
+    @property
+    def cross_engine(self) -> bool:
+        """A comparison with another engine of the run (compare.cross_engine)."""
+        return self.spec.between_engines and not self.against_baseline
+
+
+class Evidence(_Strict):
+    """What a verdict reads besides the checks, gathered with them before anything is judged
+    (harness.evidence.gather): the one judgement (harness.judging.decide) reads only the record."""
+
+    baseline: bool  # a baseline was there to judge against
+    stale: list[str] = []  # why it is not this record's to compare with (engine version, platform, fixture, task)
+    accuracy_missing: list[str] = []  # accuracy tasks its accuracy baseline holds no value for
+    not_judged: str | None = None  # what is shown but not judged against a baseline from other kernels, and why
+    rounding_flips: str | None = None  # the flips that explain failing checks against other engines (judging.explain_flips)
 
 
 class KnownFailureRef(_Strict):
@@ -342,6 +380,7 @@ class Record(_Strict):
     verdict_reason: str | None = None
     known_failure: KnownFailureRef | None = None
     checks: list[Check] = []
+    evidence: Evidence | None = None  # None until gathered (harness.evidence)
 
     @field_validator("started_at")
     @classmethod
@@ -420,48 +459,6 @@ class Record(_Strict):
             raise RecordError(f"{source}: {one_line(e)}") from None
 
 
-def is_version(value: Any, version: int) -> bool:
-    """Whether a file's ``schema_version`` is ``version``: the JSON integer (``true`` and ``1.0`` are not)."""
-    return type(value) is int and value == version
-
-
-def _has_dict(obj: Any) -> bool:
-    if isinstance(obj, dict):
-        return True
-    if isinstance(obj, (list, tuple)):
-        return any(_has_dict(x) for x in obj)
-    return False
-
-
-def _inline(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
-
-
-def render_json(obj: Any, _level: int = 0) -> str:
-    """Pretty JSON for review in a diff: keys in the order given (never re-sorted), mappings one
-    key per line, a list of plain values on one line, and a list of flat mappings (rows, e.g. one
-    sequence position each) one row per line. Floats are written in Python's shortest
-    round-trip form, so a rewrite of unchanged numbers is byte-identical."""
-    text = _render(obj, _level)
-    return text + "\n" if _level == 0 else text
-
-
-def _render(obj: Any, level: int) -> str:
-    pad, inner = "  " * level, "  " * (level + 1)
-    if isinstance(obj, dict):
-        if not obj:
-            return "{}"
-        items = [f"{inner}{json.dumps(str(k), ensure_ascii=False)}: {_render(v, level + 1)}" for k, v in obj.items()]
-        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
-    if isinstance(obj, (list, tuple)):
-        if not _has_dict(obj):
-            return _inline(obj)
-        if all(isinstance(x, dict) and not any(_has_dict(v) for v in x.values()) for x in obj):
-            return "[\n" + ",\n".join(inner + _inline(x) for x in obj) + "\n" + pad + "]"
-        return "[\n" + ",\n".join(inner + _render(x, level + 1) for x in obj) + "\n" + pad + "]"
-    return _inline(obj)
-
-
 def load(path: str | Path) -> Record:
     path = Path(path)
     try:
@@ -476,40 +473,6 @@ def save(path: str | Path, record: Record) -> Path:
     path = Path(path)
     atomic_write_text(path, record.to_json())
     return path
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it (other threads may be creating files)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temp file in the same directory, fsync, then os.replace over ``path``.
-    On any failure the old file is left as it was and the temp file is removed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a written file gets the normal mode
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 # ---- helpers engines use --------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The engines and the quantization formats: one entry each, with everything the rest of the
 harness needs to know about it. Adding an engine means its module under harness/engines/, one
-`EngineSpec` here, and its cells in models.yaml; adding a format means its module under
-harness/quant/, one `FormatSpec` here, its fixture recipe and its schemes in models.yaml
-(docs/design.md, "Where things live").
+`EngineSpec` here, and its cells in models.yaml; or, from another package, an entry point of the
+group ``harness.engines`` naming its `EngineSpec` (docs/engines.md, "An engine from another package"):
+both are registered by `register`, and a name registered twice is an error naming both providers.
+Adding a format means its module under harness/quant/, one `FormatSpec` here, its fixture recipe
+and its schemes in models.yaml (docs/design.md, "Where things live").
 
 A leaf module (standard library only): the matrix, the records, the probes, the report, the child
 supervisor, the loader and the library log read it without importing an engine, a format or torch.
@@ -11,7 +13,9 @@ Code is named by dotted path ("module:attribute"), imported only when used (`res
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import importlib.metadata
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -41,7 +45,8 @@ class EngineSpec:
     slowdown_work: tuple[str, ...] = ()
 
 
-ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
+# This project's own engines, registered like an installed package's (`register`, `discover`).
+BUILT_IN_ENGINES: tuple[EngineSpec, ...] = (
     EngineSpec("reference", "harness.engines.reference:ReferenceEngine", "ref", fuses_shards=True,
                slowdown_entry="harness.reference:load",
                slowdown_work=("harness.quant.source:TensorSource.get", "harness.quant.bnb:decode",
@@ -57,8 +62,91 @@ ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
                # loaders and weight processing all end in copies into the parameters
                slowdown_entry="vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
                slowdown_work=("torch:Tensor.copy_",)),
-)}
-ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
+)
+
+
+# The entry-point group through which an installed package adds engines: each entry point names an
+# EngineSpec, or a function returning one, in a module that imports no more than this one does
+# (it is loaded whenever this module is imported); its name is the engine's.
+ENTRY_POINT_GROUP = "harness.engines"
+BUILT_IN = "harness (built in)"
+# An engine name is the last part of a cell id (models.yaml's names: harness.matrix).
+_ENGINE_NAME = re.compile(r"[a-z0-9][a-z0-9_+-]*")
+
+
+class RegistryError(Exception):
+    """An engine registered twice, or an entry point that gives no EngineSpec. ``str()`` is one line."""
+
+
+class UnknownEngine(RegistryError, ValueError):
+    """A name no registered engine has (a ValueError: pydantic reports it as the field's problem)."""
+
+
+def register(engines: dict[str, EngineSpec], providers: dict[str, str], spec: EngineSpec, provider: str) -> None:
+    """Add ``spec`` to ``engines`` (``providers``: engine name -> who provided it): the one way in,
+    for this project's engines and an installed package's alike."""
+    if not isinstance(spec, EngineSpec):
+        raise RegistryError(f"{provider}: gives a {type(spec).__name__}, not a harness.registry.EngineSpec")
+    if not _ENGINE_NAME.fullmatch(spec.name):
+        raise RegistryError(f"{provider}: engine name {spec.name!r} is not a valid name "
+                            "(lower case letters, digits, '-', '_', '+'; no dots)")
+    if spec.name in engines:
+        raise RegistryError(f"engine {spec.name!r} is registered twice: by {providers[spec.name]} and by {provider}; "
+                            "uninstall one of them")
+    engines[spec.name] = spec
+    providers[spec.name] = provider
+
+
+def provider(ep: importlib.metadata.EntryPoint) -> str:
+    """Who an entry point comes from, as an error names it."""
+    dist = getattr(ep, "dist", None)
+    who = f"{dist.name} {dist.version}" if dist is not None else "a package"
+    return f"{who} (entry point {ep.group}: {ep.name} = {ep.value})"
+
+
+def _load(ep: importlib.metadata.EntryPoint) -> EngineSpec:
+    try:
+        found = ep.load()
+        spec = found() if callable(found) and not isinstance(found, (EngineSpec, type)) else found
+    except Exception as e:
+        raise RegistryError(f"{provider(ep)}: cannot be loaded: {type(e).__name__}: {e}".splitlines()[0]) from e
+    if isinstance(spec, EngineSpec) and spec.name != ep.name:
+        raise RegistryError(f"{provider(ep)}: names engine {spec.name!r}; the entry point's name must be the engine's")
+    return spec
+
+
+def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None
+             ) -> tuple[dict[str, EngineSpec], dict[str, str]]:
+    """(engines, providers): this project's engines, then those of the installed packages'
+    ``harness.engines`` entry points (default: importlib.metadata's), by name."""
+    engines: dict[str, EngineSpec] = {}
+    providers: dict[str, str] = {}
+    for spec in BUILT_IN_ENGINES:
+        register(engines, providers, spec, BUILT_IN)
+    if entry_points is None:
+        entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in sorted(entry_points, key=lambda ep: (ep.name, ep.value)):
+        register(engines, providers, _load(ep), provider(ep))
+    return engines, providers
+
+
+def unknown_engine(name: object) -> str:
+    """The one line an unknown engine name gets, listing the choices."""
+    return f"unknown engine {name!r} (registered: {', '.join(ENGINES)})"
+
+
+def engine(name: str) -> EngineSpec:
+    """The registered engine of that name; UnknownEngine lists the choices."""
+    spec = ENGINES.get(name)
+    if spec is None:
+        raise UnknownEngine(unknown_engine(name))
+    return spec
+
+
+def known_engine(name: str) -> str:
+    """``name`` when an engine of that name is registered (a pydantic validator: records, models.yaml)."""
+    engine(name)
+    return name
 
 
 def fuses_shards(name: str) -> bool:
@@ -128,7 +216,7 @@ FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
         (MethodSpec("bitsandbytes", "harness.quant.schema:BitsandbytesConfig",
                     aliases=("bitsandbytes_4bit", "bitsandbytes_8bit"), library="bitsandbytes",
                     distribution="bitsandbytes", warm_imports=("bitsandbytes",),
-                    producer="harness.fixtures.producers:produce_bnb"),),
+                    producer="harness.fixtures.bnb_producer:produce_bnb"),),
         # BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=float32)
         # .to_dict() under transformers 5.19
         presets={"online-bnb-nf4": {
@@ -150,7 +238,7 @@ FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
                     warm_imports=("torchao.core.config", "torchao.prototype.safetensors.safetensors_utils",
                                   "transformers.integrations.torchao"),
                     warm="harness.quant.schema:torchao_modules",
-                    producer="harness.fixtures.producers:produce_torchao"),),
+                    producer="harness.fixtures.torchao_producer:produce_torchao"),),
         # TorchAoConfig(Int8WeightOnlyConfig()).to_dict() under transformers 5.19 / torchao 0.18
         presets={"online-torchao-int8wo": {
             "quant_method": "torchao",
@@ -170,7 +258,7 @@ FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
                     aliases=("compressed_tensors",), library="compressed_tensors",
                     distribution="compressed-tensors", warm_imports=("compressed_tensors",),
                     load_time_imports=("compressed_tensors.linear.compressed_linear",),
-                    producer="harness.fixtures.producers:produce_ct"),
+                    producer="harness.fixtures.ct_producer:produce_ct"),
          MethodSpec("fp8", "harness.quant.schema:Fp8Config")),
         presets={"online-fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": []}},
         engine_sources={
@@ -186,3 +274,10 @@ FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
 def methods() -> dict[str, MethodSpec]:
     """Every format's quant_methods by name, in the order of FORMATS."""
     return {m.name: m for spec in FORMATS.values() for m in spec.methods}
+
+
+# Filled last, so that an entry point's module may import this one (EngineSpec) while it is loaded.
+ENGINES: dict[str, EngineSpec]
+PROVIDERS: dict[str, str]  # engine name -> who registered it (BUILT_IN, or a package's entry point)
+ENGINES, PROVIDERS = discover()
+ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)

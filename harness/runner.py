@@ -9,39 +9,29 @@ other. The engine children are harness.supervise's, their files where harness.la
 misconfigured cell an ``error`` record and one this machine cannot run ``unsupported``, before any
 child, fixture or fetch (docs/design.md, "Probes before fetching").
 
-**Judging.** judging.judge() with the cell's settings, the group's other ok records of this run
-(compare.cross_engine's rule), the group's known failures (an engine one covers is no witness) and
-the reference executed unfused: the reference child writes that witness when an engine that does
-not fuse shards (transformers) is in the group (docs/design.md, "Fusion rule").
+**Judging** (:meth:`Runner.judge`). First the evidence: the baselines chosen (harness.resolver),
+the checks against them and the group's other records of this run (harness.evidence; the reference
+executed unfused stands in where fusing differs: docs/design.md, "Fusion rule"), the localisation
+of a failing cell and the rounding flips it shows. Then the one judgement, judging.decide.
 
-**Load time across children.** On a load-time gated tier a cell over its bound is timed again in
-fresh ``load`` children before its verdict, and waits for its later look when over in every one
-(``harness run`` times the gated groups still to run meanwhile); a baseline written of it stores
-the median of several (harness.gate, harness.loadtime).
+**Load time across children** (harness.gate, harness.loadtime): on a gated tier a cell over its
+bound is timed again in fresh children, and a later look, before its verdict.
 
-**Baselines.** After the verdict, harness.baselines.handle(): with ``update_baselines``, a record
-that may become a baseline is written (printing what changed) and then judged again against what
-was written, so the run's verdict says "pass" (or "waived") with the old verdict in its reason;
-failed, error and unsupported cells are refused (harness.verdicts). With
-``update_kernel_baselines`` the cells whose baseline does not carry from other kernels get one of
-this machine's kernels instead (:meth:`Runner._kernels_baseline`).
+**Baselines** (harness.baseline_step). A cell whose baseline the run writes (``update_baselines``,
+or ``update_kernel_baselines`` where its baseline does not carry) is judged against what it
+writes; failed, error and unsupported cells are refused. Else a mismatch's obtained file is written.
 
-**Writes checked first.** :meth:`Runner.writes` lists every path the run may write, derived from
-the selected cells; ``harness run`` refuses the run in one line when one cannot be written
-(harness.files.write_problem), before any fixture is built or cell runs (docs/design.md, "Bad
-input and faults").
+**Writes checked first.** :meth:`Runner.writes` lists every path the run may write; ``harness
+run`` refuses a run in one line when one cannot be written, before anything runs.
 
-**A candidate build** (``candidates``: engine -> harness.candidates.Candidate, ``harness run
---candidate``). After its group is judged, each cell of that engine runs again under the
-candidate's interpreter with the same scored sequences, and is judged against the base's judged
-record of this run (:meth:`Runner.judge_candidate`, judging.judge_against_base); its files go to
-``Layout.candidate`` and it never writes a baseline; failed or regressed, it is localised against the
-pinned build's traces (docs/design.md, "Candidate builds").
+**A candidate build** (``harness run --candidate``): after its group is judged, each cell of that
+engine runs again under the candidate's interpreter with the same sequences, judged against the
+base's record of this run (:meth:`Runner.judge_candidate`; docs/design.md, "Candidate builds").
 
-**Traces.** A cell judged failed or regressed (every cell with ``trace``) is localised module by
-module against the engines it disagrees with and against its baseline's fingerprint;
-``update_fingerprints`` refreshes the fingerprint of each baseline a cell passes against
-(harness.traces.jobs; docs/design.md, "Localisation"). A normal run records no traces.
+**Traces.** A cell with a failing check its known failures do not excuse (every cell with
+``trace``) is localised against the engines it disagrees with and its baseline's fingerprint;
+``update_fingerprints`` refreshes those fingerprints (harness.traces.jobs; docs/design.md,
+"Localisation").
 """
 from __future__ import annotations
 
@@ -59,11 +49,13 @@ from filelock import FileLock
 from harness import baselines as B
 from harness import compare as C
 from harness import judging
-from harness import cpu, loadtime, probes
+from harness import cpu, evidence, loadtime, probes, resolver
 from harness import records as R
 from harness import store, supervise
 from harness.accuracy import store as accuracy_store
+from harness.accuracy.store import AccuracyBaseline
 from harness.files import Written
+from harness.baseline_step import BaselineStep
 from harness.gate import LoadGate
 from harness.fixtures import benchmark, cache
 from harness.layout import Layout, group_key
@@ -131,6 +123,7 @@ class Runner:
         self.update_baselines = update_baselines
         self.update_fingerprints = update_fingerprints
         self.update_kernel_baselines = update_kernel_baselines
+        self.baselines = BaselineStep(self.baselines_root, update_baselines, update_kernel_baselines)
         self.gate = LoadGate(self, later_look_s)
         self.tracer = Tracer(self, always=trace)
         self.matrix_dir = Path(matrix_path).resolve().parent if matrix_path else supervise.REPO_ROOT
@@ -339,122 +332,45 @@ class Runner:
             return None
         return w if w.status == "ok" else None
 
-    def _judge(self, cell: Cell, record: R.Record, baseline, raws: dict[str, R.Record],
-               accuracy_baseline=None, explained=(), load_baseline=None) -> C.Judgement:
+    def _gather(self, cell: Cell, record: R.Record, raws: dict[str, R.Record], baseline,
+                accuracy_baseline=None, load_baseline=None) -> R.Record:
+        """The record with its checks and evidence against ``baseline`` and the group's other
+        engines of this run (harness.evidence.gather_for)."""
         group = self.groups[group_key(cell)]
-        return judging.judge(cell, record, baseline, [r for e, r in raws.items() if e != cell.engine],
-                       known_failures=[k for c in group for k in c.known_failures], unfused=self.unfused(raws),
-                       accuracy_baseline=accuracy_baseline, explained=explained, load_baseline=load_baseline)
-
-    def _settled(self, j: C.Judgement, judged: R.Record, cell: Cell, record: R.Record, baseline,
-                 raws: dict[str, R.Record], accuracy_baseline, load_baseline) -> C.Judgement:
-        """``j``, or where ``judged`` (``j`` applied, localised) shows rounding flips that explain its
-        failing checks, the verdict order run again with them explained (judging.settle_flip)."""
-        return judging.settle_flip(judged, lambda explained: self._judge(
-            cell, record, baseline, raws, accuracy_baseline, explained, load_baseline)) or j
+        return evidence.gather_for(cell, record, baseline, [r for e, r in raws.items() if e != cell.engine],
+                                   known_failures=[k for c in group for k in c.known_failures],
+                                   unfused=self.unfused(raws), accuracy_baseline=accuracy_baseline,
+                                   load_baseline=load_baseline)
 
     def judge(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> CellResult:
+        """Everything the verdict needs first (the baselines chosen, the checks, the localisation
+        and the rounding flips it shows), then the one judgement (judging.decide), then the
+        baselines it writes or the obtained files. A cell whose baseline this run writes is judged
+        against what it writes."""
         try:
-            baseline, root = B.read_for(self.baselines_root, record)
-            acc_baseline = self._accuracy_baseline(cell, root)
+            found = resolver.resolve(self.baselines_root, record)
         except B.BaselineError as e:
-            checks = self._judge(cell, record, None, raws).checks
-            return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", checks).apply(record))
-        load_baseline, load_root = B.load_baseline_for(self.baselines_root, record, baseline)
+            gathered = self._gather(cell, record, raws, None)
+            return CellResult(cell, C.Judgement("error", f"baseline unreadable: {e}", gathered.checks,
+                                                evidence=gathered.evidence).apply(record))
         load_here = (self.update_kernel_baselines and cell.gate_load_time
-                     and (load_baseline is None or B.other_kernels(record, load_baseline)))
-        record, retimed = self.gate.settle(cell, record, load_baseline, recording=self.update_baselines or load_here)
-        j = self._judge(cell, record, baseline, raws, acc_baseline, load_baseline=load_baseline)
-        result = CellResult(cell, j.apply(record), messages=retimed + self._judged_against(
-            cell, record, baseline, root, load_root))
+                     and (found.load_baseline is None or B.other_kernels(record, found.load_baseline)))
+        record, retimed = self.gate.settle(cell, record, found.load_baseline,
+                                           recording=self.update_baselines or load_here)
+        stored = self._gather(cell, record, raws, found.baseline, found.accuracy, found.load_baseline)
+        result = CellResult(cell, stored, messages=retimed + found.notes(self.baselines_root, record, cell.gate_load_time))
+        into = self.baselines.writes_into(result, found, load_here)
+        if into is not None and record.status == "ok":  # judged against what it writes
+            written = B.Baseline.from_record(record)
+            result.record = self._gather(cell, record, raws, written,
+                                         AccuracyBaseline.from_record(record) if record.accuracy else found.accuracy)
         self._localise(result, raws)
-        j = self._settled(j, result.record, cell, record, baseline, raws, acc_baseline, load_baseline)
-        result.record = j.apply(result.record)
-        on_these_kernels = self._kernels_baseline(result, j, load_here)
-        root = on_these_kernels or root
-        result.outcome = outcome = self._handle_baseline(cell, result, root, bool(on_these_kernels))
-        if outcome.refused:
-            result.messages.append(f"baseline refused: {outcome.refused}")
-        acc = accuracy_store.handle(root if on_these_kernels else self.baselines_root, result.record,
-                                    update_baselines=self.update_baselines or bool(on_these_kernels))
-        if outcome.change is not None:
-            result.messages.append(str(outcome.change))
-        result.messages += acc.messages
-        if (outcome.change is not None and outcome.change.written) or acc.written:
-            written = B.read(root, cell.tier, cell.id)
-            acc_written = self._accuracy_baseline(cell, root)
-            written_load, _ = B.load_baseline_for(self.baselines_root, record, written)
-            j2 = self._judge(cell, record, written, raws, acc_written, load_baseline=written_load)
-            # the localisation stands: a flip between engines is explained against any baseline
-            j2 = self._settled(j2, j2.apply(result.record), cell, record, written, raws, acc_written, written_load)
-            was = f"was {j.verdict}: {j.reason}"
-            flag = "--update-kernel-baselines" if on_these_kernels else "--update-baselines"
-            kind = outcome.change.kind if outcome.change is not None and outcome.change.written else "accuracy new or updated"
-            result.record = j2.apply(result.record).model_copy(update={
-                "verdict_reason": f"{j2.reason}; baseline {kind} by {flag} ({was})"})
-        if outcome.obtained is not None:
-            result.messages.append(f"obtained result written beside the baseline: {outcome.obtained}")
-        if self.update_fingerprints:
-            done = self.tracer.refresh_fingerprint(result.cell, result.record)
-            if done:
-                result.messages.append(done)
+        result.record = judging.explain_flips(result.record)
+        result.record = judging.decide(result.record, cell.known_failures).apply(result.record)
+        self.baselines.handle(result, into or found.root, into is not None, stored)
+        done = self.tracer.refresh_fingerprint(result.cell, result.record) if self.update_fingerprints else None
+        result.messages += [done] if done else []
         return result
-
-    def _accuracy_baseline(self, cell: Cell, root: Path):
-        """The cell's accuracy baseline beside the logprob baseline it is judged against (``root``:
-        a kernel set's, where --update-kernel-baselines recorded one), else its own."""
-        found = accuracy_store.read(root, cell.tier, cell.id) if root != self.baselines_root else None
-        return found or accuracy_store.read(self.baselines_root, cell.tier, cell.id)
-
-    def _handle_baseline(self, cell: Cell, result: CellResult, root: Path, on_these_kernels: bool) -> B.Outcome:
-        """The step after the verdict (baselines.handle) in ``root``: the baselines the cell is judged
-        against, or these kernels' it records. Where those are not in the cell's own place and that
-        holds no baseline of it, the obtained file left there while the cell had no baseline at all
-        is answered by them, and goes."""
-        try:
-            if root != self.baselines_root and not B.path_for(self.baselines_root, cell.tier, cell.id).exists():
-                store.clear_obtained(B.Baseline, self.baselines_root, cell.tier, cell.id)
-            return B.handle(root, result.record, update_baselines=self.update_baselines or on_these_kernels)
-        except OSError as e:  # the cell keeps its verdict and record; the baseline files were not written
-            result.messages.append(f"baseline files not written: {e.filename or self.baselines_root}: {e.strerror or e}")
-            return B.Outcome()
-
-    def _judged_against(self, cell: Cell, record: R.Record, baseline, root: Path, load_root: Path | None) -> list[str]:
-        """Where the baselines a cell is judged against are not its own (baselines.read_for and
-        load_baseline_for), which they are."""
-        said = []
-        if root != self.baselines_root:
-            whose = "this CPU under another kernel condition" if B.other_kernels(record, baseline) else "these kernels"
-            said.append(f"judged against the baseline of {whose}: {B.path_for(root, cell.tier, cell.id)}")
-        if load_root is not None and cell.gate_load_time:
-            said.append(f"load time judged against this CPU's under another kernel condition: "
-                        f"{B.path_for(load_root, cell.tier, cell.id)}")
-        return said
-
-    def _kernels_baseline(self, result: CellResult, j: C.Judgement, load_here: bool) -> Path | None:
-        """The root of this machine's kernels' baselines when --update-kernel-baselines records the
-        cell's baseline there: a cell whose logprobs against its baseline from other kernels were
-        not judged (judging, _Case.judges_logprobs: its computation does not carry), or a gated cell whose baseline is from other kernels or
-        missing (``load_here``: a load time does not carry across machine kinds as logprobs do;
-        docs/design.md, "Load-time baselines per kind of CPU") and fails no check but its load time. Says why
-        where such a cell's is not recorded."""
-        root = B.kernels_root(self.baselines_root, result.record)
-        if j.loaded_state_only:
-            if self.update_kernel_baselines and root:
-                return root
-            result.messages.append("judged by what carries against a baseline from other kernels; harness run "
-                                   "--update-kernel-baselines records these kernels' once")
-            return None
-        if not load_here or root is None:
-            return None
-        # missing-baseline comes after the disagreement step: what fails then, a known failure excuses
-        excused = j.verdict == "missing-baseline"
-        failing = [] if excused else sorted({c.name for c in result.record.checks if not c.ok} - {C.LOAD_TIME_CHECK})
-        if failing:
-            result.messages.append(f"these kernels' baseline not recorded: {', '.join(failing)} failing, not only its "
-                                   "load time")
-            return None
-        return root
 
     def _localise(self, result: CellResult, raws: dict[str, R.Record]) -> None:
         """The module traces' localisation (harness.traces.jobs) of a failed or regressed cell (of

@@ -14,7 +14,7 @@ a verdict (:func:`handle`):
   becomes tomorrow's baseline); any other is given to the kind, which says what changed, and a
   baseline written by :func:`save` removes the obtained file it answers.
 
-Every file is written atomically (harness.records.atomic_write_text): a reader never sees half a
+Every file is written atomically (harness.files.atomic_write_text): a reader never sees half a
 file. Runs side by side (docs/design.md, "Runs side by side") may update one baseline at once: each
 update (read the old file, decide what changed, write) holds an exclusive lock on the baseline's
 folder (:func:`locked`), so the later run sees the earlier one's file and says what it changed of
@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import ClassVar, Literal, Protocol
 
 from harness import runs, verdicts
-from harness.records import Record, atomic_write_text
+from harness.files import atomic_write_text
+from harness.records import Record
 
 
 class Content(Protocol):

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import files
 from harness import records as R
 from harness.registry import DEFAULT_PRELOAD, ENGINES
 
@@ -370,7 +371,7 @@ class Supervisor:
     def run(self, job: dict, job_path: Path, log: Path, env: dict[str, str], *, preload: str | None,
             timeout: float, python: str | None = None) -> Exit:
         """Write the job, start its child (under ``python``, default ours) and wait for it under ``timeout``."""
-        R.atomic_write_text(job_path, json.dumps(job) + "\n")
+        files.atomic_write_text(job_path, json.dumps(job) + "\n")
         log.parent.mkdir(parents=True, exist_ok=True)
         started = R.utc_now()
         t0 = time.perf_counter()

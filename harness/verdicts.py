@@ -5,8 +5,8 @@ Every output reads its policy from here, so none can disagree with another (docs
 pytest plugin (``pytest``), JUnit XML (``junit``), the Buildkite annotation (``annotation``,
 ``emoji``), the HTML report (``colour``, ``text``, ``meaning``, ``severity``, ``shows_log``), the
 baselines (``baseline``: may a baseline be written from it; ``obtained``: is the obtained result
-written beside the baseline, or a stale one removed; ``rewrites_baseline``; ``acceptable``), the
-localisation (``localised``) and the report's cross-check (``has_results``). Adding a verdict means one row here, and the check that gives it. ``harness.records.Verdict`` is built from this table's verdict rows.
+written beside the baseline, or a stale one removed; ``acceptable``) and the report's cross-check
+(``has_results``). Adding a verdict means one row here, and the check that gives it. ``harness.records.Verdict`` is built from this table's verdict rows.
 
 The policy: a cell fails the run when it is wrong (regressed, failed, error), when it cannot be
 judged against a baseline of its own (missing-baseline, stale-baseline), when a known failure no
@@ -46,12 +46,8 @@ class Row:
     text: str  # text colour on that background
     emoji: str  # the annotation's symbol
     meaning: str  # one line, the legend's
-    # The cell is traced again to localise its first diverging module (harness.traces.jobs).
-    localised: bool = False
     # The report shows the tail of the engine child's log.
     shows_log: bool = False
-    # --update-baselines rewrites the baseline even when no stored value changed.
-    rewrites_baseline: bool = False
     # The failure message says how to accept the result as the baseline.
     acceptable: bool = False
     # The record holds results that the report's cross-check compares across engines.
@@ -63,15 +59,15 @@ _ROWS = (
     Row("pass", False, 12, "passed", "passed", True, "clear", "success", "#2e7d32", "#ffffff", "✅",
         "matches the baseline within the bounds"),
     # A cell that quantizes activations or computes in bfloat16, against a baseline from other
-    # kernels: judged by what carries by construction (harness.judging, _Case.judges_logprobs).
+    # kernels: judged by what carries by construction (harness.evidence.judged_against).
     Row("portable-pass", False, 11, "passed", "passed", True, "clear", "success", "#689f38", "#ffffff", "☑️",
         "on other kernels than its baseline's: loaded state exact, agrees with the other engines here; logprobs against the baseline shown, not judged"),
     Row("regressed", True, 2, "failed", "failure", True, "write", "error", "#d32f2f", "#ffffff", "📉",
-        "differs from the baseline beyond the bounds (or loads slower)", localised=True, shows_log=True, rewrites_baseline=True),
+        "differs from the baseline beyond the bounds (or loads slower)", shows_log=True),
     Row("improved", False, 9, "passed", "passed", True, "write", "success", "#00897b", "#ffffff", "🚀",
-        "loads faster than 1/bound of the baseline (gated tiers)", rewrites_baseline=True),
+        "loads faster than 1/bound of the baseline (gated tiers)"),
     Row("failed", True, 1, "failed", "failure", False, "write", "error", "#7b1fa2", "#ffffff", "❌",
-        "engines disagree beyond the bounds, or a module differs from the reference", localised=True, shows_log=True),
+        "engines disagree beyond the bounds, or a module differs from the reference", shows_log=True),
     Row("error", True, 0, "failed", "error", False, "keep", "error", "#212121", "#ffffff", "💥",
         "crashed, timed out, or was never judged", shows_log=True, has_results=False),
     # skipped when a capability probe says so; xfailed when a known failure does (pytest_outcome)
@@ -88,7 +84,7 @@ _ROWS = (
     Row("unexpected-pass", True, 5, "failed", "failure", True, "keep", "warning", "#fbc02d", "#3e2723", "❗",
         "passes although a known failure covers it: narrow models.yaml"),
     Row("stale-baseline", True, 4, "failed", "failure", True, "write", "warning", "#ef6c00", "#ffffff", "⏳",
-        "the baseline is from another engine version, platform or fixture: not a pass", rewrites_baseline=True, acceptable=True),
+        "the baseline is from another engine version, platform or fixture: not a pass", acceptable=True),
     Row("missing-baseline", True, 6, "failed", "failure", True, "write", "warning", "#1976d2", "#ffffff", "❔",
         "no baseline stored: not a pass", acceptable=True),
     Row(MISSING, True, 3, None, "error", False, "keep", "error", "#ffffff", "#424242", "⛔",
@@ -103,7 +99,6 @@ FAILING: frozenset[str] = frozenset(s for s in STATES if ROWS[s].fails_run)
 REFUSED_BASELINE: frozenset[str] = frozenset(v for v in VERDICTS if not ROWS[v].baseline)
 WRITES_OBTAINED: frozenset[str] = frozenset(v for v in VERDICTS if ROWS[v].obtained == "write")
 CLEARS_OBTAINED: frozenset[str] = frozenset(v for v in VERDICTS if ROWS[v].obtained == "clear")
-LOCALISED: frozenset[str] = frozenset(v for v in VERDICTS if ROWS[v].localised)
 
 
 def row(state: str) -> Row:

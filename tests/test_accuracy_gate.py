@@ -20,7 +20,6 @@ import pytest
 
 from harness import baselines as B
 from harness import cli
-from harness import compare as C
 from harness import records as R
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +86,7 @@ def test_embedding_rows_the_prompts_never_read_pass_the_logprob_checks_and_fail_
     # the logprob verdict on the cell's own prompts alone would pass: exactly the baseline's numbers
     # on the baseline's own kernels, within the family bound on others
     assert checks["teacher-forced:baseline"].ok
-    if not C.other_kernels(rec, B.read(BASELINES, "cpu-tiny", cell)):
+    if not B.other_kernels(rec, B.read(BASELINES, "cpu-tiny", cell)):
         assert checks["teacher-forced:baseline"].data["max_abs_delta"] == 0.0
         assert checks["greedy:baseline"].detail == "greedy tokens equal to baseline's"
     assert checks["greedy:baseline"].ok

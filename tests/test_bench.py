@@ -12,7 +12,7 @@ import pytest
 from harness import cli, cpu, loadtime
 from harness import matrix as M
 from harness import records as R
-from harness.bench import decode, detection, pairs, portability, report
+from harness.bench import decode, detection, noise_model, pairs, portability, report
 from harness.fixtures import benchmark
 from harness.hooks import slowdown
 from harness.bench.detection import CellRun
@@ -33,7 +33,7 @@ def _one_child(run):
 
 def _gated_run(rng, rule, base, **kw):
     """A held-out run as the gate makes it: each cell's children, confirmations included."""
-    return [detection.gated(lambda i=i: _run(rng, **kw)[i], rule, base) for i in range(len(CELLS))]
+    return [detection.gated(lambda i=i: _run(rng, **kw)[i], (rule, base)) for i in range(len(CELLS))]
 
 
 def _choose(runs, pairs=()):
@@ -105,23 +105,23 @@ def test_rule_threshold_follows_the_noise_and_counts_a_false_alarm():
 
 def test_the_threshold_weighs_a_false_alarm_and_a_missed_20_percent_alike():
     for sd, conf in ((0.02, 0), (0.04, 2), (0.08, 1)):
-        noise = detection.Noise(level=sd / 2, within=sd)
-        t = detection._balanced_threshold(noise, conf, cells=8, slowed_cells=4)
-        false_alarm = detection._modelled_flag(t, noise, conf, 8, 0.0)
-        miss = 1 - detection._modelled_flag(t, noise, conf, 4, 0.2)
+        noise = noise_model.Noise(level=sd / 2, within=sd)
+        t = noise_model.balanced_threshold(noise, conf, cells=8, slowed_cells=4, slowdown=0.2)
+        false_alarm = noise_model.modelled_flag(t, noise, conf, 8, 0.0)
+        miss = 1 - noise_model.modelled_flag(t, noise, conf, 4, 0.2)
         assert 1.0 < t < 1.2 and false_alarm == pytest.approx(miss, rel=1e-4, abs=1e-12)
     # a noisier host: a higher threshold
-    quiet, noisy = detection.Noise(0.01, 0.02), detection.Noise(0.04, 0.08)
-    assert detection._balanced_threshold(quiet, 0, 8, 4) < detection._balanced_threshold(noisy, 0, 8, 4)
+    quiet, noisy = noise_model.Noise(0.01, 0.02), noise_model.Noise(0.04, 0.08)
+    assert noise_model.balanced_threshold(quiet, 0, 8, 4, 0.2) < noise_model.balanced_threshold(noisy, 0, 8, 4, 0.2)
 
 
 def test_confirmations_count_for_less_when_children_timed_back_to_back_agree():
     # The same spread per child; in the second host most of it is a level the children share.
-    independent, shared = detection.Noise.of(0.03, 0.03, 5), detection.Noise.of(0.03, 0.005, 5)
+    independent, shared = noise_model.Noise.of(0.03, 0.03, 5), noise_model.Noise.of(0.03, 0.005, 5)
     assert shared.level > independent.level and shared.within == 0.005
-    assert (detection._balanced_threshold(shared, 2, 8, 4) > detection._balanced_threshold(independent, 2, 8, 4))
+    assert (noise_model.balanced_threshold(shared, 2, 8, 4, 0.2) > noise_model.balanced_threshold(independent, 2, 8, 4, 0.2))
     # With no shared level at all, confirmations are independent draws: the chance is a power.
-    alone = detection.Noise(level=0.0, within=0.03)
+    alone = noise_model.Noise(level=0.0, within=0.03)
     one = alone.cell_flags(1.05, 0, 0.0)
     assert alone.cell_flags(1.05, 2, 0.0) == pytest.approx(one ** 3, rel=1e-9)
 
@@ -174,6 +174,29 @@ def test_a_slower_machine_is_calibrated_away():
     base = detection.baseline_of([_run(random.Random(5), spread=0.0)], rule.repeats, rule.statistic, 1)
     slower = [CellRun(cr.cell, tuple(2 * s for s in cr.samples), 2.0) for cr in _run(rng, spread=0.0)]
     assert detection.evaluate(rule, base, [_one_child(slower)], {})["false_alarm"] == 0.0
+
+
+def test_without_the_calibration_a_slower_machine_is_a_slower_load():
+    rng = random.Random(4)
+    runs = [_run(rng) for _ in range(7)]
+    plain, _ = detection.choose(runs, slowed_cells=2, baseline_children=5, calibrated=False)
+    assert not plain.calibrated and "in seconds" in plain.describe()
+    base = detection.baseline_of(runs, plain.repeats, plain.statistic, 5, calibrated=False)
+    slower = [CellRun(cr.cell, tuple(2 * s for s in cr.samples), 2.0) for cr in _run(rng, spread=0.0)]
+    assert detection.evaluate(plain, base, [_one_child(slower)], {})["false_alarm"] == 1.0
+
+
+def test_two_rules_gate_one_cell_run_and_each_judges_its_own_children():
+    calibrated = detection.Rule(1, "min", 1.1, 0.01, confirmations=0)
+    plain = detection.Rule(1, "min", 1.1, 0.01, confirmations=2, calibrated=False)
+    base = {CELLS[0]: 1.0}
+    # the load is 1.5x, but so is the calibration: over only for the rule in seconds
+    queue = [CellRun(CELLS[0], (1.5,), 1.5) for _ in range(3)]
+    children = detection.gated(lambda: queue.pop(0), (calibrated, base), (plain, base))
+    assert len(children) == 3 and not queue  # the plain rule's two confirmations were timed
+    assert detection.cell_flags(base, children, plain) and not detection.cell_flags(base, children, calibrated)
+    ev = detection.uncalibrated(plain, base, [[children]], {})
+    assert ev["false_alarm"] == 1.0 and ev["false_alarm_runs"] == 1 and "in seconds" in ev["rule"]
 
 
 def test_the_baseline_is_the_median_child_of_the_first_runs():
@@ -684,7 +707,7 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
     cells = [types.SimpleNamespace(id=f"c{i}", tier="cpu-load", engine="reference",
                                    bounds=types.SimpleNamespace(load_time=1.1)) for i in range(2)]
     stored = {"c0": types.SimpleNamespace(load=R.LoadInfo(seconds=1.0))}
-    monkeypatch.setattr(portability.B, "load_baseline_here", lambda root, tier, cell, here: stored.get(cell))
+    monkeypatch.setattr(portability.resolver, "load_baseline_here", lambda root, tier, cell, here: stored.get(cell))
     for name in loadtime.ALLOCATION_ENV:
         monkeypatch.delenv(name, raising=False)
     timed = []
@@ -715,7 +738,7 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
     stored["c0"].load.allocation = {"THP_MEM_ALLOC_ENABLE": "1"}  # baselines of one's own, timed under it
     assert report._portability_ok(portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20,
                                                       only=["native"], echo=said.append)) is True
-    monkeypatch.setattr(portability.B, "load_baseline_here", lambda root, tier, cell, here: None)
+    monkeypatch.setattr(portability.resolver, "load_baseline_here", lambda root, tier, cell, here: None)
     with pytest.raises(ValueError, match="no load-time baseline for c0, c1"):
         portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, echo=said.append)
 
@@ -729,7 +752,7 @@ def test_a_portability_child_chooses_its_baselines_by_the_kernels_it_times_on(tm
     cell = M.load(M.DEFAULT_PATH).cells(tier="cpu-load")[0].id
     chosen = ("import json\nfrom harness.bench import portability\n"
               "def chosen(root, tier, cell, here): print(json.dumps(here)); sys.exit(0)\n"
-              "portability.B.load_baseline_here = chosen\n")
+              "portability.resolver.load_baseline_here = chosen\n")
     env = {**cpu.condition_env(cpu.KERNEL_CONDITIONS["aten-default"]), "HARNESS_LOG": str(tmp_path / "libraries.log")}
     p = subprocess.run([sys.executable, "-c", portability.CHILD.replace("from harness.bench.portability import main",
                                                                          chosen + "from harness.bench.portability import main"),
@@ -826,3 +849,26 @@ def test_the_pairs_target_needs_the_catches_and_few_enough_clean_flags():
     assert ok(fig(0, 30, 20, predicted=0.05)) is False  # too few runs to show < 1%, and the model's upper end says more
     assert ok(fig(0, 100, 20, predicted=0.05)) is True
     assert ok({"pairs": None}) is None
+
+
+def test_detection_weighs_its_rule_against_the_same_children_without_the_calibration(monkeypatch):
+    """A machine whose speed drifts between runs, loads and calibration alike: the calibrated rule
+    bears it, the rule in seconds flags clean runs; both are reported from one measurement."""
+    rng, drift = random.Random(11), iter(1.0 + 0.3 * (i % 2) for i in range(10_000))
+
+    def child(cell, path, repeats, slow=0.0, mutation=None):
+        speed = next(drift)
+        return CellRun(cell.id, tuple(speed * (1 + slow) * math.exp(rng.gauss(0, 0.005)) for _ in range(repeats)),
+                       speed, slow)
+
+    monkeypatch.setattr(detection, "preload", lambda cells, paths: None)
+    monkeypatch.setattr(detection, "cell_run", child)
+    cells = [types.SimpleNamespace(id=c, engine="reference", scheme="bnb-nf4") for c in CELLS[:2]]
+    d = detection.measure(cells, {c.id: None for c in cells}, choice_runs=8, held_out_runs=6, slowed_runs=4,
+                          slowdowns=(0.2,), echo=lambda _: None, loads=1)
+    assert d.rule.calibrated and d.rates["false_alarm"] == 0.0 and d.rates["slowdown_20"] == 1.0
+    assert d.uncalibrated["false_alarm"] > 0.0
+    det = {**d.rates, "rule": d.rule.describe(), "clean_runs": d.clean_runs, "uncalibrated": d.uncalibrated,
+           "false_alarm_runs": 0, "later_look": d.later_look, "predicted_false_alarm": d.predicted_false_alarm}
+    line = "".join(report._uncalibrated_lines(det))
+    assert "Without the calibration" in line and "in seconds" in line and "clean runs with a false alarm 0 of 6" in line

@@ -254,6 +254,8 @@ def test_final_step_reports_and_annotates():
     assert 'python3 -m harness.report "$@" -o reports --matrix models.yaml --strict' in cmd
     assert f"--context {shlex.quote(context)}" in cmd and '--style "$(cat reports/annotation-style.txt)"' in cmd
     assert 'if [ -n "${BUILDKITE_ANALYTICS_TOKEN:-}" ]' in cmd and "format=junit" in cmd
+    # the build's values sent as strings, never read as a file a branch named "<path" would name
+    assert '-F "run_env' not in cmd and '--form-string "run_env[branch]=${BUILDKITE_BRANCH:-}"' in cmd
     assert f["artifact_paths"] == ["reports/*"]
     # one context per pipeline: the same selection gives the same context, another selection another
     assert bk.annotation_context(list(reversed(CELLS)), bk.Options()) == context

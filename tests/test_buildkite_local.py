@@ -131,6 +131,7 @@ def test_annotation_and_report(pipeline_run):
     assert "data=@reports/junit.xml" in curl and "format=junit" in curl
     assert 'Authorization: Token token="test-engine-token"' in curl
     assert curl[-1] == "https://analytics-api.buildkite.com/v1/uploads"
+    assert curl[curl.index("run_env[branch]=local") - 1] == "--form-string" and "run_env[message]=" in curl
 
 
 def test_a_rerun_of_the_report_step_replaces_the_annotation(pipeline_run):

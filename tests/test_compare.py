@@ -3,7 +3,7 @@
 import pytest
 
 from harness import compare as C
-from harness import judging
+from harness import judging, loadcheck
 from harness import matrix as M
 from harness import records as R
 from harness.baselines import Baseline
@@ -180,7 +180,7 @@ def test_a_known_failure_excuses_a_deviation_only_as_far_as_the_cells_recorded_b
     j = judging.verdict(known, None, bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "missing-baseline" and "only as far as this engine's recorded behaviour" in j.reason
     j = judging.verdict(known, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
-    assert j.verdict == "waived" and j.reason.endswith("; within its baseline") and not j.loaded_state_only
+    assert j.verdict == "waived" and j.reason.endswith("; within its baseline") and j.evidence.not_judged is None
     # a second bug in the same cell: the deviation grows, and the cell leaves its recorded behaviour
     second = known.model_copy(update={"sequences": [seq(lps=(-1.0, -2.56, -0.5))]})
     j = judging.verdict(second, baseline(known), bounds=BOUNDS, cross_engine_checks=C.cross_engine(second, [ref], BOUNDS),
@@ -210,7 +210,7 @@ def test_on_other_kernels_fp8_activations_are_shown_not_judged_and_never_a_plain
     moved = record(sequences=[seq(lps=(-1.0, -2.05, -0.5))], loaded_state=state, computation=FP8_ACTIVATIONS,
                    engine_info=INFO.model_copy(update={"cpu": EPYC}))
     j = judging.verdict(moved, b, bounds=BOUNDS)
-    assert j.verdict == "portable-pass" and j.loaded_state_only
+    assert j.verdict == "portable-pass" and j.evidence.not_judged is not None
     assert j.reason.startswith("loaded state exact (1 modules); no other engine in this run to agree with; logprobs "
                                "against the baseline not judged: the baseline is from other kernels (")
     assert "it quantizes activations (input)" in j.reason and "--update-kernel-baselines -k fp8-dynamic" in j.reason
@@ -239,7 +239,7 @@ def test_against_recorded_behaviour_from_other_kernels_a_waived_cell_is_held_to_
     cross = C.cross_engine(elsewhere, [ref], BOUNDS)
     j = judging.verdict(elsewhere, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "waived" and "; its loaded state equal to its baseline's; logprobs against the baseline not judged: " in j.reason
-    assert j.loaded_state_only  # what harness run --update-kernel-baselines records a baseline of these kernels for
+    assert j.evidence.not_judged is not None  # what harness run --update-kernel-baselines records a baseline of these kernels for
     loaded_other = elsewhere.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})
     j = judging.verdict(loaded_other, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "failed" and "loaded-state:baseline" in j.reason and "teacher-forced:baseline" not in j.reason
@@ -248,7 +248,7 @@ def test_against_recorded_behaviour_from_other_kernels_a_waived_cell_is_held_to_
     slow = elsewhere.model_copy(update={"load": R.LoadInfo(seconds=2.0)})
     j = judging.verdict(slow, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs,
                         gate_load_time=True)
-    assert j.verdict == "regressed" and j.reason.startswith("load-time:baseline") and j.loaded_state_only
+    assert j.verdict == "regressed" and j.reason.startswith("load-time:baseline") and j.evidence.not_judged is not None
 
 
 def test_a_known_failure_that_does_not_show_on_other_kernels_is_a_portable_pass():
@@ -262,7 +262,7 @@ def test_a_known_failure_that_does_not_show_on_other_kernels_is_a_portable_pass(
     j = judging.verdict(agreeing, baseline(known), bounds=BOUNDS, cross_engine_checks=cross, known_failures=kfs)
     assert j.verdict == "portable-pass" and "agrees with reference in this run" in j.reason
     assert j.reason.endswith("known failure 'teacher-forced:reference' (vllm >=0.32,<0.33) does not show on these kernels")
-    assert j.loaded_state_only
+    assert j.evidence.not_judged is not None
     assert any(c.name == "teacher-forced:baseline" and not c.data["within_bounds"] for c in j.checks)
     # the loaded state still holds it
     moved = agreeing.model_copy(update={"loaded_state": {"model.layers.0.mlp.down_proj": "0" * 16}})
@@ -432,7 +432,7 @@ def test_a_load_outside_its_bound_says_when_it_was_timed_under_other_memory_allo
 
 def test_load_time_without_calibration_on_either_side_is_the_plain_ratio():
     for obtained, base in ((_calibrated(2.0, 0.2), _load(1.0)), (_load(2.0), _calibrated(1.0, 0.1))):
-        ratio, calibrated = C.load_ratio(obtained, base)
+        ratio, calibrated = loadcheck.load_ratio(obtained, base)
         assert (ratio, calibrated) == (pytest.approx(2.0), False)
 
 
@@ -444,10 +444,10 @@ def test_a_baseline_calibrated_with_another_workload_is_compared_uncalibrated_an
     assert not lt.data["calibrated"] and lt.data["ratio"] == pytest.approx(1.0)  # calibrated, it would read 2.0
     assert "another workload" in lt.detail and "--update-baselines" in lt.detail
     same = baseline(record(load=R.LoadInfo(seconds=1.0, phases={"calibration": 0.01}, calibration_workload=2)))
-    assert C.load_ratio(newer, same.load) == (pytest.approx(0.5), True)
+    assert loadcheck.load_ratio(newer, same.load) == (pytest.approx(0.5), True)
     # a named workload (vLLM's torchao loads, harness.loadtime) against the default: not calibrated
     quantize = R.LoadInfo(seconds=1.0, phases={"calibration": 0.08}, calibration_workload="torchao-quantize-1")
-    assert C.load_ratio(quantize, same.load) == (pytest.approx(1.0), False)
+    assert loadcheck.load_ratio(quantize, same.load) == (pytest.approx(1.0), False)
     assert R.LoadInfo.model_validate_json(quantize.model_dump_json()).calibration_workload == "torchao-quantize-1"
 
 
@@ -487,8 +487,8 @@ def test_cross_engine_rule_fusion_witnesses_and_known_failures():
 
 
 def test_disagreement_judges_only_the_checks_not_against_the_baseline():
-    bad = R.Check(name="teacher-forced:vllm", ok=False, detail="exceeds bound: 0.5")
-    base = R.Check(name="teacher-forced:baseline", ok=False, detail="exceeds bound: 0.5")
+    bad = R.Check(kind="teacher-forced", against="vllm", ok=False, detail="exceeds bound: 0.5")
+    base = R.Check(kind="teacher-forced", against="baseline", ok=False, detail="exceeds bound: 0.5")
     assert C.disagreement(record(), [base]) is None
     j = C.disagreement(record(), [base, bad])
     assert (j.verdict, j.reason, len(j.checks)) == ("failed", "teacher-forced:vllm: exceeds bound: 0.5", 2)

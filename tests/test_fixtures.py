@@ -216,7 +216,7 @@ def test_fixture_manifest_and_layout(built, name):
             assert h[f"{m}.weight_scale"]["shape"] == ([1] if modules[m] == "fp8-tensor" else [n_out, 1])
             assert (f"{m}.input_scale" in h) == static
         attn = sorted({m.rsplit(".", 1)[0] for m in modules if m.endswith(".k_proj")})
-        if s.model == "mllama":  # k/v scales on the text model's attention only (see producers.produce_ct)
+        if s.model == "mllama":  # k/v scales on the text model's attention only (see ct_producer.produce_ct)
             attn = [a for a in attn if a.startswith("model.language_model.")]
         for a in attn:
             for k in ("k_scale", "v_scale"):
@@ -400,7 +400,7 @@ def test_identity_of_bin(built):
 
 # The fixtures whose production runs float32 torch arithmetic that torch's kernels round differently:
 # bitsandbytes' double quant (its dynamic map, from torch.linspace: bnb_double_quant.bnb_double_quant_map)
-# and static FP8 (scales calibrated from forward passes: producers.calibrate_min_max). The other
+# and static FP8 (scales calibrated from forward passes: ct_producer.calibrate_min_max). The other
 # producers store what exactly rounded elementwise ops, min and max give: measured stable under
 # every condition.
 KERNEL_SENSITIVE = [n for n in F.names() if F.spec(n).scheme in ("bnb-nf4-dq", "fp8-static-kv")]

@@ -94,7 +94,7 @@ def test_smoke_run_carries_a_fixture_and_writes_everything_into_one_folder(tmp_p
                                    "llama-cuda.bnb-nf4.transformers": "missing-baseline"}
     tf = json.loads((res / "results" / "llama-cuda.bnb-nf4.transformers.json").read_text())
     assert tf["status"] == "ok" and tf["engine_info"]["environment"] == "cuda-check"
-    assert {c["name"]: c["ok"] for c in tf["checks"]}["teacher-forced:reference"] is True
+    assert {(c["kind"], c["against"]): c["ok"] for c in tf["checks"]}[("teacher-forced", "reference")] is True
     assert (res / "results" / "report" / "report.html").exists() and (res / "results" / "summary.txt").exists()
     machine = json.loads((res / "environment.json").read_text())
     assert machine["torch"] and machine["python"] == sys.version.split()[0]

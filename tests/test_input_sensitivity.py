@@ -22,6 +22,7 @@ import yaml
 
 from harness import baselines, cli, compare, judging, matrix, synthetic
 from harness import records as R
+from harness.checks import logprob_difference
 from harness.engines import base, execute
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,13 +165,17 @@ def test_an_infinite_difference_is_a_difference():
     assert j.verdict == "missing-baseline"
     check = next(c for c in j.checks if c.name == "input-sensitivity:contrast")
     assert check.data["prompts"]["p0"]["max_delta"] is None and "(prompt p1, 7e+03x)" in check.detail
-    assert execute._difference(-math.inf, -math.inf) == 0.0 and execute._difference(-math.inf, -1.0) == math.inf
+    assert logprob_difference(-math.inf, -math.inf, nan="unknown") == 0.0
+    assert logprob_difference(-math.inf, -1.0, nan="unknown") == math.inf
 
 
 def test_nan_logprobs_are_left_to_the_other_checks():
     """vLLM's whisper.fp8-dynamic-ignore-encoder gives NaN everywhere (a known failure): NaN says
     nothing about the input, so the check leaves the prompt out instead of failing or passing it."""
-    assert math.isnan(execute._largest([execute._difference(math.nan, math.nan), 1.0]))
+    assert math.isnan(execute._largest([logprob_difference(math.nan, math.nan, nan="unknown"), 1.0]))
+    # where outputs are compared, NaN against NaN is the same non-result, NaN against a number infinitely far
+    assert logprob_difference(math.nan, math.nan, nan="apart") == 0.0
+    assert logprob_difference(math.nan, -1.0, nan="apart") == math.inf
     assert compare.check_input_sensitivity(_record([math.nan]), 1e-4) is None
     check = compare.check_input_sensitivity(_record([math.nan, 0.0]), 1e-4)
     assert not check.ok and list(check.data["prompts"]) == ["p1"]

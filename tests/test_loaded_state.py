@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from harness import compare as C
-from harness import judging
+from harness import evidence, judging
 from harness import cpu
 from harness import loaded_state
 from harness import records as R
@@ -208,23 +208,24 @@ def test_identical_traces_are_no_flip_and_say_why():
 # ------------------------------------------ rounding flips between two engines on the same kernels
 
 
-def _disagreeing(flip: R.Localisation | None, failing: tuple[str, ...] = ("teacher-forced:transformers",),
+def _disagreeing(flip: R.Localisation | None,
+                 failing: tuple[tuple[str, str], ...] = (("teacher-forced", "transformers"),),
                  prompts=("p0",)) -> R.Record:
     """The reference's record, failed against transformers on the same machine."""
     worst = {"delta": 0.07, "prompt": prompts[0], "position": 16}
-    checks = [R.Check(name=name, ok=False, detail="exceeds bound",
-                      data={"exceeding_prompts": list(prompts), "worst": worst} if name.startswith("teacher") else
-                      {"divergences": [{"prompt": p, "ok": False} for p in prompts]}) for name in failing]
+    checks = [R.Check(kind=kind, against=against, ok=False, detail="exceeds bound",
+                      data={"exceeding_prompts": list(prompts), "worst": worst} if kind == "teacher-forced" else
+                      {"divergences": [{"prompt": p, "ok": False} for p in prompts]}) for kind, against in failing]
     rec = record(sequences=[seq()], computation=R.Computation(dtype="float32")).model_copy(
         update={"verdict": "failed", "checks": checks})
     return rec.model_copy(update={"localisation": [flip]}) if flip is not None else rec
 
 
 def test_a_rounding_flip_between_two_engines_on_the_same_kernels_passes_and_says_so():
-    j = judging.rounding_flip(_disagreeing(_flip()))
-    assert j is not None and j.verdict == "pass" and all(c.ok for c in j.checks)
-    assert "rounding flip at X" in j.reason and "effective weights equal to transformers's" in j.reason
-    assert "largest move 0.07 at prompt p0 position 16" in j.reason
+    checks, reason = judging.rounding_flip(_disagreeing(_flip()))
+    assert all(c.ok for c in checks)
+    assert "rounding flip at X" in reason and "effective weights equal to transformers's" in reason
+    assert "largest move 0.07 at prompt p0 position 16" in reason
 
 
 def test_a_disagreement_between_engines_needs_a_flip_shown_against_that_engine_on_its_failing_prompts():
@@ -234,27 +235,24 @@ def test_a_disagreement_between_engines_needs_a_flip_shown_against_that_engine_o
     assert judging.rounding_flip(_disagreeing(_flip(explained=False))) is None
     assert judging.rounding_flip(_disagreeing(against_transformers, prompts=("p1",))) is None  # another prompt
     # a check a flip cannot move: the module diff, or accuracy
-    assert judging.rounding_flip(_disagreeing(against_transformers, ("teacher-forced:transformers", "module-diff:reference"))) is None
+    assert judging.rounding_flip(_disagreeing(against_transformers, (("teacher-forced", "transformers"), ("module-diff", "reference")))) is None
 
 
 def test_a_flip_between_engines_leaves_the_baseline_and_the_load_time_to_judge():
     """A disagreement with another engine is judged before the baseline is read (step 3), so once
-    a rounding flip explains it the rest of the verdict order runs (judging.settle_flip): a load
-    over its bound is still regressed, a baseline of another engine version stale, and a cell
-    within both passes with the baseline's checks in its record."""
+    a rounding flip explains it the rest of the verdict order runs (judging.explain_flips, then the
+    one judgement): a load over its bound is still regressed, a baseline of another engine version
+    stale, and a cell within both passes with the baseline's checks in its record."""
     flip = _flip()
     cross = _disagreeing(flip).checks
 
     def settled(load_s, **provenance):
         rec = _disagreeing(flip).model_copy(update={"load": R.LoadInfo(seconds=load_s)})
         b = baseline(record(sequences=[seq()]), **provenance)
-
-        def judge(explained=()):
-            return judging.verdict(rec, b, bounds=BOUNDS, cross_engine_checks=cross, gate_load_time=True,
-                                   explained=explained)
-        judged = judge().apply(rec)
-        assert judged.verdict == "failed" and not any(c.name.endswith(":baseline") for c in judged.checks)
-        return judging.settle_flip(judged, judge)
+        gathered = evidence.gather(rec, b, bounds=BOUNDS, cross_engine_checks=cross, gate_load_time=True)
+        assert judging.decide(gathered).verdict == "failed"
+        assert judging.needs_localisation(gathered)
+        return judging.decide(judging.explain_flips(gathered))
 
     slow = settled(2.0)
     assert slow.verdict == "regressed" and "load-time:baseline" in slow.reason and "rounding flip at X" in slow.reason

@@ -60,8 +60,8 @@ def _verdicts(records: dict[str, dict]) -> dict[str, str]:
     return {c: r["verdict"] for c, r in records.items()}
 
 
-def _check(record: dict, name: str) -> dict | None:
-    return next((c for c in record["checks"] if c["name"] == name), None)
+def _check(record: dict, kind: str, against: str = "baseline") -> dict | None:
+    return next((c for c in record["checks"] if (c["kind"], c["against"]) == (kind, against)), None)
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +82,13 @@ def _judged_by_what_carries(records: dict[str, dict]) -> None:
         if computation is None:  # unsupported, or the engine did not run
             continue
         carries = computation["dtype"] == "float32" and not computation["quantized_activations"]
-        tf = _check(r, "teacher-forced:baseline")
+        tf = _check(r, "teacher-forced")
         if carries:
             assert r["verdict"] != "portable-pass" and (tf is None or tf["data"].get("judged", True)), (c, r["verdict_reason"])
         if r["verdict"] == "portable-pass":
             assert "logprobs against the baseline not judged" in r["verdict_reason"], r["verdict_reason"]
             assert tf is not None and tf["detail"].startswith("not judged: "), tf
-        state = _check(r, "loaded-state:baseline")
+        state = _check(r, "loaded-state")
         if c.endswith((".reference", ".transformers")) and r["verdict"] in {"pass", "portable-pass"}:
             assert state is not None and state["ok"], f"{c}: the loaded state was not checked exactly: {state}"
 

@@ -6,6 +6,7 @@ import pytest
 
 from harness import matrix as M
 from harness import records as R
+from harness import registry
 
 INFO = R.EngineInfo(name="reference", version="0.1.0", environment="core", torch="2.13.0+cpu", platform="cpu-x86_64-avx2")
 
@@ -31,7 +32,7 @@ def record(**kw):
 
 def test_round_trip_is_exact_and_keeps_every_field():
     r = record(module_diff=R.ModuleDiff(first_differing_module="model.layers.0.mlp.down_proj", detail="max |Δw| 0.5"),
-               checks=[R.Check(name="greedy:baseline", ok=True, detail="equal", data={"divergences": []})], verdict="pass")
+               checks=[R.Check(kind="greedy", against="baseline", ok=True, detail="equal", data={"divergences": []})], verdict="pass")
     text = r.to_json()
     assert R.Record.from_json(text) == r
     data = json.loads(text)
@@ -72,6 +73,17 @@ def test_a_field_of_the_wrong_json_type_is_refused_not_coerced(change, problem):
     with pytest.raises(R.RecordError) as e:
         R.Record.from_json(json.dumps(data), "r.json")
     assert str(e.value) == f"r.json: {problem}"
+
+
+def test_an_engine_is_checked_against_the_registry_when_a_record_is_read():
+    """Not a list fixed at import: an installed package's engine is as good as this project's own
+    (tests/test_engine_plugins.py); a name none registered is one line listing those that are."""
+    data = {**json.loads(record().to_json()), "engine": "nope", "cell": "llama.bnb-nf4.nope"}
+    with pytest.raises(R.RecordError) as e:
+        R.Record.from_json(json.dumps(data), "r.json")
+    assert str(e.value) == f"r.json: engine: unknown engine 'nope' (registered: {', '.join(registry.ENGINES)})"
+    for name in registry.ENGINES:
+        assert R.EngineInfo(name=name).name == name
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,6 @@ CHECKS = '''
 import json
 import sys
 import tempfile
-import typing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -147,7 +146,8 @@ check("engine_rules", lambda: rule(changes.ENGINE_RULES["vllm"], "vllm/model_exe
       == rule(changes.ENGINE_RULES["transformers"], "src/transformers/quantizers/quantizer_dummy.py") == "dummy schemes")
 
 check("engine_matrix", lambda: "dummy" in matrix.ENGINES)
-check("engine_records", lambda: "dummy" in typing.get_args(records.EngineName))
+check("engine_records", lambda: records.EngineInfo(name="dummy").name == "dummy")
+check("engine_models_yaml", lambda: matrix.Environment(engines={"dummy": "1"}).engines == {"dummy": "1"})
 check("engine_html", lambda: "dummy" in html.ENGINE_NAMES)
 check("engine_rule", lambda: rule(changes.PROJECT_RULES, "harness/engines/dummy.py") == "dummy cells")
 check("engine_class", lambda: base.engine_class("dummy") is dummy_format.DummyEngine)

@@ -10,7 +10,7 @@ import pytest
 import report_scenario as rs
 import yaml
 
-from harness import cpu
+from harness import cpu, judging
 from harness import matrix as mx
 from harness.records import CpuInfo, Record, save
 from harness.report import annotation
@@ -129,11 +129,13 @@ def test_a_disagreement_met_at_merge_is_waived_only_where_the_cell_held_its_base
 
 
 @pytest.mark.parametrize("reference, expected", [("pass", "unexpected-pass"), ("regressed", "waived")])
-def test_a_known_failure_about_the_reference_is_decided_where_the_merge_meets_it(tmp_path, reference, expected):
+def test_a_known_failure_about_the_reference_is_decided_where_the_merge_meets_it(tmp_path, reference, expected,
+                                                                               monkeypatch):
     """On Buildkite vLLM's step runs without the reference (another environment), so its bnb cell
     is waived by a known failure about that comparison, which it can neither show nor refute there
     (harness.judging). The merge meets the reference: agreeing with it, the known failure no longer
-    shows, an unexpected pass; disagreeing, the cell stays waived."""
+    shows, an unexpected pass; disagreeing, the cell stays waived. Each record the merge adds a
+    check to is judged once more, by the runner's one judgement (judging.decide)."""
     cid = "llama.bnb-nf4.vllm"
     alike = _as_vllm(rs.build("llama.bnb-nf4.reference", "pass", started=T1))
     step = rs.judged(cid, alike, alike, known=rs.CELLS[cid].known_failures)
@@ -142,7 +144,11 @@ def test_a_known_failure_about_the_reference_is_decided_where_the_merge_meets_it
     rs.write(d, {"llama.bnb-nf4.reference": reference}, started=T1)
     save(d / f"{cid}.json", step)
     m = load_results([d])
+    judged, decide = [], judging.decide
+    monkeypatch.setattr(judging, "decide", lambda record, known=(): judged.append(record.cell) or decide(record, known))
     cross_check(m, mx.load())
+    # vLLM, covered by a known failure, is no witness for the reference: only vLLM's record gains checks
+    assert judged == [cid]
     vllm = m.current[cid].record
     assert vllm.verdict == expected
     assert all(c.ok for c in vllm.checks) == (expected == "unexpected-pass")

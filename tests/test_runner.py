@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, cpu, runner, supervise
+from harness import cli, cpu, judging, runner, supervise
+from harness import matrix as M
 from harness import records as R
 from harness import selection
-from harness.compare import LOAD_TIME_CHECK
 from tests.stand_in_build import stand_in_build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,13 +86,20 @@ def copy_baselines(generated, tmp_path) -> Path:
     return dst
 
 
-def test_update_baselines_writes_every_cell_then_the_matrix_passes(generated, tmp_path, capsys):
+def _counting_judgements(monkeypatch) -> list[str]:
+    """The cells judging.decide, the one judgement, is called for, as it is called."""
+    judged, decide = [], judging.decide
+    monkeypatch.setattr(judging, "decide", lambda record, known=(): judged.append(record.cell) or decide(record, known))
+    return judged
+
+
+def test_update_baselines_writes_every_cell_then_the_matrix_passes(generated, tmp_path, capsys, monkeypatch):
     assert generated["code"] == 0
     files = sorted(p.name for p in (generated["baselines"] / "cpu-tiny").glob("*.json"))
     assert files == [f"{c}.json" for c in sorted(CELLS)]
     updated = records(generated["results"])
     assert {c: r.verdict for c, r in updated.items()} == {c: "pass" for c in CELLS}
-    assert "baseline new by --update-baselines (was missing-baseline" in updated[CELLS[0]].verdict_reason
+    assert updated[CELLS[0]].verdict_reason == "matches the baseline; baseline new by --update-baselines"
     # all engines of a (model, scheme) scored the same tokens: the reference's greedy continuation
     for scheme in ("bnb-nf4", "unquantized"):
         ref, tf = updated[f"whisper.{scheme}.reference"], updated[f"whisper.{scheme}.transformers"]
@@ -102,9 +109,11 @@ def test_update_baselines_writes_every_cell_then_the_matrix_passes(generated, tm
 
     baselines = copy_baselines(generated, tmp_path)
     before = {p.name: p.read_bytes() for p in (baselines / "cpu-tiny").iterdir()}
+    judged = _counting_judgements(monkeypatch)
     code, out, _ = harness(capsys, "run", "--matrix", generated["matrix"], "--baselines", baselines,
                            "--results", tmp_path / "r", "-j", "2")
     assert code == 0, out
+    assert sorted(judged) == sorted(CELLS)  # one judgement per record
     assert "pass              4" in out and f"records in {tmp_path / 'r'}" in out
     for cell in CELLS:  # one progress line per cell, in the order they finish
         assert re.search(rf"^\[\d/4\] pass +{re.escape(cell)}  \(load \d", out, re.M), out
@@ -114,6 +123,19 @@ def test_update_baselines_writes_every_cell_then_the_matrix_passes(generated, tm
     assert (tmp_path / "r" / "logs" / "whisper.bnb-nf4.transformers.log").exists()
     report = (tmp_path / "r" / "report" / "report.html").read_text()  # harness run ends in the report
     assert all(cell in report for cell in CELLS) and f"report: {tmp_path / 'r' / 'report' / 'report.html'}" in out
+
+
+def test_the_pytest_plugins_entry_point_judges_each_cell_once(generated, tmp_path, monkeypatch):
+    """pytest runs one cell per test (Runner.run_cell, the other engines of its group read from raw/
+    where another test made them): each cell's record is judged once, by judging.decide."""
+    results = tmp_path / "results"
+    shutil.copytree(generated["results"], results)
+    cells = M.load(generated["matrix"]).cells()
+    r = runner.Runner(M.load(generated["matrix"]), cells, results=results,
+                      baselines_root=copy_baselines(generated, tmp_path), matrix_path=generated["matrix"])
+    judged = _counting_judgements(monkeypatch)
+    assert {c.id: r.run_cell(c).verdict for c in cells} == {c: "pass" for c in CELLS}
+    assert sorted(judged) == sorted(CELLS)
 
 
 def _altered_by_hand(generated, tmp_path) -> Path:
@@ -607,9 +629,9 @@ def _from_a_faster_machine(path: Path, *, logprob_shift: float = 0.0) -> None:
 def _judged_by(record: R.Record, baseline: Path) -> None:
     """``record``'s load time was judged against ``baseline``'s and nothing but its load time failed:
     which baseline judged it, not how a tiny load on a shared host compared with it."""
-    load = next(c for c in record.checks if c.name == LOAD_TIME_CHECK)
+    load = next(c for c in record.checks if c.kind == "load-time")
     assert load.data["baseline_seconds"] == json.loads(baseline.read_text())["load"]["seconds"]
-    assert [c.name for c in record.checks if not c.ok and c.name != LOAD_TIME_CHECK] == [], record.verdict_reason
+    assert [c.name for c in record.checks if not c.ok and c.kind != "load-time"] == [], record.verdict_reason
 
 
 def test_a_gated_cells_baseline_of_these_kernels_is_recorded_where_its_own_is_from_another_machine(tmp_path, capsys):
@@ -634,7 +656,7 @@ def test_a_gated_cells_baseline_of_these_kernels_is_recorded_where_its_own_is_fr
 
     _, out, _ = harness(capsys, *base, "--results", tmp_path / "r2", "--update-kernel-baselines")
     recorded, refused = (R.load(tmp_path / "r2" / f"{cell}.json") for cell in GATED)
-    assert recorded.verdict == "pass" and "by --update-kernel-baselines (was regressed" in recorded.verdict_reason
+    assert recorded.verdict == "pass" and "baseline new by --update-kernel-baselines (against the stored one: load-time:baseline: slower than bound" in recorded.verdict_reason
     assert len(recorded.load.children) == loadtime.BASELINE_CHILDREN
     [kernels] = (baselines / "kernels").iterdir()
     assert sorted(p.name for p in (kernels / "cpu-load").glob("*.json")) == [f"{GATED[0]}.json"]
@@ -691,7 +713,7 @@ def test_a_gated_cell_with_no_baseline_records_this_cpus_and_is_judged_against_i
     assert unanswered.exists()
     code, out, _ = harness(capsys, *base, "--results", tmp_path / "r0", "--update-kernel-baselines")
     recorded = R.load(tmp_path / "r0" / f"{GATED[0]}.json")
-    assert code == 0 and "by --update-kernel-baselines (was missing-baseline" in recorded.verdict_reason, out
+    assert code == 0 and "matches the baseline; baseline new by --update-kernel-baselines" in recorded.verdict_reason, out
     [kernels] = (baselines / "kernels").iterdir()
     assert [p.name for p in (kernels / "cpu-load").iterdir()] == [f"{GATED[0]}.json"]
     assert not any((baselines / "cpu-load").iterdir())

@@ -30,7 +30,7 @@ def result(verdict, known_failure=False, error=False, messages=()):
     rec = R.Record.for_cell(cell, engine_info=R.EngineInfo(name="transformers", version="5.19.0", platform="cpu-x86_64"),
                             **kw)
     kf = R.KnownFailureRef(engine="transformers", versions=">=5", pattern="x", reason="known") if known_failure else None
-    checks = [R.Check(name="teacher-forced:baseline", ok=False, detail="exceeds bound: max 0.5")] if verdict == "regressed" else []
+    checks = [R.Check(kind="teacher-forced", against="baseline", ok=False, detail="exceeds bound: max 0.5")] if verdict == "regressed" else []
     rec = rec.model_copy(update={"verdict": verdict, "verdict_reason": f"why {verdict}", "known_failure": kf, "checks": checks})
     return CellResult(cell, rec, messages=list(messages))
 

@@ -16,6 +16,7 @@ import pytest
 from harness import baselines as B
 from harness import cli
 from harness import matrix as M
+from harness import files
 from harness import records as R
 from harness.hooks import faults
 from harness.engines import base
@@ -215,7 +216,7 @@ def test_a_loaded_state_that_differs_is_named_before_any_output():
 
 def test_the_fingerprint_is_a_few_tens_of_kilobytes_and_survives_its_text():
     _, _, fp = clean("llama", "fp8-static-kv")
-    text = R.render_json(fp.model_dump())
+    text = files.render_json(fp.model_dump())
     assert len(text.encode()) < 64_000
     assert F.Fingerprint.model_validate_json(text) == fp
     rows = [line for line in text.splitlines() if line.lstrip().startswith('{"module"')]

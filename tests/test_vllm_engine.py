@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from harness.engines import vllm as V
+from harness.engines import vllm_conformance as C
 from harness.engines import vllm_worker as W
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +70,7 @@ def test_identical_modules_give_no_diff(llama_layer):
                                                               shard("v_proj", "bnb-nf4", v.clone())),
                 "model__layers__0__self_attn__o_proj": vmod("o", "UnquantizedLinearMethod",
                                                             shard("o_proj", "unquantized", o.clone()))})
-    diff, lines, n = V.compare_modules(ref, r, "LlamaForCausalLM")
+    diff, lines, n = C.compare_modules(ref, r, "LlamaForCausalLM")
     assert diff is None and lines == [] and n == 4
 
 
@@ -83,7 +84,7 @@ def test_first_differing_module_is_named_label_before_weight(llama_layer):
                                                               shard("v_proj", "bnb-missing", None, note="no quant state")),
                 "model__layers__0__self_attn__o_proj": vmod("o", "BitsAndBytesLinearMethod",
                                                             shard("o_proj", "bnb-nf4", o.clone()))})
-    diff, lines, _ = V.compare_modules(ref, r, "LlamaForCausalLM")
+    diff, lines, _ = C.compare_modules(ref, r, "LlamaForCausalLM")
     assert diff.first_differing_module == "model.layers.0.self_attn.k_proj"
     assert "1 of 32 weight elements differ" in diff.detail and "[1, 2]" in diff.detail
     assert "qkv_proj[k_proj]" in diff.detail
@@ -97,11 +98,11 @@ def test_exactness_rule_casts_unquantized_reference_to_the_engine_dtype():
     w = torch.randn(6, 4, dtype=torch.float64).float()
     ref = FakeRef({"lm_head": ("unquantized", w, None)})
     ok = read(lm_head=vmod("lm_head", "UnquantizedEmbeddingMethod", shard("lm_head", "unquantized", w.to(torch.bfloat16))))
-    assert V.compare_modules(ref, ok, "LlamaForCausalLM")[0] is None
+    assert C.compare_modules(ref, ok, "LlamaForCausalLM")[0] is None
     # a bfloat16 copy of anything else (here: a quantized label) is compared in float32, exactly
     ref_q = FakeRef({"lm_head": ("torchao-int8", w, None)})
     bad = read(lm_head=vmod("lm_head", "TorchAOLinearMethod", shard("lm_head", "torchao-int8", w.to(torch.bfloat16))))
-    assert V.compare_modules(ref_q, bad, "LlamaForCausalLM")[0] is not None
+    assert C.compare_modules(ref_q, bad, "LlamaForCausalLM")[0] is not None
 
 
 def test_vocabulary_padding_rows_of_an_lm_head_are_ignored():
@@ -109,7 +110,7 @@ def test_vocabulary_padding_rows_of_an_lm_head_are_ignored():
     ref = FakeRef({"lm_head": ("unquantized", w, None)})
     padded = torch.cat([w, torch.zeros(2, 4)])
     r = read(lm_head=vmod("lm_head", "UnquantizedEmbeddingMethod", shard("lm_head", "unquantized", padded)))
-    assert V.compare_modules(ref, r, "LlamaForCausalLM")[0] is None
+    assert C.compare_modules(ref, r, "LlamaForCausalLM")[0] is None
 
 
 def test_bias_missing_equals_zeros_and_a_wrong_bias_is_named():
@@ -121,7 +122,7 @@ def test_bias_missing_equals_zeros_and_a_wrong_bias_is_named():
         "qkv", "UnquantizedLinearMethod",
         shard("k_proj", "unquantized", w.clone(), bias=torch.zeros(4)),
         shard("v_proj", "unquantized", w.clone(), bias=b + 1))})
-    diff, lines, _ = V.compare_modules(ref, r, "WhisperForConditionalGeneration")
+    diff, lines, _ = C.compare_modules(ref, r, "WhisperForConditionalGeneration")
     assert len(lines) == 1 and diff.first_differing_module == "model.encoder.layers.0.self_attn.v_proj"
     assert diff.detail.startswith("bias: 4 of 4 bias elements differ")
 
@@ -132,15 +133,15 @@ def test_shape_mismatch_and_missing_module():
                    "model.layers.0.mlp.gate_proj": ("fp8-channel", w, None)})
     r = read(**{"model__layers__0__mlp__down_proj": vmod("down", "CompressedTensorsLinearMethod",
                                                           shard("down_proj", "fp8-channel", w.t().contiguous()))})
-    diff, lines, _ = V.compare_modules(ref, r, "LlamaForCausalLM")
+    diff, lines, _ = C.compare_modules(ref, r, "LlamaForCausalLM")
     assert "shape (8, 4) in vLLM, (4, 8) in the reference" in lines[0]
     assert lines[1] == "model.layers.0.mlp.gate_proj: vLLM has no module model.layers.0.mlp.gate_up_proj"
 
 
 def test_nan_equals_nan_but_not_a_number():
     w = torch.tensor([[float("nan"), 1.0]])
-    assert V._weight_detail(w.clone(), w.clone()) is None
-    assert V._weight_detail(torch.tensor([[float("nan"), 2.0]]), w) is not None
+    assert C._weight_detail(w.clone(), w.clone()) is None
+    assert C._weight_detail(torch.tensor([[float("nan"), 2.0]]), w) is not None
 
 
 # ------------------------------------------------------------------------- engine helpers
@@ -283,7 +284,7 @@ def test_two_engine_children_bind_different_cores(tmp_path):
         pytest.skip("one core only")
     script = textwrap.dedent("""
         import sys
-        from harness.engines.vllm import bind_core
+        from harness.engines.vllm_environment import bind_core
         print(bind_core(), flush=True)
         sys.stdin.readline()
     """)

@@ -1,9 +1,9 @@
 """Accuracy checks: a task's value against its baseline and against other engines of the same run
 (docs/design.md, "Accuracy"). Pure functions on records; no torch, no lm-eval.
 
-Each check is named ``accuracy/<task>:<against>`` (``accuracy/llama-choice:baseline``,
-``accuracy/llama-choice:reference``), so it follows the ``<kind>:<against>`` rule of every check:
-against ``baseline`` it decides ``regressed``, against an engine ``failed``. The gate is the one the
+Each check is of kind ``accuracy`` with its task (named ``accuracy/llama-choice:baseline``,
+``accuracy/llama-choice:reference``): against ``baseline`` it decides ``regressed``, against an
+engine ``failed``, as every check does. The gate is the one the
 record carries (models.yaml's, resolved for the cell): see harness.accuracy.spec.
 """
 from __future__ import annotations
@@ -15,10 +15,6 @@ from statistics import NormalDist
 from typing import Any
 
 from harness.records import Accuracy, Check, Record
-
-
-def check_name(task: str, against: str) -> str:
-    return f"accuracy/{task}:{against}"
 
 
 def _fmt(x: float | None) -> str:
@@ -107,7 +103,7 @@ def compare(obtained: Accuracy, expected_value: float | None, expected_samples: 
     detail = (f"{obtained.metric},{obtained.filter} {_fmt(obtained.value)} vs {against} {_fmt(expected_value)}: {found}")
     if moved is not None and moved["differ"]:
         detail += f"; {moved['differ']} of {moved['of']} samples differ ({moved['lost']} lost, {moved['gained']} gained)"
-    return Check(name=check_name(obtained.task, against), ok=ok, detail=detail if ok else "outside the gate: " + detail,
+    return Check(kind="accuracy", task=obtained.task, against=against, ok=ok, detail=detail if ok else "outside the gate: " + detail,
                  data={"task": obtained.task, "metric": obtained.metric, "filter": obtained.filter,
                        "value": obtained.value, "stderr": obtained.stderr, "samples": obtained.samples,
                        against: expected_value, "expected_samples": expected_samples, "gate": obtained.gate,
@@ -125,7 +121,7 @@ def cross_engine(record: Record, other: Record, *, against: str) -> list[Check]:
         if b is None:
             continue
         if a.task_hash != b.task_hash:
-            checks.append(Check(name=check_name(a.task, against), ok=False,
+            checks.append(Check(kind="accuracy", task=a.task, against=against, ok=False,
                                 detail=f"{against} evaluated another version of the task (hash {b.task_hash[:12]}, "
                                        f"this run {a.task_hash[:12]}): not comparable",
                                 data={"task": a.task, "task_hash": a.task_hash, f"{against}_task_hash": b.task_hash}))

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, create_model
 
 from harness import baselines as B
 from harness import files, store
-from harness.records import Accuracy, FixtureRef, Record, SourceRef, render_json
+from harness.files import render_json
+from harness.records import Accuracy, FixtureRef, Record, SourceRef
 
 VERSION = 1
 

@@ -24,7 +24,7 @@ from harness.errors import UsageError
 from harness.fixtures import benchmark
 from harness.layout import default_results_dir
 from harness.loadtime import BASELINE_CHILDREN, LATER_LOOK_S, REPO_ROOT
-from harness.records import atomic_write_text
+from harness.files import atomic_write_text
 
 PARTS = ("load", "decode", "detection", "portability", "pairs", "matrix")
 QUICK_PARTS = ("load", "decode")
@@ -205,7 +205,7 @@ def detection_part(args, echo: Callable[[str], None]) -> dict:
             "clean_cell_runs": d.clean_cell_runs, "clean_cell_false_alarms": d.clean_cell_false_alarms,
             "cell_rates": d.cell_rates, "slowed_runs": d.slowed_runs, "slowed_cell_runs": d.slowed_cell_runs,
             "predicted_false_alarm": d.predicted_false_alarm, "mutations": d.mutations, "candidates": [vars(c) for c in d.candidates],
-            "later_look": d.later_look, "seconds": d.seconds, "raw": d.raw}
+            "later_look": d.later_look, "uncalibrated": d.uncalibrated, "seconds": d.seconds, "raw": d.raw}
 
 
 def portability_part(args, echo: Callable[[str], None]) -> dict:

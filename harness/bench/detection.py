@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from harness import loadtime
 from harness import records as R
 from harness.engines import base, reference, transformers  # noqa: F401
+from harness.bench.noise_model import Noise, balanced_threshold, modelled_flag, robust_sd
 from harness.loadtime import BASELINE_CHILDREN, load_statistic, lower_median, retimed
 from harness.registry import ENGINES
 
@@ -71,7 +72,6 @@ SLOWDOWN_TARGET = 0.2  # the slowdown the gate must catch (issue 13, target 3)
 MUTATIONS: dict[str, Callable[..., bool]] = {
     "torchao-full-size-dummy": lambda cell: cell.engine == "vllm" and cell.scheme.startswith("torchao"),
 }
-MAD_TO_SD = 1.4826
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,11 @@ class CellRun:
     slow: float = 0.0
     workload: int | str = loadtime.CALIBRATION_WORKLOAD  # what the calibration timed
 
-    def value(self, k: int, statistic: str) -> float:
-        """load/calibration under a rule (the first ``k`` loads, their ``statistic``)."""
+    def value(self, k: int, statistic: str, calibrated: bool = True) -> float:
+        """load/calibration under a rule (the first ``k`` loads, their ``statistic``); the load
+        seconds alone when not ``calibrated``."""
 
-        return load_statistic(list(self.samples[:k]), statistic) / self.calibration
+        return load_statistic(list(self.samples[:k]), statistic) / (self.calibration if calibrated else 1.0)
 
     def load_info(self) -> R.LoadInfo:
         """The child as the gate records it (its loads' ``loadtime.STATISTIC``)."""
@@ -111,13 +112,18 @@ class Rule:
     # the part of `spread` that differs between two children timed back to back (a confirmation's
     # distance); the rest is a level shared by both. None: every child independent.
     within: float | None = None
+    calibrated: bool = True  # load / calibration; False: the load seconds alone
+
+    def value(self, child: CellRun) -> float:
+        return child.value(self.repeats, self.statistic, self.calibrated)
 
     def describe(self) -> str:
         again = (f", timed again in up to {self.confirmations} fresh children while over it (flag when all are)"
                  if self.confirmations else "")
         back = "" if self.within is None else f", {100 * self.within:.1f}% back to back"
-        return (f"{self.statistic} of {self.repeats} load(s) per child over the calibration; flag when the "
-                f"calibrated ratio > {self.threshold:.3f}{again} (child-to-child spread {100 * self.spread:.1f}%"
+        over, ratio = ("over the calibration", "calibrated ratio") if self.calibrated else ("in seconds", "ratio")
+        return (f"{self.statistic} of {self.repeats} load(s) per child {over}; flag when the "
+                f"{ratio} > {self.threshold:.3f}{again} (child-to-child spread {100 * self.spread:.1f}%"
                 f"{back})")
 
 
@@ -144,107 +150,56 @@ class Detection:
     mutations: dict[str, dict] = field(default_factory=dict)
     # the rates with the gate's later look (:func:`with_later_look`): false_alarm, slowdown_10/20/50
     later_look: dict[str, float | None] = field(default_factory=dict)
+    # the same measurement judged without the calibration (:func:`uncalibrated`): its rule and rates
+    uncalibrated: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------ the statistics
 
 
-def robust_sd(values: Sequence[float]) -> float:
-    med = statistics.median(values)
-    return MAD_TO_SD * statistics.median(abs(v - med) for v in values)
-
-
-def _spread(runs: Sequence[Sequence[CellRun]], k: int, stat: str) -> float:
+def _spread(runs: Sequence[Sequence[CellRun]], k: int, stat: str, calibrated: bool = True) -> float:
     """Robust sd of log(value) around each cell's median, pooled over cells."""
     by_cell: dict[str, list[float]] = {}
     for run in runs:
         for cr in run:
-            by_cell.setdefault(cr.cell, []).append(math.log(cr.value(k, stat)))
+            by_cell.setdefault(cr.cell, []).append(math.log(cr.value(k, stat, calibrated)))
     deviations = [v - statistics.median(vs) for vs in by_cell.values() for v in vs]
     return max(robust_sd(deviations), 1e-6)
 
 
-@dataclass(frozen=True)
-class Noise:
-    """The normal model of log(obtained / baseline) for one cell-run: a level its children share
-    (sd ``level``: what moves between runs, and the baseline's own error) and each child's own
-    part (sd ``within``: what differs between two children timed back to back)."""
-
-    level: float
-    within: float
-
-    @classmethod
-    def of(cls, child_sd: float, within_sd: float | None, baseline_children: int) -> Noise:
-        """From the spread of single children around their cell's median (``child_sd``), of two
-        children timed back to back (``within_sd``; None: independent children), with the baseline
-        the median of ``baseline_children`` children (about pi/(2B) of a child's variance)."""
-        within = child_sd if within_sd is None else min(within_sd, child_sd)
-        shared = max(child_sd ** 2 - within ** 2, 0.0)
-        return cls(math.sqrt(shared + child_sd ** 2 * math.pi / (2 * baseline_children)), max(within, 1e-6))
-
-    def cell_flags(self, threshold: float, confirmations: int, slowdown: float, mean: float = 0.0) -> float:
-        """The chance that 1 + ``confirmations`` children of one cell-run, ``slowdown`` slower,
-        are all over ``threshold``: each child's chance, to that power, averaged over the level."""
-        child = statistics.NormalDist(0.0, self.within)
-        centre, t = mean + math.log(1 + slowdown), math.log(threshold)
-        levels = statistics.NormalDist(0.0, 1.0)
-        steps = 200
-        total = weight = 0.0
-        for i in range(steps + 1):  # the level's normal, on a grid of +-8 sd
-            z = -8 + 16 * i / steps
-            w = levels.pdf(z)
-            total += w * (1 - child.cdf(t - centre - z * self.level)) ** (1 + confirmations)
-            weight += w
-        return total / weight
-
-
-def _modelled_flag(threshold: float, noise: Noise, confirmations: int, cells: int, slowdown: float,
-                   mean: float = 0.0) -> float:
-    """The model's chance that a run flags when ``cells`` of its cells are ``slowdown`` slower
-    (0: a clean run of ``cells`` cells)."""
-    return 1 - (1 - noise.cell_flags(threshold, confirmations, slowdown, mean)) ** cells
-
-
-def _balanced_threshold(noise: Noise, confirmations: int, cells: int, slowed_cells: int) -> float:
-    """The threshold at which the normal model misses a run slowed by ``SLOWDOWN_TARGET`` as often
-    as it flags a clean one: the two errors the issue bounds weigh the same, since the model's
-    tails are thinner than this host's on both sides."""
-    lo, hi = 0.0, math.log(1 + SLOWDOWN_TARGET)
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        false_alarm = _modelled_flag(math.exp(mid), noise, confirmations, cells, 0.0)
-        miss = 1 - _modelled_flag(math.exp(mid), noise, confirmations, slowed_cells, SLOWDOWN_TARGET)
-        lo, hi = (mid, hi) if false_alarm > miss else (lo, mid)
-    return math.exp((lo + hi) / 2)
-
-
-def _back_to_back_sd(pairs: Sequence[tuple[CellRun, CellRun]], k: int, stat: str) -> float | None:
+def _back_to_back_sd(pairs: Sequence[tuple[CellRun, CellRun]], k: int, stat: str,
+                     calibrated: bool = True) -> float | None:
     """The sd of one child's own part, from pairs of children timed back to back: the robust sd
     of their log difference over sqrt(2). None without pairs."""
     if not pairs:
         return None
-    return max(robust_sd([math.log(a.value(k, stat) / b.value(k, stat)) for a, b in pairs]) / math.sqrt(2), 1e-6)
+    return max(robust_sd([math.log(a.value(k, stat, calibrated) / b.value(k, stat, calibrated)) for a, b in pairs])
+               / math.sqrt(2), 1e-6)
 
 
-def baseline_of(choice: Sequence[Sequence[CellRun]], k: int, stat: str, children: int) -> dict[str, float]:
+def baseline_of(choice: Sequence[Sequence[CellRun]], k: int, stat: str, children: int,
+                calibrated: bool = True) -> dict[str, float]:
     """Each cell's baseline value under a rule: its median child (the lower of an even count) of
     the first ``children`` choice runs, as harness.loadtime.baseline_load records one."""
 
-    return {cell: lower_median([cr.value(k, stat) for run in choice[:children] for cr in run if cr.cell == cell],
-                               key=float)
+    return {cell: lower_median([cr.value(k, stat, calibrated) for run in choice[:children] for cr in run
+                                if cr.cell == cell], key=float)
             for cell in (cr.cell for cr in choice[0])}
 
 
 def cell_flags(base: dict[str, float], children: Children, rule: Rule) -> bool:
-    """A cell-run flags when every child's calibrated ratio is over the threshold."""
-    return all(cr.value(rule.repeats, rule.statistic) / base[cr.cell] > rule.threshold for cr in children)
+    """A cell-run flags when every child the rule would time (the first and its confirmations)
+    is over the threshold: the children of a cell-run gated for two rules at once (:func:`measure`)
+    can go on past this rule's confirmations."""
+    return all(rule.value(cr) / base[cr.cell] > rule.threshold for cr in children[:1 + rule.confirmations])
 
 
 def choose(choice: Sequence[Sequence[CellRun]], *, slowed_cells: int, baseline_children: int,
-           pairs: Sequence[tuple[CellRun, CellRun]] = ()) -> tuple[Rule, list[Rule]]:
+           pairs: Sequence[tuple[CellRun, CellRun]] = (), calibrated: bool = True) -> tuple[Rule, list[Rule]]:
     """The rule (and every candidate) from clean choice runs (one child per cell each); the first
     ``baseline_children`` runs make the baseline. ``pairs``: children timed back to back, as a
-    confirmation is (without them the model takes every child as independent)."""
+    confirmation is (without them the model takes every child as independent). ``calibrated``:
+    each child's load over its calibration, or its load seconds alone."""
     if len(choice) < baseline_children + 2:
         raise ValueError(f"choosing a rule needs >= {baseline_children + 2} clean choice runs "
                          f"({baseline_children} for the baseline), got {len(choice)}")
@@ -254,19 +209,19 @@ def choose(choice: Sequence[Sequence[CellRun]], *, slowed_cells: int, baseline_c
     candidates = []
     for k in (r for r in REPEATS if r <= most):
         for stat in STATISTICS if k > 1 else ("min",):
-            base = baseline_of(choice, k, stat, baseline_children)
-            sd, within = _spread(choice, k, stat), _back_to_back_sd(pairs, k, stat)
+            base = baseline_of(choice, k, stat, baseline_children, calibrated)
+            sd, within = _spread(choice, k, stat, calibrated), _back_to_back_sd(pairs, k, stat, calibrated)
             noise = Noise.of(sd, within, baseline_children)
             for conf in CONFIRMATIONS:
                 # What the rule compared with the threshold on the clean runs: each cell's lowest
                 # of 1 + conf consecutive children.
-                seen = max(min(run[i].value(k, stat) for run in held[j:j + conf + 1]) / base[held[0][i].cell]
+                seen = max(min(run[i].value(k, stat, calibrated) for run in held[j:j + conf + 1]) / base[held[0][i].cell]
                            for i in range(cells) for j in range(max(1, len(held) - conf)))
-                threshold = max(_balanced_threshold(noise, conf, cells, slowed_cells), seen)
+                threshold = max(balanced_threshold(noise, conf, cells, slowed_cells, SLOWDOWN_TARGET), seen)
                 candidates.append(Rule(k, stat, threshold, sd, conf,
-                                       _modelled_flag(threshold, noise, conf, slowed_cells, SLOWDOWN_TARGET),
-                                       _modelled_flag(threshold, noise, conf, cells, 0.0),
-                                       None if within is None else min(within, sd)))
+                                       modelled_flag(threshold, noise, conf, slowed_cells, SLOWDOWN_TARGET),
+                                       modelled_flag(threshold, noise, conf, cells, 0.0),
+                                       None if within is None else min(within, sd), calibrated))
 
     def merit(r: Rule):  # the likelier error, then the cheaper rule: fewer confirmations, then loads
         return (max(1 - r.modelled_20, r.modelled_false_alarm), r.confirmations, r.repeats)
@@ -277,11 +232,11 @@ def choose(choice: Sequence[Sequence[CellRun]], *, slowed_cells: int, baseline_c
 def predicted_false_alarm(rule: Rule, clean: Sequence[Sequence[Children]], base: dict[str, float]) -> float:
     """The per-run false-alarm rate of the normal model fitted to held-out clean first children
     (their mean and spread; the back-to-back part of the spread as the rule's choice measured it)."""
-    logs = [math.log(ch[0].value(rule.repeats, rule.statistic) / base[ch[0].cell]) for run in clean for ch in run]
+    logs = [math.log(rule.value(ch[0]) / base[ch[0].cell]) for run in clean for ch in run]
     mu, sd = statistics.fmean(logs), max(robust_sd(logs), 1e-6)
     within = sd if rule.within is None else min(rule.within, sd)
     noise = Noise(math.sqrt(sd ** 2 - within ** 2), within)
-    return _modelled_flag(rule.threshold, noise, rule.confirmations, len(base), 0.0, mu)
+    return modelled_flag(rule.threshold, noise, rule.confirmations, len(base), 0.0, mu)
 
 
 def evaluate(rule: Rule, base: dict[str, float], clean: Sequence[Sequence[Children]],
@@ -327,7 +282,7 @@ def _levels(rule: Rule, base: dict[str, float], runs: Sequence[Sequence[Children
     ratios: dict[str, list[float]] = {}
     for run in runs:
         for ch in run:
-            ratios.setdefault(ch[0].cell, []).append(ch[0].value(rule.repeats, rule.statistic) / base[ch[0].cell])
+            ratios.setdefault(ch[0].cell, []).append(rule.value(ch[0]) / base[ch[0].cell])
     return {cell: statistics.median(r) for cell, r in ratios.items()}
 
 
@@ -335,7 +290,7 @@ def caught(rule: Rule, base: dict[str, float], runs: Sequence[Sequence[Children]
     """How the rule judges a mutation's cell-runs: the share flagged and how large it is (the
     median calibrated ratio of their first children to the baseline)."""
     children = [ch for run in runs for ch in run]
-    ratios = [ch[0].value(rule.repeats, rule.statistic) / base[ch[0].cell] for ch in children]
+    ratios = [rule.value(ch[0]) / base[ch[0].cell] for ch in children]
     return {"cells": sorted({ch[0].cell for ch in children}), "cell_runs": len(children),
             "flagged": _share(cell_flags(base, ch, rule) for ch in children),
             "ratio": statistics.median(ratios) if ratios else None}
@@ -422,11 +377,14 @@ def preload(cells, paths: dict) -> None:
     atexit.register(gc.unfreeze)
 
 
-def gated(child: Callable[[], CellRun], rule: Rule, base: dict[str, float]) -> list[CellRun]:
+def gated(child: Callable[[], CellRun], *rules: tuple[Rule, dict[str, float]]) -> list[CellRun]:
     """One cell-run as the gate makes it: a ``child()``, and while the last is over the threshold
-    up to ``rule.confirmations`` more."""
+    up to ``rule.confirmations`` more. Given several (rule, baseline) pairs, while any of them has
+    the last child over its threshold, up to the most confirmations: each rule then judges its own
+    first children (:func:`cell_flags`), as if it alone had gated them."""
 
-    return retimed(child(), child, lambda cr: cell_flags(base, [cr], rule), rule.confirmations)
+    return retimed(child(), child, lambda cr: any(cell_flags(base, [cr], rule) for rule, base in rules),
+                   max(rule.confirmations for rule, _ in rules))
 
 
 def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_runs: int,
@@ -450,17 +408,23 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
     rule, candidates = choose(choice, slowed_cells=len(slow_cells), baseline_children=baseline_children, pairs=pairs)
     echo(f"  detection: rule: {rule.describe()}")
     base = baseline_of(choice, rule.repeats, rule.statistic, baseline_children)
+    # the same measurement judged on the load seconds alone: does the calibration earn its keep?
+    plain, _ = choose(choice, slowed_cells=len(slow_cells), baseline_children=baseline_children, pairs=pairs,
+                      calibrated=False)
+    plain_base = baseline_of(choice, plain.repeats, plain.statistic, baseline_children, calibrated=False)
+    both = ((rule, base), (plain, plain_base))
+    loads_timed = max(rule.repeats, plain.repeats)
     clean, slowed = [], {f: [] for f in slowdowns}
     mutated = {name: [] for name, applies in MUTATIONS.items() if any(map(applies, cells))}
     for i in range(max(held_out_runs, slowed_runs)):
         if i < held_out_runs:
-            clean.append([gated(lambda c=c: cell_run(c, paths[c.id], rule.repeats), rule, base) for c in cells])
+            clean.append([gated(lambda c=c: cell_run(c, paths[c.id], loads_timed), *both) for c in cells])
         if i < slowed_runs:
             for f in slowdowns:
-                slowed[f].append([gated(lambda c=c: cell_run(c, paths[c.id], rule.repeats, f), rule, base)
+                slowed[f].append([gated(lambda c=c: cell_run(c, paths[c.id], loads_timed, f), *both)
                                   for c in slow_cells])
             for name, runs in mutated.items():
-                runs.append([gated(lambda c=c: cell_run(c, paths[c.id], rule.repeats, mutation=name), rule, base)
+                runs.append([gated(lambda c=c: cell_run(c, paths[c.id], loads_timed, mutation=name), *both)
                              for c in cells if MUTATIONS[name](c)])
         echo(f"  detection: held-out run {i + 1}/{max(held_out_runs, slowed_runs)} ({time.perf_counter() - t0:.0f} s)")
     ev = evaluate(rule, base, clean, slowed)
@@ -472,12 +436,25 @@ def measure(cells, paths: dict, *, choice_runs: int, held_out_runs: int, slowed_
                      slowed_runs=ev["slowed_runs"], slowed_cell_runs=ev["slowed_cell_runs"],
                      predicted_false_alarm=predicted_false_alarm(rule, clean, base) if clean else float("nan"),
                      mutations={name: caught(rule, base, runs) for name, runs in mutated.items()},
-                     later_look=ev["later_look"],
+                     later_look=ev["later_look"], uncalibrated=uncalibrated(plain, plain_base, clean, slowed),
                      seconds=time.perf_counter() - t0,
                      raw={"choice": [[vars(cr) for cr in run] for run in choice],
                           "back_to_back": [vars(b) for _, b in pairs], "clean": _plain(clean),
                           "slowed": {str(f): _plain(runs) for f, runs in slowed.items()},
                           "mutated": {name: _plain(runs) for name, runs in mutated.items()}})
+
+
+def uncalibrated(rule: Rule, base: dict[str, float], clean: Sequence[Sequence[Children]],
+                 slowed: dict[float, list[list[Children]]]) -> dict:
+    """The rule chosen on the load seconds alone and its rates on the same held-out children, to
+    weigh against the calibrated rule's (docs/design.md, "Load time")."""
+    ev = evaluate(rule, base, clean, slowed)
+    return {"rule": rule.describe(), "threshold": rule.threshold, "spread": rule.spread,
+            "confirmations": rule.confirmations, "false_alarm": ev["false_alarm"],
+            "false_alarm_runs": round((ev["false_alarm"] or 0) * len(clean)),
+            "clean_cell_false_alarms": ev["clean_cell_false_alarms"], "rates": ev["rates"],
+            "cell_rates": ev["cell_rates"], "later_look": ev["later_look"],
+            "predicted_false_alarm": predicted_false_alarm(rule, clean, base) if clean else float("nan")}
 
 
 def _plain(runs: Sequence[Sequence[Children]]) -> list[list[list[dict]]]:

@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from harness import loadtime
-from harness.bench import detection
+from harness.bench import detection, noise_model
 
 CLEAN = "clean"
 
@@ -59,7 +59,7 @@ def over_chance(ratios: Sequence[float], bound: float) -> float | None:
     if len(ratios) < 3:
         return None
     logs = [math.log(r) for r in ratios]
-    sd = detection.robust_sd(logs)
+    sd = noise_model.robust_sd(logs)
     if sd <= 0:
         return 0.0 if statistics.median(logs) <= math.log(bound) else 1.0
     return 1 - statistics.NormalDist(statistics.median(logs), sd).cdf(math.log(bound))

@@ -6,7 +6,7 @@ condition's environment (a lowered torch capability only takes effect before tor
 times ``runs`` clean runs of the gate. A *cell-run* is what the runner's gate does for one cell:
 the cell's load in a fresh child (harness.bench.detection.cell_run), its calibrated ratio against
 the cell's stored baseline under ``--baselines``, the one the runner would judge this CPU's load
-against (harness.baselines.load_baseline_here) (harness.compare.load_ratio) over the cell's bound from models.yaml,
+against (harness.resolver.load_baseline_here) (harness.loadcheck.load_ratio) over the cell's bound from models.yaml,
 timed again in up to ``loadtime.CONFIRMATIONS`` fresh children while over it
 (``loadtime.retimed``), and when over in every child, looked at again ``loadtime.LATER_LOOK_S``
 after it began, as the runner's gate does (here after the condition's other runs; ``harness bench
@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from harness import baselines as B
+from harness import resolver
 from harness import cpu, loadtime
 from harness import records as R
 from harness.bench import detection
-from harness.compare import load_ratio
+from harness.loadcheck import load_ratio
 
 NATIVE = "native"
 # The interpreter of one condition and engine (not ``-m``: harness.bench imports this module first).
@@ -122,7 +122,7 @@ def measure(cells, paths: dict, *, matrix_path: str, baselines_root: str | Path,
     cells whose baseline was timed under other memory allocation than these runs are named
     (``other_allocation``: their false alarms may be the allocation's, harness.loadtime.ALLOCATION_ENV)."""
     here = cpu.describe()
-    stored = {c.id: b.load for c in cells if (b := B.load_baseline_here(baselines_root, c.tier, c.id, here)) and b.load}
+    stored = {c.id: b.load for c in cells if (b := resolver.load_baseline_here(baselines_root, c.tier, c.id, here)) and b.load}
     missing = [c.id for c in cells if c.id not in stored]
     allocation = loadtime.allocation_env()
     other_allocation = sorted(cell for cell, load in stored.items() if load.allocation != allocation)
@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     cells = [c for c in m.cells(tier="cpu-load") if c.id in set(args.cells)]
     paths = {c.id: (m._dir / c.path).resolve() for c in cells}
     # torch first: its capability is part of the kernels the loads run on, and so of the baseline
-    # the runner would judge them against (harness.baselines.load_baseline_here)
+    # the runner would judge them against (harness.resolver.load_baseline_here)
     detection.preload(cells, paths)
     here = cpu.describe()
-    loads = {c.id: B.load_baseline_here(args.baselines, c.tier, c.id, here).load for c in cells}
+    loads = {c.id: resolver.load_baseline_here(args.baselines, c.tier, c.id, here).load for c in cells}
     echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is the parent's JSON
     print(json.dumps(time_runs(cells, paths, loads, args.runs, echo, later_look_s=args.later_look)))
     return 0

@@ -153,6 +153,24 @@ def _matrix_detail(mx: dict) -> str:
     return text + (f"; only -k {mx['select']!r}: not judged" if mx.get("select") else "")
 
 
+def _uncalibrated_lines(det: dict) -> list[str]:
+    """The same held-out children judged on the load seconds alone, beside the calibrated rule."""
+    plain = det.get("uncalibrated")
+    if not plain:
+        return []
+
+    def rates(d: dict) -> str:
+        later = d.get("later_look") or {}
+        return (f"20% slowdowns flagged {_num((d.get('rates') or d).get('slowdown_20'), '.0%')} "
+                f"(with the later look {_num(later.get('slowdown_20'), '.0%')}), clean runs with a false alarm "
+                f"{d['false_alarm_runs']} of {det['clean_runs']} (with the later look "
+                f"{_num(later.get('false_alarm'), '.1%')}; modelled {d['predicted_false_alarm']:.2g} per run)")
+
+    return ["", "Without the calibration (the load seconds alone, a rule chosen the same way on the same choice "
+                f"runs and judged on the same held-out children): {plain['rule']}. Calibrated: {rates(det)}; "
+                f"uncalibrated: {rates(plain)}.", ""]
+
+
 def _false_alarm_ok(det: dict) -> bool:
     """Observed false alarms < 1% of clean runs, and, where the runs are too few to show it
     (fewer than 100), the normal model's predicted rate too."""
@@ -341,6 +359,7 @@ def _detection_lines(det: dict) -> list[str]:
                  f"the held-out phase later does too): runs slowed by 20% flagged "
                  f"{_num(det['later_look'].get('slowdown_20'), '.0%')}, clean runs with a false alarm "
                  f"{_num(det['later_look'].get('false_alarm'), '.1%')}."] if det.get("later_look") else []),
+              *_uncalibrated_lines(det),
               f"Detection took {det['seconds']:.0f} s.", ""]
     if det.get("mutations"):
         lines += ["Load-time bugs re-introduced into an engine (test-only mutations, timed in the held-out runs):", "",

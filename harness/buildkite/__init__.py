@@ -298,16 +298,7 @@ def final_step(cells: Sequence[Cell], depends_on: Sequence[str], opts: Options) 
         f"  echo 'The harness report step failed before writing its summary; see the job log.' "
         f"| buildkite-agent annotate --style error --context {shlex.quote(context)}",
         "fi",
-        # Buildkite Test Engine: only when a suite token is set on the agent or pipeline.
-        f'if [ -n "${{BUILDKITE_ANALYTICS_TOKEN:-}}" ] && [ -f {reports}/junit.xml ]; then',
-        "  curl -sS --fail --max-time 60 -X POST"
-        ' -H "Authorization: Token token=\\"$BUILDKITE_ANALYTICS_TOKEN\\""'
-        f" -F data=@{reports}/junit.xml -F format=junit -F 'run_env[CI]=buildkite'"
-        ' -F "run_env[key]=${BUILDKITE_BUILD_ID:-}" -F "run_env[number]=${BUILDKITE_BUILD_NUMBER:-}"'
-        ' -F "run_env[job_id]=${BUILDKITE_JOB_ID:-}" -F "run_env[branch]=${BUILDKITE_BRANCH:-}"'
-        ' -F "run_env[commit_sha]=${BUILDKITE_COMMIT:-}" -F "run_env[url]=${BUILDKITE_BUILD_URL:-}"'
-        " https://analytics-api.buildkite.com/v1/uploads || echo 'Test Engine upload failed'",
-        "fi",
+        *agents.junit_upload(reports),
         'exit "$status"',
     ]
     return {

@@ -1,6 +1,7 @@
 """What a pipeline step needs of its Buildkite agent: the queue whose agents have the cell's
-hardware (``queue_for``), and the shell lines that install the cell's engine environment on it,
-in a virtualenv or inside the environment's image (docs/README-buildkite.md)."""
+hardware (``queue_for``), the shell lines that install the cell's engine environment on it, in a
+virtualenv or inside the environment's image, and those that send the report's JUnit to Buildkite
+Test Engine (docs/README-buildkite.md)."""
 from __future__ import annotations
 
 import re
@@ -129,4 +130,27 @@ def image_setup(env_name: str, env: Environment) -> list[str]:
         f"  {shlex.join([*PIP, *HARNESS_RUNTIME])}",
         "fi",
         'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
+    ]
+
+
+# What Buildkite's own collectors send of the build, by --form-string: with -F, a value starting with
+# < or @ (a branch may be named so) makes curl send a file of the agent's instead.
+_RUN_ENV = (("key", "BUILDKITE_BUILD_ID"), ("number", "BUILDKITE_BUILD_NUMBER"), ("job_id", "BUILDKITE_JOB_ID"),
+            ("branch", "BUILDKITE_BRANCH"), ("commit_sha", "BUILDKITE_COMMIT"), ("url", "BUILDKITE_BUILD_URL"),
+            ("message", "BUILDKITE_MESSAGE"))
+
+
+def junit_upload(reports: str) -> list[str]:
+    """The report step's JUnit to Buildkite Test Engine, only when a suite token is set on the agent
+    or pipeline (docs/decisions.md, "Test Engine gets the report step's JUnit by curl, not
+    buildkite-test-collector")."""
+    return [
+        f'if [ -n "${{BUILDKITE_ANALYTICS_TOKEN:-}}" ] && [ -f {reports}/junit.xml ]; then',
+        "  curl -sS --fail --max-time 60 -X POST"
+        ' -H "Authorization: Token token=\\"$BUILDKITE_ANALYTICS_TOKEN\\""'
+        f" -F data=@{reports}/junit.xml -F format=junit -F 'run_env[CI]=buildkite'"
+        + "".join(f' --form-string "run_env[{field}]=${{{var}:-}}"' for field, var in _RUN_ENV)
+        + ' "${BUILDKITE_ANALYTICS_API_URL:-https://analytics-api.buildkite.com/v1}/uploads"'
+        " || echo 'Test Engine upload failed'",
+        "fi",
     ]

@@ -1,15 +1,17 @@
 """Imported once by a vLLM environment's fork server (harness.engines.forkserver), never by the
-harness itself: what harness.engines._forkserver_preload imports, then the engine's variables
-(harness.engines.vllm.set_environment), then vLLM, in the order a fresh vLLM child imports them.
+harness itself: what harness.engines._forkserver_preload imports, then the engine module and the
+engine's variables (harness.engines.vllm_environment.set_environment), then vLLM, in the order a
+fresh vLLM child imports them.
 Importing vLLM starts no thread and runs no torch op (checked: ``threading.enumerate()`` holds the
 main thread alone, and /proc/self/task shows no thread pool; the one native thread there,
 ``jemalloc_bg_thd``, comes with pyarrow from the accuracy tasks' imports, in the other fork server
 too). vLLM itself sets variables on import (``LD_LIBRARY_PATH``, ``TORCHINDUCTOR_COMPILE_THREADS``,
 ...): a forked child keeps the server's environment, as a fresh child would have them."""
 import harness.engines._forkserver_preload  # noqa: F401
-from harness.engines import vllm as _engine
+import harness.engines.vllm  # noqa: F401
+from harness.engines import vllm_environment
 
-_engine.set_environment()
+vllm_environment.set_environment()
 try:
     import vllm  # noqa: F401
     from vllm import LLM, ModelRegistry, SamplingParams  # noqa: F401

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from harness import architectures, cpu, files, hub, loaded_state, probes
 from harness import records as R
 from harness.quant import schema
-from harness.registry import ENGINES, resolve
+from harness.registry import ENGINES, resolve, unknown_engine
 
 if TYPE_CHECKING:
     from harness.matrix import Cell
@@ -260,9 +260,10 @@ class Engine(abc.ABC):
 
 
 def engine_class(name: str) -> type[Engine]:
+    """The class of a registered engine (harness.registry: this project's, or an installed package's)."""
     spec = ENGINES.get(name)
     if spec is None:
-        raise EngineUnavailable(f"the {name} engine is not implemented in this harness version")
+        raise EngineUnavailable(f"the {name} engine is not implemented in this harness version: {unknown_engine(name)}")
     return resolve(spec.implementation)
 
 

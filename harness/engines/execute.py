@@ -13,6 +13,7 @@ from collections.abc import Callable
 from harness import synthetic, traces
 from harness import records as R
 from harness.accuracy import lmeval
+from harness.checks import logprob_difference
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, prompts_for, topk_lists
 
 
@@ -166,18 +167,10 @@ def input_sensitivity(engine: Engine, prompts: list[EnginePrompt], sequences: li
         mine, theirs = s.logprobs[first:first + SENSITIVITY_POSITIONS], a.logprobs[first:first + SENSITIVITY_POSITIONS]
         out.append(R.PromptSensitivity(prompt=p.id, kind=p.kind, input=p.input_name, contrast=c.input_name,
                                        first=first, logprobs=mine, contrast_logprobs=theirs,
-                                       max_delta=_largest([_difference(x, y) for x, y in zip(mine, theirs)])))
+                                       max_delta=_largest([logprob_difference(x, y, nan="unknown") for x, y in zip(mine, theirs)])))
     log(f"input sensitivity: {len(out)} prompt(s) scored with a second input in {seconds:.2f} s; max |Δlogprob| "
         + ", ".join(f"{o.prompt}={o.max_delta:.3g}" for o in out))
     return R.InputSensitivity(prompts=out, gates=engine.cross_attention_gates(), seconds=seconds)
-
-
-def _difference(a: float, b: float) -> float:
-    """|a - b|: 0 for equal infinities, infinite for one; NaN where either side is NaN, which says
-    nothing about the input (the check leaves such a prompt out)."""
-    if math.isnan(a) or math.isnan(b):
-        return math.nan
-    return 0.0 if a == b else abs(a - b)
 
 
 def _largest(deltas: list[float]) -> float:

@@ -10,7 +10,7 @@ How it is driven (docs/README-vllm.md has the measurements behind each choice):
   the environment sets it, each engine child takes the first core it can lock
   (``<tmp>/harness-vllm-cpu<N>.lock``, held for the child's life), so two cells under
   ``pytest -n 2`` or ``harness run -j 2`` bind different cores; with every core taken it shares
-  the first one.
+  the first one (harness.engines.vllm_environment, with the variables vLLM runs with).
 - **dtype.** float32 (the fixtures' dtype; vLLM then matches transformers to ~1e-5), except
   pre-quantized bitsandbytes 4-bit checkpoints, which vllm-bnb-plugin 0.0.3 cannot load into a
   float32 model (it sizes the packed buffer from the model dtype; see the known failures): those
@@ -30,7 +30,8 @@ The five steps (harness.engines.base):
 - ``load``: builds the ``LLM``. Load time is vLLM's own model loading (``BaseModelLoader.load_model``:
   initialise, load weights, process weights after loading), with its phases; the engine is never
   restarted for a repeat. Then, right away, the module read (``apply_model``) and its diff
-  against the reference, so the diff exists even when a later forward pass crashes.
+  against the reference (harness.engines.vllm_conformance), so the diff exists even when a later
+  forward pass crashes.
 - ``greedy``: ``SamplingParams(temperature=0, max_tokens, logprobs=top_k, ignore_eos=True)``.
 - ``teacher_forced``: the sequence as the prompt, ``SamplingParams(max_tokens=1, prompt_logprobs=top_k)``.
 - ``module_diff``: the first module whose label or effective weight differs from the reference's.
@@ -42,15 +43,12 @@ from __future__ import annotations
 import gc
 import json
 import os
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from harness import architectures, cpu, loadtime
 from harness import records as R
-from harness.dialects.names import to_vllm
-from harness.engines import vllm_mutations, vllm_state, vllm_worker
+from harness.engines import vllm_conformance, vllm_environment, vllm_mutations, vllm_state, vllm_worker
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem, online_quantization
 from harness.traces import vllm as vllm_traces
 
@@ -65,8 +63,6 @@ ARCH_NEEDS: dict[str, tuple[str, ...]] = {
     **{a.hf_class: a.vllm_needs for a in architectures.ARCHITECTURES if a.vllm_needs},
     "Qwen2VLForConditionalGeneration": ("torchvision",),
 }
-
-_core_lock = None  # the open lock file of the core this process bound (held until exit)
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -123,49 +119,6 @@ def installed_version() -> str:
     return vllm.__version__
 
 
-def bind_core() -> str:
-    """Choose the core this engine's OpenMP threads bind to (see the module docstring) and set
-    ``VLLM_CPU_OMP_THREADS_BIND``, unless the environment already set it. Returns the binding."""
-    global _core_lock
-    preset = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    if preset:
-        return preset
-    import fcntl
-
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = list(range(os.cpu_count() or 1))
-    chosen = None
-    lock_dir = Path(os.environ.get("HARNESS_LOCK_DIR") or tempfile.gettempdir())
-    for core in cores:
-        f = open(lock_dir / f"harness-vllm-cpu{core}.lock", "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            continue
-        _core_lock, chosen = f, core
-        break
-    if chosen is None:
-        chosen = cores[0]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(chosen)
-    return str(chosen)
-
-
-def set_environment() -> None:
-    """The variables vLLM runs with here, set before vLLM is imported (a fresh child's probe sets
-    them, the vLLM fork server before its preload): vLLM reads some at import, e.g.
-    ``VLLM_LOGGING_LEVEL`` configures its logger. ``VLLM_CPU_OMP_THREADS_BIND`` is not among them:
-    vLLM reads it when the engine starts (:func:`bind_core`)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
 def mutations_from_env() -> list[str]:
     return [m.strip() for m in (os.environ.get(MUTATION_ENV) or "").split(",") if m.strip()]
 
@@ -176,121 +129,6 @@ def _topk(d: dict | None, k: int) -> list[tuple[int, float]]:
     items = [(int(t), lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= k]
     items.sort(key=lambda x: (x[1].rank, -x[1].logprob))
     return [(t, float(lp.logprob)) for t, lp in items[:k]]
-
-
-# ------------------------------------------------------------------------------- module compare
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.6g}"
-
-
-def _weight_detail(v, r) -> str | None:
-    """None when equal (bit for bit, NaN equal to NaN), else what differs."""
-    import torch
-
-    if tuple(v.shape) != tuple(r.shape):
-        return f"shape {tuple(v.shape)} in vLLM, {tuple(r.shape)} in the reference"
-    if torch.equal(v, r):
-        return None
-    both_nan = torch.isnan(v) & torch.isnan(r)
-    differ = (v != r) & ~both_nan
-    n = int(differ.sum())
-    if n == 0:
-        return None
-    delta = (v - r).abs().masked_fill(~differ, 0).nan_to_num(nan=float("inf"))
-    flat = int(delta.reshape(-1).argmax())
-    idx = tuple(int(i) for i in __import__("numpy").unravel_index(flat, tuple(v.shape)))
-    return (f"{n} of {v.numel()} weight elements differ, max |Δ| {_fmt(float(delta.reshape(-1)[flat]))} at "
-            f"{list(idx)} (vLLM {_fmt(float(v[idx]))}, reference {_fmt(float(r[idx]))})")
-
-
-def _bias_detail(vb, rb, n_out: int) -> str | None:
-    """None when the biases are equal; a missing bias equals zeros, as vLLM pads fused biases."""
-    import torch
-
-    if vb is None and rb is None:
-        return None
-    vb = torch.zeros(n_out) if vb is None else vb[:n_out]
-    rb = torch.zeros(n_out) if rb is None else rb.detach()
-    if vb.dtype != torch.float32:
-        rb = rb.to(vb.dtype)
-    bd = _weight_detail(vb.float(), rb.float())
-    return None if bd is None else "bias: " + bd.replace("weight elements", "bias elements")
-
-
-def _effective_weight_detail(shard: dict, ref_module, vname: str) -> str | None:
-    """None when the shard's weight and bias equal the reference module's by compare_modules'
-    exactness rule, else what differs (the weight first)."""
-    import torch
-
-    v = shard["weight"]
-    r = ref_module.weight.detach()
-    if shard["label"] == "unquantized" and v.dtype != torch.float32:
-        r = r.to(v.dtype)
-    v, r = v.float(), r.float()
-    if v.shape[0] > r.shape[0] and v.shape[1:] == r.shape[1:] and vname.rsplit(".", 1)[-1] in ("lm_head", "proj_out"):
-        v = v[: r.shape[0]]  # vocabulary padding
-    wd = _weight_detail(v, r)
-    if wd is not None:
-        return wd
-    return _bias_detail(shard.get("bias"), getattr(ref_module, "bias", None), r.shape[0])
-
-
-def _shard_detail(shard: dict, entry: dict, vname: str, ref_module, ref_label: str) -> str | None:
-    """None when vLLM's shard equals the reference module (label, then weights), else what differs."""
-    where = f"vLLM {vname}" + (f"[{shard['shard']}]" if shard["shard"] != vname.rsplit('.', 1)[-1] else "")
-    where += f" ({entry['quant_method']}{', ' + entry['scheme'] if entry.get('scheme') else ''})"
-    note = f"; {shard['note']}" if shard.get("note") else ""
-    if shard["label"] != ref_label:
-        return f"label {shard['label']} in {where}, {ref_label} in the reference{note}"
-    if shard["weight"] is None:
-        return f"no readable weight in {where}: {shard.get('note') or 'unknown'}"
-    wd = _effective_weight_detail(shard, ref_module, vname)
-    return None if wd is None else f"{wd}; {where}, label {shard['label']}{note}"
-
-
-def _module_detail(reference, modules: dict, name: str, ref_label: str, arch: str) -> str | None:
-    """None when vLLM's counterpart of the reference module ``name`` equals it, else what differs
-    (or why there is no counterpart)."""
-    try:
-        vname = to_vllm(name, arch)
-    except KeyError as e:
-        return f"no vLLM name for it ({e})"
-    entry = modules.get(vname)
-    if entry is None:
-        return f"vLLM has no module {vname}"
-    leaf = name.rsplit(".", 1)[-1]
-    shards = entry["shards"]
-    shard = next((s for s in shards if s["shard"] == leaf), None)
-    if shard is None and len(shards) == 1:
-        shard = shards[0]
-    if shard is None:
-        return f"vLLM module {vname} has no shard {leaf} (shards {[s['shard'] for s in shards]})"
-    return _shard_detail(shard, entry, vname, reference.model.get_submodule(name), ref_label)
-
-
-def compare_modules(reference, read: dict, arch: str) -> tuple[R.ModuleDiff | None, list[str], int]:
-    """Diff vLLM's modules (``read``, from vllm_worker.read_modules) against the reference model's
-    (``reference``: harness.reference.load(path) with fuse=True, as vLLM fuses).
-
-    Exactness rule: labels equal; effective weights equal bit for bit, where the reference's
-    weight is first cast to the dtype vLLM holds an unquantized weight in (bfloat16 for the bnb
-    cells) and quantized weights are compared in float32; biases likewise (a missing bias equals
-    zeros, as vLLM pads fused biases). An LM head's vocabulary padding rows are ignored.
-    Returns (the diff of the first differing module or None, one line per differing module,
-    modules compared)."""
-    compared = list(reference.report.modules.items())
-    details = [(name, _module_detail(reference, read["modules"], name, label, arch)) for name, label in compared]
-    differing = [(name, detail) for name, detail in details if detail is not None]
-    lines = [f"{name}: {detail}" for name, detail in differing]
-    if not differing:
-        return None, lines, len(compared)
-    name, detail = differing[0]
-    if len(differing) > 1:
-        more = ", ".join(line.split(":", 1)[0] for line in lines[1:6])
-        detail += f" (and {len(differing) - 1} more differing modules: {more}{', ...' if len(differing) > 6 else ''})"
-    return R.ModuleDiff(first_differing_module=name, detail=detail), lines, len(compared)
 
 
 # ------------------------------------------------------------------------------------- the engine
@@ -380,7 +218,7 @@ class VllmEngine(Engine):
 
     # ---- load ------------------------------------------------------------------------------
     def _environment(self) -> None:
-        set_environment()
+        vllm_environment.set_environment()
 
     def choose_dtype(self, checkpoint: Checkpoint) -> str:
         if os.environ.get(DTYPE_ENV):
@@ -407,7 +245,7 @@ class VllmEngine(Engine):
 
     def _timed_build(self, checkpoint: Checkpoint) -> R.LoadInfo:
         self._environment()
-        binding = bind_core()
+        binding = vllm_environment.bind_core()
 
         mutations = mutations_from_env()
         for m in mutations:
@@ -486,7 +324,7 @@ class VllmEngine(Engine):
 
         read = self.llm.apply_model(vllm_worker.read_modules)[0]
         ref = reference.load(checkpoint.path, fuse=True)
-        self._module_diff, self._module_lines, compared = compare_modules(ref, read, self.arch)
+        self._module_diff, self._module_lines, compared = vllm_conformance.compare_modules(ref, read, self.arch)
         if self._module_diff is None:
             self._log(f"vllm: module conformance: {compared} modules identical to the reference (labels and effective weights)")
         else:

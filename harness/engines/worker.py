@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from harness import files
 from harness import records as R
 from harness.engines import base, execute
 from harness.hooks import faults, slowdown
@@ -159,7 +160,7 @@ def die_with_parent() -> None:
 
 
 def _write_json(path: str, data) -> None:
-    R.atomic_write_text(Path(path), json.dumps(data) + "\n")
+    files.atomic_write_text(Path(path), json.dumps(data) + "\n")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import verdicts
-from harness.records import atomic_write_text
+from harness.files import atomic_write_text
 from harness.report.merge import cross_check, load_results, parse_expected
 from harness.report.states import annotation_style, counts_of, state_of
 from harness.verdicts import MISSING, STATES

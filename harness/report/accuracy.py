@@ -14,10 +14,9 @@ def rows(rec: Record) -> list[dict]:
     for a in rec.accuracy:
         checks = []
         for c in rec.checks:
-            kind, _, against = c.name.partition(":")
-            if kind == f"accuracy/{a.task}":
-                checks.append({"against": against, "ok": c.ok, "state": check_state(c), "detail": c.detail,
-                               "expected": (c.data or {}).get(against)})
+            if c.kind == "accuracy" and c.task == a.task:
+                checks.append({"against": c.against, "ok": c.ok, "state": check_state(c), "detail": c.detail,
+                               "expected": (c.data or {}).get(c.against)})
         out.append({"task": a.task, "lm_eval_task": a.lm_eval_task, "metric": f"{a.metric},{a.filter}",
                     "value": a.value, "stderr": a.stderr, "samples": a.samples, "seconds": a.seconds,
                     "gate": ", ".join(f"{k} {v}" for k, v in a.gate.items()), "checks": checks})

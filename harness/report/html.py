@@ -35,7 +35,6 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from harness.compare import LOAD_TIME_CHECK
 from harness.matrix import TIERS
 from harness.records import Record
 from harness.registry import ENGINE_NAMES
@@ -102,11 +101,10 @@ def _orders(matrix, slots: Sequence[_Slot]) -> tuple[list[str], list[str], list[
 
 
 def _checks_of(rec: Record, kind: str):
-    """(check, against) for each check of ``kind`` that carries data, e.g. ``teacher-forced:baseline``."""
+    """(check, against) for each check of ``kind`` that carries data, e.g. ``teacher-forced``."""
     for c in rec.checks:
-        k, _, against = c.name.partition(":")
-        if k == kind and c.data:
-            yield c, against
+        if c.kind == kind and c.data:
+            yield c, c.against
 
 
 def _dict(data: dict, key: str) -> dict:
@@ -169,7 +167,7 @@ def _topk_rows(a: list, b: list, tok_a: Any, tok_b: Any) -> list[list[dict | Non
 def _load(rec: Record, history: Sequence[Entry]) -> dict | None:
     if rec.load is None:
         return None
-    lc = next((c for c in rec.checks if c.name == LOAD_TIME_CHECK and c.data), None)
+    lc = next((c for c in rec.checks if c.kind == "load-time" and c.data), None)
     base = ratio = bound = None
     if lc is not None:
         base, ratio, bound = lc.data.get("baseline_seconds"), lc.data.get("ratio"), lc.data.get("bound")
@@ -253,7 +251,7 @@ def _panel(slot: _Slot, merged: Merged, baselines) -> dict:
 
 
 class _Baselines:
-    """The stored baseline each record was judged against (baselines.read_for), read once per cell;
+    """The stored baseline each record was judged against (harness.resolver), read once per cell;
     None where there is none or it cannot be read."""
 
     def __init__(self, root):
@@ -262,11 +260,11 @@ class _Baselines:
 
     def get(self, record: Record):
         # lazy: pydantic, +50 ms (scripts/import-graph --costs)
-        from harness import baselines as B
+        from harness import baselines as B, resolver
 
         if record.cell not in self._cache:
             try:
-                self._cache[record.cell] = B.read_for(self.root, record)[0]
+                self._cache[record.cell] = resolver.resolve(self.root, record).baseline
             except B.BaselineError:
                 self._cache[record.cell] = None
         return self._cache[record.cell]

@@ -18,11 +18,10 @@ wherever it lies.
 With the matrix at hand, ``cross_check`` adds the cross-engine comparisons that no single
 ``harness run`` made: engines of one model x scheme that ran in different runs into the same
 result set (on Buildkite: engines in different environments, hence different steps) are compared
-within the cell's bounds by the runner's own rule and judgement (``compare.cross_engine``: an
-engine with a known failure is no witness; engines that differ in fusing shards are compared only
-in a run that holds both; ``compare.disagreement``: a disagreement makes the verdict ``failed``, or
-``waived`` when a known failure matches every failing check), as the verdict order of
-docs/design.md, "Verdicts", has it. Records of one result set may come from different agents, so
+within the cell's bounds by the runner's own rule (``compare.cross_engine``: an engine with a
+known failure is no witness; engines that differ in fusing shards are compared only in a run that
+holds both), and the record with the new checks is judged by the runner's one judgement
+(``judging.decide``, from the evidence the record carries). Records of one result set may come from different agents, so
 two engines are compared only where their records share a kernel set (``share_kernels``): on other
 kernels an FP8-quantized activation or a bfloat16 sum may round differently and move the logprobs
 past the family bound with no bug (docs/design.md, "Portability across CPUs"). A comparison left
@@ -37,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import compare, cpu, files, verdicts
+from harness import compare, cpu, files, judging
 from harness.layout import Layout
 from harness.records import Record, RecordError
 
@@ -182,7 +181,7 @@ def _groups(merged: Merged, source: str) -> list[list[Entry]]:
 
 def cross_check(merged: Merged, matrix: Matrix) -> None:
     """Compare the engines of each model x scheme within each result set (see the module doc), by
-    the runner's rule and judgement (compare.cross_engine, compare.disagreement), between records
+    the runner's rule and its one judgement (compare.cross_engine, judging.decide), between records
     that share a kernel set (share_kernels). Records gain the missing cross-engine checks; their
     verdict changes only when one fails; a comparison left out for the kernels is said."""
     cells = {c.id: c for c in matrix.cells()}
@@ -265,11 +264,6 @@ def _say_not_compared(entry: Entry, apart: list[Record], merged: Merged) -> None
 # ------------------------------------------------------------------------------- one record
 
 
-def _held_its_baseline(rec: Record) -> bool:
-    own = [c for c in rec.checks if c.name.endswith(":baseline")]
-    return bool(own) and all(c.ok for c in own)
-
-
 def _cross_check(entry: Entry, others: list[Record], cell, known, merged: Merged) -> None:
     rec = entry.record
     have = {c.name for c in rec.checks}
@@ -286,32 +280,23 @@ def _cross_check(entry: Entry, others: list[Record], cell, known, merged: Merged
 
 
 def _judge_new(entry: Entry, new: list, cell, merged: Merged) -> None:
-    """The record with the new cross-engine checks, judged again where one fails, or where they
-    show that the known failure it was waived by, about a comparison its run lacked, no longer shows."""
+    """The record with the new cross-engine checks, judged again by the one judgement
+    (judging.decide) from the evidence it carries; a changed verdict is said in its reason and the
+    merge's notes."""
     rec = entry.record
-    checks = [*rec.checks, *new]
-    failing_new = [c for c in new if not c.ok]
-    j = None
-    if failing_new and rec.verdict is not None and verdicts.row(rec.verdict).has_results:
-        j = compare.disagreement(rec, checks, cell.known_failures)
-    elif rec.verdict == "waived" and rec.known_failure is not None and all(c.ok for c in checks):
-        j = _shown_no_longer(rec, checks, new)
-    if j is None or (j.verdict == "waived" and not _held_its_baseline(rec)):
-        # a known failure excuses a disagreement only as far as the cell's recorded behaviour (harness.judging)
-        entry.record = rec.model_copy(update={"checks": checks})
+    with_new = rec.model_copy(update={"checks": [*rec.checks, *new]})
+    if rec.evidence is None:  # a record judged by no harness of today: nothing to judge it from
+        entry.record = with_new
+        merged.notes.append(f"{rec.cell} ({entry.source}): not judged again with the merged checks: the record "
+                            "carries no evidence (harness.evidence)")
+        return
+    j = judging.decide(with_new, cell.known_failures)
+    if j.verdict == rec.verdict:
+        entry.record = with_new
         return
     j.reason += MERGED
-    entry.record = j.apply(rec)
-    why = f"engines disagree ({', '.join(c.name for c in failing_new)})" if failing_new else j.reason.partition(": ")[0]
+    entry.record = j.apply(with_new)
+    failing_new = [c for c in new if not c.ok]
+    why = (f"engines disagree ({', '.join(c.name for c in failing_new)})" if failing_new
+           else f"the {', '.join(sorted({c.against for c in new}))} agrees")
     merged.notes.append(f"{rec.cell} ({entry.source}): {rec.verdict} -> {j.verdict}: {why}")
-
-
-def _shown_no_longer(rec: Record, checks: list, new: list) -> compare.Judgement:
-    """A record waived with every check holding was waived for want of the engine its known failure
-    compares it with, which its run did not hold (harness.judging): here that engine agrees. ``new``
-    holds only comparisons with records on the same kernels (_cross_check), so an engine on other
-    kernels never shows a known failure gone: their agreement there would not carry to these."""
-    k = rec.known_failure
-    engines = ", ".join(sorted({c.name.partition(":")[2] for c in new}))
-    return compare.Judgement("unexpected-pass", f"the {engines} agrees: known failure {k.pattern!r} ({k.engine} "
-                             f"{k.versions}) no longer shows; remove or narrow it in models.yaml", checks, k)

@@ -17,7 +17,7 @@ def rows(rec: Record) -> list[dict]:
     s = rec.input_sensitivity
     if s is None:
         return []
-    check = next((c for c in rec.checks if c.name == "input-sensitivity:contrast" and c.data), None)
+    check = next((c for c in rec.checks if c.kind == "input-sensitivity" and c.data), None)
     data = check.data.get("prompts", {}) if check is not None else {}
     out = []
     for p in s.prompts:

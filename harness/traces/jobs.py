@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from filelock import FileLock
 
-from harness import measure_noise, traces, verdicts
+from harness import judging, measure_noise, traces
 from harness import baselines as B
 from harness import compare as C
 from harness import records as R
@@ -49,7 +49,7 @@ def _contained(against: str, step) -> R.Localisation | None:
     """One localisation ``step``; where it raises, a localisation that says so. Localisation only
     explains a verdict, so a bug in it costs that explanation, not the cell's verdict or the
     rest of the run (Mllama's 4-D vision input once took a whole run down: docs/decisions.md,
-    2026-12-05)."""
+    "A failing localisation costs only its explanation")."""
     try:
         return step()
     except Exception as e:  # noqa: BLE001 - any bug here; the record says which
@@ -134,17 +134,15 @@ class Tracer:
             return self._noise[key]
 
     # ---- localisation ----------------------------------------------------------------------
-    def wanted(self, record: R.Record) -> bool:
-        """Whether to trace the cell: every cell under ``trace``; else one judged failed or
-        regressed by a check other than its load time, which traces of the loaded model cannot
-        place."""
-        failing = {c.name for c in record.checks if not c.ok}
-        load_time_alone = failing == {C.LOAD_TIME_CHECK}
-        return record.status == "ok" and (self.always or (record.verdict in verdicts.LOCALISED and not load_time_alone))
+    def wanted(self, cell: Cell, record: R.Record) -> bool:
+        """Whether to trace the cell: every cell under ``trace``; else one with a failing check that
+        its known failures do not excuse, other than its load time, which traces of the loaded
+        model cannot place (judging.needs_localisation)."""
+        return record.status == "ok" and (self.always or judging.needs_localisation(record, cell.known_failures))
 
     def localise(self, cell: Cell, record: R.Record, raws: dict[str, R.Record]) -> list[R.Localisation]:
         """The record's localisations (empty when the cell is not traced)."""
-        if not self.wanted(record):
+        if not self.wanted(cell, record):
             return []
         steps = [(engine, lambda e=engine: self._against_engine(cell, e, record)) for engine in self._engines(record, raws)]
         steps.append(("baseline", lambda: self._against_baseline(cell, record)))
@@ -156,7 +154,7 @@ class Tracer:
         the pinned build's traces of the same sequences, with the per-module noise the cross-engine
         localisation uses and the engine's kernel floor (a build may change its kernels); empty
         when the cell is not traced."""
-        if not self.wanted(record):
+        if not self.wanted(cell, record):
             return []
         sequences = scored(record)
         try:
@@ -170,7 +168,7 @@ class Tracer:
     def _engines(self, record: R.Record, raws: dict[str, R.Record]) -> list[str]:
         if self.always:
             return [e for e, r in raws.items() if e != record.engine and r.status == "ok"]
-        failing = {c.name.partition(":")[2] for c in record.checks if not c.ok}
+        failing = {c.against for c in record.checks if not c.ok}
         return [e for e in ENGINES if e in failing and e in raws and raws[e].status == "ok"]
 
     def _against_engine(self, cell: Cell, engine: str, record: R.Record) -> R.Localisation | None:
@@ -254,7 +252,7 @@ def against_fingerprint(record: R.Record, baseline: B.Baseline, traces: list[Pro
     state first, then the outputs, beyond OTHER_KERNELS_MARGIN x their noise where the baseline is
     from other kernels."""
     deltas = fingerprint.deltas(baseline.fingerprint, traces)
-    margin = OTHER_KERNELS_MARGIN if C.other_kernels(record, baseline) else 1.0
+    margin = OTHER_KERNELS_MARGIN if B.other_kernels(record, baseline) else 1.0
     return localise(deltas, "baseline", note, changed_state=changed_state(record, baseline), margin=margin)
 
 

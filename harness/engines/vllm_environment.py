@@ -1,0 +1,54 @@
+"""The process environment vLLM runs with in an engine child (harness.engines.vllm's docstring
+says why): the variables set before vLLM is imported, and the CPU core its OpenMP threads bind to,
+held by a lock file per core for the child's life."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_core_lock = None  # the open lock file of the core this process bound (held until exit)
+
+
+def bind_core() -> str:
+    """Choose the core this engine's OpenMP threads bind to (see harness.engines.vllm's
+    docstring) and set ``VLLM_CPU_OMP_THREADS_BIND``, unless the environment already set it.
+    Returns the binding."""
+    global _core_lock
+    preset = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if preset:
+        return preset
+    import fcntl
+
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = list(range(os.cpu_count() or 1))
+    chosen = None
+    lock_dir = Path(os.environ.get("HARNESS_LOCK_DIR") or tempfile.gettempdir())
+    for core in cores:
+        f = open(lock_dir / f"harness-vllm-cpu{core}.lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        _core_lock, chosen = f, core
+        break
+    if chosen is None:
+        chosen = cores[0]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(chosen)
+    return str(chosen)
+
+
+def set_environment() -> None:
+    """The variables vLLM runs with here, set before vLLM is imported (a fresh child's probe sets
+    them, the vLLM fork server before its preload): vLLM reads some at import, e.g.
+    ``VLLM_LOGGING_LEVEL`` configures its logger. ``VLLM_CPU_OMP_THREADS_BIND`` is not among them:
+    vLLM reads it when the engine starts (:func:`bind_core`)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
