@@ -46,8 +46,7 @@ class Resolution:
         time's where it is ``gated``): which it is."""
         said = []
         if self.root != Path(root):
-            whose = ("this CPU under another kernel condition" if other_kernels(record, self.baseline)
-                     else "these kernels")
+            whose = "these kernels" if self.on_these_kernels else "this CPU under another kernel condition"
             said.append(f"judged against the baseline of {whose}: {path_for(self.root, record.tier, record.cell)}")
         if self.load_root is not None and gated:
             said.append(f"load time judged against this CPU's under another kernel condition: "
