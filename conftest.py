@@ -2,7 +2,54 @@
 
 A session in which nothing passed (everything skipped or deselected) must not look green in CI:
 pytest itself exits 5 only when nothing was collected.
+
+The session counts the engine children and fork servers its tests start (harness.supervise's
+ledger, HARNESS_CHILD_LEDGER): the summary names the files that start the most, the figure to watch
+when the suite gets slower (BENCHMARKS.md, "CI and the test suites").
 """
+import collections
+import json
+import os
+import tempfile
+
+from harness.supervise import LEDGER_ENV
+
+
+def pytest_configure(config):
+    if getattr(config, "workerinput", None) is None and not os.environ.get(LEDGER_ENV):
+        fd, path = tempfile.mkstemp(prefix="harness-children-", suffix=".jsonl")
+        os.close(fd)
+        os.environ[LEDGER_ENV] = config._harness_ledger = path  # xdist workers inherit it
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_harness_ledger", None)
+    if path:
+        os.environ.pop(LEDGER_ENV, None)
+        os.unlink(path)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    path = getattr(config, "_harness_ledger", None)
+    if not path:
+        return
+    children, servers, seconds = collections.Counter(), collections.Counter(), collections.Counter()
+    with open(path) as f:
+        for entry in map(json.loads, f):
+            where = (entry["test"] or "?").split("::")[0]
+            if entry["kind"] == "fork-server":
+                servers[where, "vllm" in entry["preload"]] += 1
+            else:
+                children[where] += 1
+                seconds[where] += entry["seconds"]
+    if not children:
+        return
+    vllm = sum(n for (_, is_vllm), n in servers.items() if is_vllm)
+    terminalreporter.write_sep("-", f"engine children: {sum(children.values())} "
+                                    f"({sum(seconds.values()):.0f} s), fork servers: "
+                                    f"{sum(servers.values())} ({vllm} importing vLLM)")
+    for where, n in children.most_common(10):
+        terminalreporter.write_line(f"{n:5d} children {seconds[where]:7.0f} s  {where}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -330,9 +330,9 @@ def _as_candidate(j: Judgement, record: Record, base: Record) -> Judgement:
 
 def needs_localisation(record: Record, known_failures: Iterable[KnownFailureLike] = ()) -> bool:
     """Whether a trace of the loaded model should localise ``record`` (harness.traces.jobs), from its
-    gathered checks: a check fails that the cell's known failures do not all excuse, the load time
-    aside (a trace cannot place a slower load)."""
-    failing = [c for c in record.checks if not c.ok and c.kind != "load-time"]
+    gathered checks: a check that a trace can place fails (checks.KINDS, ``traced``: not the load
+    time, not the input sensitivity), and the cell's known failures do not excuse them all."""
+    failing = [c for c in record.checks if not c.ok and KINDS[c.kind].traced]
     known = applicable(known_failures, record.engine, record.engine_info.version)
     return record.status == "ok" and bool(failing) and failed_or_waived("failed", known, failing, []).verdict != "waived"
 

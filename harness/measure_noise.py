@@ -1,21 +1,19 @@
 """Measuring each module's noise for the localisation (docs/design.md, "Localisation"): the
-parent side, which the tracer calls. The reference traces the same sequences in fresh interpreters
-(harness.noise_child) under this machine's kernels and under other ones, because a kernel variable
-such as ``ATEN_CPU_CAPABILITY`` only takes effect before torch is imported: run A (this machine's
-own kernels) against one run per set of :func:`other_kernels`. A module's noise tells kernel
-rounding from a bug in a module diff; no verdict is predicted from it.
+parent side, which the tracer calls. The reference traces the same sequences in children
+(harness.noise_child) under this machine's kernels and under other ones: run A (this machine's own
+kernels) against one run per set of :func:`other_kernels`. A kernel variable such as
+``ATEN_CPU_CAPABILITY`` only takes effect before torch is imported, so each set of kernels has its
+own fork server (harness.supervise), whose environment holds it; the servers are started together,
+their imports overlapping, and serve every later measurement of the process. A module's noise tells
+kernel rounding from a bug in a module diff; no verdict is predicted from it.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import cpu, traces
+from harness import cpu, supervise, traces
 from harness.traces.noise import Measured, noise_between
 
 if TYPE_CHECKING:
@@ -45,38 +43,46 @@ def other_kernels(own: str | None) -> list[tuple[str, str | None, dict[str, str]
     return out
 
 
-def _child(job: dict, out: Path, tmp: str, capability: str | None, kernel_env: dict[str, str] | None = None) -> None:
-    """Run ``python -m harness.noise_child JOB OUT`` under ``capability`` and ``kernel_env``
-    (harness.cpu's kernel-restricting variables)."""
-    job_path = Path(tmp) / f"{out.stem}.job.json"
-    job_path.write_text(json.dumps(job))
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+def _env(capability: str | None, kernel_env: dict[str, str]) -> dict[str, str]:
+    """A noise child's environment: ours under ``capability`` and ``kernel_env`` (harness.cpu's
+    kernel-restricting variables)."""
+    env = supervise.child_env(kernel_env, threads=1)
+    env.pop("ATEN_CPU_CAPABILITY", None)
     if capability:
         env["ATEN_CPU_CAPABILITY"] = capability
-    env.update(kernel_env or {})
-    env.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        p = subprocess.run([sys.executable, "-m", "harness.noise_child", str(job_path), str(out)], env=env,
-                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise NoiseError(f"module noise probe timed out after {PROBE_TIMEOUT_S} s") from None
-    if p.returncode != 0 or not out.exists():
-        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
-        raise NoiseError(f"module noise probe (capability {capability or 'native'}) failed: {last}")
+    return env
+
+
+def _child(job: dict, tmp: Path, env: dict[str, str]) -> None:
+    """Run one noise child; raises NoiseError naming the capability and the end of its log."""
+    name = Path(job["out"]).stem
+    log = tmp / f"{name}.log"
+    exit = supervise.Supervisor().run(job, tmp / f"{name}.job.json", log, env, main="harness.noise_child",
+                                      preload=supervise.preload_for("reference"), timeout=PROBE_TIMEOUT_S)
+    if exit.code is None:
+        raise NoiseError(f"module noise probe timed out after {PROBE_TIMEOUT_S} s")
+    if exit.code != 0 or not Path(job["out"]).exists():
+        last = (log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+        raise NoiseError(f"module noise probe (capability {env.get('ATEN_CPU_CAPABILITY', 'native')}) failed: {last}")
 
 
 def measure_modules(cell: Cell, sequences: dict[str, list[int]], fuse: bool, own: str | None) -> Measured:
     """The traces of reference children, A under ``own`` (the capability the cell's record ran
     under, its ``engine_info.cpu``) and one per set of :func:`other_kernels`, and the noise of every
     module (harness.traces.noise). Raises NoiseError with one line when a child fails."""
-    job = {"cell": cell.model_dump(mode="json"), "sequences": sequences, "fuse": fuse}
     kernels = [(own or "?", own, {}), *other_kernels(own)]
+    envs = [_env(capability, kernel_env) for _, capability, kernel_env in kernels]
+    preload = supervise.preload_for("reference")
+    if preload is not None:
+        for env in envs:  # all started now: their imports overlap
+            supervise.fork_server(preload, env)
     with tempfile.TemporaryDirectory(prefix="harness-trace-noise-") as tmp:
         runs = []
-        for i, (_, capability, env) in enumerate(kernels):
-            out = Path(tmp) / f"run{i}.pt"
-            _child(job, out, tmp, capability=capability, kernel_env=env)
-            runs.append(traces.load(out))
+        for i, env in enumerate(envs):
+            job = {"cell": cell.model_dump(mode="json"), "sequences": sequences, "fuse": fuse,
+                   "out": str(Path(tmp) / f"run{i}.pt")}
+            _child(job, Path(tmp), env)
+            runs.append(traces.load(Path(job["out"])))
     a, others = runs[0], runs[1:]
     labels = [label for label, _, _ in kernels]
     return Measured(noise_between(a, others, "reference" if fuse else "reference-unfused", labels), a, others)

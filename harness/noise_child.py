@@ -1,5 +1,5 @@
-"""The module-noise child: ``python -m harness.noise_child JOB OUT``, started by
-harness.measure_noise under the kernels it measures. It loads the reference as the job says (fused
+"""The module-noise child: ``python -m harness.noise_child JOB``, forked by harness.measure_noise
+from a fork server that imported torch under the kernels it measures (harness.supervise). It loads the reference as the job says (fused
 or not), turns FP8 rounding of activations off (harness.reference.linear.without_activation_rounding:
 a flip would move every later module by far more than the kernels' noise, which is what the noise
 tells a flip from) and records the module traces of the job's sequences (harness.traces.noise).
@@ -33,11 +33,13 @@ def run_trace(job: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """JOB: ``{"cell", "sequences", "fuse", "out"}``; the traces are written to ``out``."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m harness.noise_child JOB OUT", file=sys.stderr)
+    if len(args) != 1:
+        print("usage: python -m harness.noise_child JOB", file=sys.stderr)
         return 2
-    run_trace(json.loads(Path(args[0]).read_text()), Path(args[1]))
+    job = json.loads(Path(args[0]).read_text())
+    run_trace(job, Path(job["out"]))
     return 0
 
 

@@ -47,10 +47,16 @@ ISOLATION_ENV = "HARNESS_ISOLATION"  # "fork" (default): children forked from a 
 # SIGNAL_STAMP_ENV naming a file, the hook first writes there when it sent it (time.time()), which
 # the fault suite measures the answer against.
 SIGNAL_HOOK_ENV = "HARNESS_TEST_SIGNAL"
+# A file to which every engine child and fork server started appends one JSON line (what it ran and
+# for how long, and the pytest test that started it): the test suite's count of what it spawns.
+LEDGER_ENV = "HARNESS_CHILD_LEDGER"
 SIGNAL_STAMP_ENV = "HARNESS_TEST_SIGNAL_STAMP"
 STAGES = ("fork-server-start", "cell-running", "report-writing")
 SERVER_REPLY_TIMEOUT_S = 600.0  # a fork server answers once its preload is imported
-MAX_SERVERS = 4  # a harness run needs one per engine environment: ~0.5-1 GB each
+# A harness run needs one per engine environment, and its localisation one per set of kernels it
+# measures module noise under (harness.measure_noise): ~0.5-1 GB each.
+MAX_SERVERS = 6
+WORKER = "harness.engines.worker"  # what a child runs unless told otherwise
 
 
 def tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
@@ -109,6 +115,16 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def ledger(kind: str, **fields) -> None:
+    """One line in LEDGER_ENV's file, when it is set: appended whole (O_APPEND), so the processes of
+    a test session can share the file."""
+    path = os.environ.get(LEDGER_ENV)
+    if path:
+        line = json.dumps({"kind": kind, "test": os.environ.get("PYTEST_CURRENT_TEST"), **fields}) + "\n"
+        with open(path, "a") as f:
+            f.write(line)
+
+
 def preload_for(engine: str) -> str | None:
     """The preload module of the fork server that forks the engine's children, or None when they
     are spawned (``HARNESS_ISOLATION=spawn``, or not Linux)."""
@@ -126,6 +142,9 @@ def child_env(environment_env: dict[str, str], threads: int) -> dict[str, str]:
     from the caller's shell, so no other environment's cells run, or get baselines, on a GPU."""
     env = dict(os.environ)
     env.pop("HARNESS_DEVICE", None)
+    # pytest names the running test phase here: it changes at every test, and a fork server serves
+    # one environment, so under pytest each test would start its own (tens of seconds of imports)
+    env.pop("PYTEST_CURRENT_TEST", None)
     env.update(environment_env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -160,13 +179,13 @@ class Child:
 
 
 class Spawned(Child):
-    """``python -P -m harness.engines.worker JOB`` in a new session, in our working directory
-    (relative paths in the job mean what they mean here); ``-P``: the harness comes from
-    PYTHONPATH (child_env), never from that directory."""
+    """``python -P -m MAIN JOB`` in a new session, in our working directory (relative paths in the
+    job mean what they mean here); ``-P``: the harness comes from PYTHONPATH (child_env), never from
+    that directory."""
 
-    def __init__(self, job_path: Path, log: Path, env: dict[str, str], python: str):
+    def __init__(self, job_path: Path, log: Path, env: dict[str, str], python: str, main: str):
         with open(log, "w") as logf:
-            self.proc = subprocess.Popen([python, "-P", "-m", "harness.engines.worker", str(job_path)],
+            self.proc = subprocess.Popen([python, "-P", "-m", main, str(job_path)],
                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
         self.pid = self.proc.pid
@@ -288,14 +307,14 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def fork(self, job_path: Path, log: Path) -> Forked:
-        """Ask for a child (counted in ``children`` by :func:`fork_server`), without waiting for
-        the answer (Forked.started)."""
+    def fork(self, job_path: Path, log: Path, main: str) -> Forked:
+        """Ask for a child running ``main`` (counted in ``children`` by :func:`fork_server`), without
+        waiting for the answer (Forked.started)."""
         conn = socket.socket(socket.AF_UNIX)
         child = Forked(conn, self, log)
         try:
             conn.connect(self.address)
-            request = {"job": str(job_path), "log": str(log), "cwd": os.getcwd()}
+            request = {"job": str(job_path), "log": str(log), "cwd": os.getcwd(), "main": main}
             conn.sendall(json.dumps(request).encode() + b"\n")
         except OSError:
             pass  # started() then finds the connection closed
@@ -330,6 +349,7 @@ def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False, p
             for old in idle[:max(0, len(_SERVERS) + 1 - MAX_SERVERS)]:
                 _SERVERS.pop(old).stop()
             server = _SERVERS[key] = ForkServer(preload, env, python)
+            ledger("fork-server", preload=preload)
         server.children += for_child
         return server
 
@@ -342,12 +362,13 @@ def stop_fork_servers() -> None:
         server.stop()
 
 
-def start_child(job_path: Path, log: Path, env: dict[str, str], preload: str | None, python: str | None = None) -> Child:
-    """Fork the child from the preload's fork server, or spawn it when ``preload`` is None, under
-    ``python`` (default ours); a forked child has its pid only after Child.started."""
+def start_child(job_path: Path, log: Path, env: dict[str, str], preload: str | None, python: str | None = None,
+                main: str = WORKER) -> Child:
+    """Fork the child running ``main`` from the preload's fork server, or spawn it when ``preload``
+    is None, under ``python`` (default ours); a forked child has its pid only after Child.started."""
     if preload is None:
-        return Spawned(job_path, log, env, python or sys.executable)
-    return fork_server(preload, env, for_child=True, python=python).fork(job_path, log)
+        return Spawned(job_path, log, env, python or sys.executable, main)
+    return fork_server(preload, env, for_child=True, python=python).fork(job_path, log, main)
 
 
 @dataclass
@@ -369,8 +390,9 @@ class Supervisor:
         self._lock = threading.Lock()
 
     def run(self, job: dict, job_path: Path, log: Path, env: dict[str, str], *, preload: str | None,
-            timeout: float, python: str | None = None) -> Exit:
-        """Write the job, start its child (under ``python``, default ours) and wait for it under ``timeout``."""
+            timeout: float, python: str | None = None, main: str = WORKER) -> Exit:
+        """Write the job, start its child running ``main`` (under ``python``, default ours) and wait
+        for it under ``timeout``."""
         files.atomic_write_text(job_path, json.dumps(job) + "\n")
         log.parent.mkdir(parents=True, exist_ok=True)
         started = R.utc_now()
@@ -379,7 +401,7 @@ class Supervisor:
             if self._stopping:
                 raise KeyboardInterrupt("the run was interrupted")
             with _signals_held():
-                child = start_child(job_path, log, env, preload, python)
+                child = start_child(job_path, log, env, preload, python, main)
                 self._children.add(child)
         try:
             child.started()
@@ -395,7 +417,10 @@ class Supervisor:
             raise KeyboardInterrupt("the run was interrupted")
         if code is None:
             child.kill()
-        return Exit(code, started, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        ledger("child", engine=job["cell"]["engine"], mode=job.get("mode", main), cell=job["cell"]["id"],
+               seconds=round(seconds, 2), forked=preload is not None)
+        return Exit(code, started, seconds)
 
     def kill_all(self) -> None:
         with self._lock:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from harness import baselines, cli, compare, judging, matrix, synthetic
+from harness import baselines, cli, compare, evidence, judging, matrix, synthetic
 from harness import records as R
 from harness.checks import logprob_difference
 from harness.engines import base, execute
@@ -151,6 +151,18 @@ def test_flat_output_fails_against_its_own_baseline():
     assert j.verdict == "failed"
 
 
+def test_a_cell_that_fails_on_its_input_alone_is_not_traced():
+    """Module traces are compared with other engines' and the baseline's, which an output that
+    ignores its input does not move: the run spends no trace children on it (checks.KINDS, traced)."""
+    record = _record([0.0])
+    baseline = baselines.Baseline.from_record(record)
+    flat = evidence.gather(record, baseline, bounds=BOUNDS)
+    assert {c.kind for c in flat.checks if not c.ok} == {"input-sensitivity"}
+    assert not judging.needs_localisation(flat)
+    apart = R.Check(kind="teacher-forced", against="transformers", ok=False, detail="exceeds bound")
+    assert judging.needs_localisation(evidence.gather(record, baseline, bounds=BOUNDS, cross_engine_checks=[apart]))
+
+
 def test_a_difference_within_the_bound_is_no_difference():
     assert judging.verdict(_record([5e-5]), None, bounds=BOUNDS).verdict == "failed"
     j = judging.verdict(_record([2e-3, 0.7]), None, bounds=BOUNDS)
@@ -232,6 +244,10 @@ def test_mutations_fail_even_with_a_baseline_written_under_them(tmp_path, capsys
     assert code == 1 and first, out
     for cell, r in first.items():
         assert r.verdict == "failed" and "does not depend on the" in r.verdict_reason, (cell, r.verdict_reason)
+        # failing on its input alone, the engines agreeing: module traces have nothing to place
+        # (checks.KINDS, traced), so the cell is not traced
+        if {c.kind for c in r.checks if not c.ok} == {"input-sensitivity"}:
+            assert not r.localisation, (cell, r.localisation)
         assert baselines.read(store, "cpu-tiny", cell) is None, f"{cell}: --update-baselines refuses a failed cell"
         # A baseline written under the mutation all the same, as one written before the check existed.
         baselines.update(store, r, verdict="pass")

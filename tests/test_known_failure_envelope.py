@@ -9,11 +9,13 @@ Against a baseline from other kernels the same cell is held to its loaded state 
 the error leaves as it was; ``harness run --update-kernel-baselines`` records the cell's behaviour
 on this machine's kernels, and from then on the error is ``failed`` there too.
 
-Two and three runs of the reference and vLLM cells of one scheme (~2 and ~3 min here)."""
+One run of the reference and vLLM cells of one scheme records the baselines both tests start from;
+each test then runs them once or twice."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,16 +32,27 @@ SELECTION = "(llama.bnb-nf4.reference or llama.bnb-nf4.vllm) and not mllama"
 FAULT = "fault=output-scaled:model.layers.1.mlp.down_proj:1.02@llama.bnb-nf4.vllm"
 
 
-def test_a_second_bug_in_a_waived_vllm_cell_is_failed(tmp_path, monkeypatch, capsys):
-    # The cell's recorded behaviour from this machine: the plugin's bfloat16 matmuls move with the
-    # CPU's kernels (AMX or not), and against a baseline from other kernels only the loaded state
-    # is held (docs/design.md, "Verdicts"), which a 2% error in one output does not change.
-    baselines = tmp_path / "baselines"
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    """The cells' baselines recorded on this machine by a clean ``--update-baselines`` run (both
+    tests start from a copy): the plugin's bfloat16 matmuls move with the CPU's kernels (AMX or
+    not), and against a baseline from other kernels only the loaded state is held (docs/design.md,
+    "Verdicts"), which a 2% error in one output does not change."""
+    tmp = tmp_path_factory.mktemp("recorded")
+    baselines = tmp / "baselines"
     (baselines / "cpu-tiny" / "accuracy").mkdir(parents=True)
-    k = SELECTION
-    cli.main(["run", "--baselines", str(baselines), "--results", str(tmp_path / "recorded"), "-k", k, "--update-baselines"])
-    recorded = R.load(tmp_path / "recorded" / f"{CELLS[1]}.json")
-    assert recorded.verdict == "waived" and (baselines / "cpu-tiny" / f"{CELLS[1]}.json").is_file(), recorded.verdict_reason
+    cli.main(["run", "--baselines", str(baselines), "--results", str(tmp / "results"), "-k", SELECTION, "--update-baselines"])
+    record = R.load(tmp / "results" / f"{CELLS[1]}.json")
+    assert record.verdict == "waived" and (baselines / "cpu-tiny" / f"{CELLS[1]}.json").is_file(), record.verdict_reason
+    return baselines
+
+
+def _copy(recorded: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(recorded, tmp_path / "baselines"))
+
+
+def test_a_second_bug_in_a_waived_vllm_cell_is_failed(recorded, tmp_path, monkeypatch, capsys):
+    baselines, k = _copy(recorded, tmp_path), SELECTION
     monkeypatch.setenv("HARNESS_TEST_HOOK", FAULT)
     results = tmp_path / "results"
     cli.main(["run", "--baselines", str(baselines), "--results", str(results), "-k", k])
@@ -62,11 +75,9 @@ def _recorded_elsewhere(path: Path) -> None:
 
 
 def test_a_baseline_of_this_machines_kernels_holds_a_waived_cell_whose_own_is_from_other_kernels(
-        tmp_path, monkeypatch, capsys):
-    baselines = tmp_path / "baselines"
-    (baselines / "cpu-tiny" / "accuracy").mkdir(parents=True)
+        recorded, tmp_path, monkeypatch, capsys):
+    baselines = _copy(recorded, tmp_path)
     run = ["run", "--baselines", str(baselines), "-k", SELECTION]
-    cli.main([*run, "--results", str(tmp_path / "recorded"), "--update-baselines"])
     _recorded_elsewhere(baselines / "cpu-tiny" / f"{CELLS[1]}.json")
     # the kernels' baseline is recorded from a clean run, and only for the cell held to its loaded state
     cli.main([*run, "--results", str(tmp_path / "kernels"), "--update-kernel-baselines"])

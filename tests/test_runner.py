@@ -506,7 +506,7 @@ def test_a_fork_server_and_its_children_end_with_the_process_that_started_them(t
     os.mkfifo(fifo)
     script = (f"import time\nfrom pathlib import Path\nfrom harness import supervise\n"
               f"s = supervise.fork_server('harness.engines.worker', supervise.child_env({{}}, 1))\n"
-              f"c = s.fork(Path({str(fifo)!r}), Path({str(tmp_path / 'c.log')!r}))\nc.started()\n"
+              f"c = s.fork(Path({str(fifo)!r}), Path({str(tmp_path / 'c.log')!r}), supervise.WORKER)\nc.started()\n"
               f"print(s.proc.pid, c.pid, flush=True)\ntime.sleep(600)\n")
     starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                env=supervise.child_env({}, 1))

@@ -7,12 +7,14 @@ It imports PRELOAD (harness.engines._forkserver_preload, or ._vllm_preload for v
 one connection per child on the listening Unix socket it inherits as LISTEN_FD, and ends when its
 stdin, a pipe from the process that started it, closes: that process has gone.
 
-One connection per child: the client sends one JSON line ``{"job": PATH, "log": PATH, "cwd": DIR}``
-(DIR: the client's working directory, the child's, in which relative paths resolve); the child
+One connection per child: the client sends one JSON line ``{"job": PATH, "log": PATH, "cwd": DIR,
+"main": MODULE}`` (DIR: the client's working directory, the child's, in which relative paths
+resolve; MODULE: what the child runs, ``harness.engines.worker`` or the module-noise child
+``harness.noise_child``, whose ``main([JOB])`` it calls); the child
 answers ``pid N`` once it leads its own session and its log is open, the server ``exit CODE`` when the child has ended
 (CODE as Popen's ``returncode``: negative for a signal).
 
-A child is what ``python -P -m harness.engines.worker JOB`` would be (docs/design.md, "Data
+A child is what ``python -P -m MODULE JOB`` would be (docs/design.md, "Data
 flow"): the same environment (the server's is the child's), the same imports in the same
 order, no Python thread and no torch op before the fork (so no thread pool to lose), its own
 session, stdout and stderr to the cell's log, stdin from /dev/null, SIGKILL when the server ends,
@@ -112,7 +114,7 @@ def serve(listener: socket.socket, alive: int) -> tuple[socket.socket, dict]:
 
 def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
     """In a child forked by the server (pid ``server``): its own session (told to the client),
-    stdio as a spawned child's, and the worker's command line. Returns the worker's arguments."""
+    stdio as a spawned child's, and the child module's command line. Returns its arguments."""
     # lazy: pydantic, yaml, +230 ms (scripts/import-graph --costs)
     from harness.engines import worker
 
@@ -135,7 +137,7 @@ def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
     # the pid last: a client that has it can count on the log (an interrupted cell's is read)
     conn.sendall(f"pid {os.getpid()}\n".encode())
     conn.close()
-    sys.argv = [worker.__file__, request["job"]]
+    sys.argv = [importlib.import_module(request["main"]).__file__, request["job"]]
     return sys.argv[1:]
 
 
@@ -157,11 +159,8 @@ def main() -> int:
     conn, request = serve(listener, sys.stdin.fileno())
     args = become_child(conn, request, server)
     if fresh_children:
-        os.execv(sys.executable, [sys.executable, "-P", "-m", "harness.engines.worker", *args])
-    # lazy: pydantic, yaml, +230 ms (scripts/import-graph --costs)
-    from harness.engines import worker
-
-    return worker.main(args)
+        os.execv(sys.executable, [sys.executable, "-P", "-m", request["main"], *args])
+    return importlib.import_module(request["main"]).main(args)
 
 
 if __name__ == "__main__":
