@@ -3,7 +3,7 @@
 # core makes every small op contend, and two pytest workers (-n 2) already use both cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test venv fuzz
+.PHONY: run test quick durations venv fuzz
 venv:
 	@scripts/bootstrap
 run: venv
@@ -12,6 +12,14 @@ run: venv
 test: venv
 	.venv/bin/lint-imports --no-cache
 	.venv/bin/python -m pytest -n 2
+# The developer's loop: the suite without the tests marked slow (they start engines end to end)
+# and without the matrix's cells (`harness run` is their command), in under 3 minutes.
+quick: venv
+	.venv/bin/python -m pytest -n 2 -m "not slow" --ignore=suites/matrix -q
+# Record every test's duration in .test_durations, which splits the suite over Buildkite agents
+# (harness/buildkite/suite.py): the whole suite once, to run when its shape has changed.
+durations: venv
+	.venv/bin/python -m pytest -n 2 --store-durations --durations-path .test_durations -q
 # A longer, random run of the fault suite's fuzzing (suites/faults/test_fuzz.py): N examples per
 # property (CI runs a fixed few from a fixed seed inside `make test`).
 fuzz: venv

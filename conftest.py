@@ -6,11 +6,16 @@ pytest itself exits 5 only when nothing was collected.
 The session counts the engine children and fork servers its tests start (harness.supervise's
 ledger, HARNESS_CHILD_LEDGER): the summary names the files that start the most, the figure to watch
 when the suite gets slower (BENCHMARKS.md, "CI and the test suites").
+
+A test marked ``slow`` (left out by ``make quick``) says why: ``@pytest.mark.slow("why")``, checked
+at collection, before ``-m`` deselects anything.
 """
 import collections
 import json
 import os
 import tempfile
+
+import pytest
 
 from harness.supervise import LEDGER_ENV
 
@@ -27,6 +32,14 @@ def pytest_unconfigure(config):
     if path:
         os.environ.pop(LEDGER_ENV, None)
         os.unlink(path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("slow")
+        if marker is not None and not (marker.args and isinstance(marker.args[0], str) and marker.args[0].strip()):
+            raise pytest.UsageError(f'{item.nodeid}: @pytest.mark.slow needs a reason: slow("why")')
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

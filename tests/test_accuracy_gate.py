@@ -44,6 +44,9 @@ def unused_token_ranges(cell: str, vocab: int = 512) -> str:
     return ",".join(spans)
 
 
+pytestmark = pytest.mark.slow("every test reads the module's harness run of 5 degraded cells, accuracy tasks included")
+
+
 @pytest.fixture(scope="module")
 def degraded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("degraded")

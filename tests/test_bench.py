@@ -743,6 +743,7 @@ def test_portability_times_the_cells_with_a_baseline_and_reports_the_others(monk
         portability.measure(cells, {}, matrix_path="m.yaml", baselines_root="B", runs=20, echo=said.append)
 
 
+@pytest.mark.slow("a bench portability child under aten-default kernels, importing torch")
 def test_a_portability_child_chooses_its_baselines_by_the_kernels_it_times_on(tmp_path):
     """The child's load baselines are chosen for the kernels its loads run on, torch's capability
     among them, which a CPU description taken before torch is imported does not know (it would then

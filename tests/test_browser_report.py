@@ -29,6 +29,8 @@ BASE_STATES = [s for s in STATES if s != "fixed"]
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "reports"
 CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = pytest.mark.slow("each test renders a report in headless Chromium through Playwright")
+
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
         "--no-first-run", "--disable-component-update", "--disable-sync"]
 

@@ -66,6 +66,7 @@ def pipeline_run(tmp_path_factory):
     return m, cells, pipeline, run, checkout, env
 
 
+@pytest.mark.slow("the module's local pipeline run: real harness runs of its cell steps, then the report step")
 def test_steps_ran_in_dependency_order(pipeline_run):
     m, cells, pipeline, run, *_ = pipeline_run
     keys = [s.key for s in run.steps]

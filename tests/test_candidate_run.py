@@ -26,6 +26,8 @@ from tests.stand_in_build import stand_in_build as make_stand_in
 if importlib.util.find_spec("vllm") is None:  # not imported here: the engine children import it
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
+pytestmark = pytest.mark.slow("each test runs vLLM children or pytest sessions against stand-in candidate builds")
+
 ROOT = Path(__file__).resolve().parent.parent
 CELL = "llama.unquantized.vllm"
 MATRIX = """

@@ -70,6 +70,7 @@ def test_a_failed_install_leaves_no_environment_and_keeps_its_log(tmp_path):
     assert [n for n in left if n.endswith(".log")] and not [n for n in left if "." not in n]  # the log, no directory
 
 
+@pytest.mark.slow("pip-installs a stand-in wheel into a candidate venv and imports torch in it")
 def test_a_built_environment_shares_torch_shadows_the_engine_and_is_reused(tmp_path):
     wheel, lines = fake_wheel(tmp_path), []
     c = K.prepare("transformers", str(wheel), cache=tmp_path / "cache", echo=lines.append)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness import matrix as M
 from harness import probes
 from tests import netguard
@@ -39,6 +41,7 @@ def blocks(stdout: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow("a `harness run --dry-run` subprocess over every cell of models.yaml")
 def test_dry_run_of_the_whole_matrix_loads_nothing(tmp_path):
     out = dry_run(tmp_path, "--tier", "all", "--matrix", ROOT / "models.yaml", "--baselines", ROOT / "baselines")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -113,6 +116,7 @@ models:
 """
 
 
+@pytest.mark.slow("a `harness run --dry-run` subprocess under the network guard")
 def test_dry_run_finds_what_a_real_run_would_trip_on(tmp_path):
     (tmp_path / "models.yaml").write_text(BAD)
     (tmp_path / "b" / "cpu-tiny").mkdir(parents=True)

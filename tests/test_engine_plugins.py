@@ -84,6 +84,7 @@ def fake_distribution(root: Path, engine: str) -> Path:
     return root
 
 
+@pytest.mark.slow("a harness run subprocess of reference and plugin-engine cells, with engine children")
 def test_a_cell_runs_through_an_engine_from_an_installed_package(site, tmp_path):
     out = python(["-c", "import harness.registry as r; print(r.ENGINE_NAMES[-1]); print(r.PROVIDERS[r.ENGINE_NAMES[-1]])"],
                  site, cwd=tmp_path)

@@ -72,6 +72,7 @@ def test_both_engines_one_record_shape_same_sequences(cells):
     assert set(R.Record.model_fields) == set(tf.model_dump())
 
 
+@pytest.mark.slow("loads the llama fixture in the reference engine, greedy and scoring in process")
 def test_scored_sequences_given_or_own_greedy(cells):
     cell = _cell(cells, "llama.unquantized.reference")
     ckpt = base.resolve_checkpoint(cell)
@@ -84,6 +85,7 @@ def test_scored_sequences_given_or_own_greedy(cells):
         assert by_id[pid].scored.tokens == by_id[pid].prompt_tokens + by_id[pid].greedy.tokens
 
 
+@pytest.mark.slow("three in-process engine runs (reference fused, unfused, transformers) of an FP8 fixture")
 def test_reference_unfused_is_what_transformers_executes(cells):
     """FP8 per-tensor shards fused into one projection are requantized to the largest scale (as
     engines do); transformers runs them unfused. The runner's witness: the reference unfused."""
@@ -189,6 +191,7 @@ print(json.dumps(imported))
 """
 
 
+@pytest.mark.slow("a fresh interpreter per cell that imports torch and loads the cell's fixture")
 @pytest.mark.parametrize("cell_id", ["llama.unquantized.reference", "llama.bnb-nf4.reference",
                                      "llama.fp8-dynamic.reference", "llama.torchao-int8wo.reference",
                                      "llama.bnb-nf4.transformers", "llama.fp8-dynamic.transformers",

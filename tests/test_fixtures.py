@@ -139,6 +139,7 @@ def test_assets_load():
 # ---------------------------------------------------------------- every fixture
 
 
+@pytest.mark.slow("its first parameter builds every fixture (the session fixture `built`) into a fresh cache")
 @pytest.mark.parametrize("name", F.names())
 def test_fixture_manifest_and_layout(built, name):
     path, s = built[name], F.spec(name)
@@ -425,6 +426,7 @@ def test_kernel_sensitive_fixtures_build_as_the_committed_baselines_recorded_the
     assert committed == {name: {ident} for name, ident in native_identities.items()}
 
 
+@pytest.mark.slow("a child per kernel condition building every bnb-nf4-dq and fp8-static-kv fixture")
 @pytest.mark.parametrize("condition", sorted(cpu.KERNEL_CONDITIONS))
 def test_kernel_sensitive_fixtures_build_with_one_identity_under_every_kernel_condition(
         tmp_path, native_identities, condition):
@@ -459,6 +461,7 @@ def test_the_double_quant_map_is_bitsandbytes_own_on_avx2_and_avx512():
 REBUILD = ("llama-bnb-nf4-dq", "whisper-fp8-static-kv", "llama-torchao-int8wo")
 
 
+@pytest.mark.slow("rebuilds three fixtures in a fresh process and cache to compare their bytes")
 def test_rebuild_is_byte_identical(built, tmp_path):
     """A second build in another process (other hash seed, fresh cache) writes the same bytes."""
     env = dict(os.environ, HARNESS_FIXTURE_CACHE=str(tmp_path), PYTHONHASHSEED="12345")
@@ -497,6 +500,7 @@ def _concurrent_worker(cache, name, barrier, queue):
     queue.put((str(path), built_here, sorted(p.name for p in path.iterdir())))
 
 
+@pytest.mark.slow("two spawned processes racing to build the llama-unquantized fixture")
 def test_concurrent_build_one_builder(tmp_path):
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(2), ctx.Queue()

@@ -436,6 +436,7 @@ REBUILD = ("mllama-bnb-nf4-dq", "mllama-fp8-static-kv-mixed-cross", "qwen2_5_vl-
            "bart-fp8-static-kv")
 
 
+@pytest.mark.slow("rebuilds four VLM and Bart fixtures in a fresh process and cache to compare their bytes")
 def test_rebuild_is_byte_identical(built, tmp_path):
     env = dict(os.environ, HARNESS_FIXTURE_CACHE=str(tmp_path), PYTHONHASHSEED="4242")
     code = "import sys, harness.fixtures as F\nfor n in sys.argv[1:]: print(F.build(n))"

@@ -14,6 +14,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from harness import matrix as M
 from harness import selection
 
@@ -73,6 +75,7 @@ def baseline_files() -> dict[str, float]:
     return {p.as_posix(): p.stat().st_mtime for p in (ROOT / "baselines").rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow("scripts/gpu-check prepare, then a CPU smoke run of two cuda-check cells with engine children")
 def test_smoke_run_carries_a_fixture_and_writes_everything_into_one_folder(tmp_path, cache_dir):
     repository_baselines = baseline_files()
     carried = tmp_path / "carried"

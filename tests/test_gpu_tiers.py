@@ -103,6 +103,7 @@ models:
     return path
 
 
+@pytest.mark.slow("two harness run subprocesses of a gpu-full cell under the network guard")
 def test_a_misconfigured_gpu_cell_is_still_an_error(tmp_path):
     env, log = guarded_env(tmp_path)
     matrix = _gpu_matrix(tmp_path, "prompts/missing.png")

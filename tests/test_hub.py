@@ -50,6 +50,7 @@ def cli(tmp_path: Path, url: str, *args, guard: bool = True) -> subprocess.Compl
 # ------------------------------------------------------------------------------------------ pin
 
 
+@pytest.mark.slow("a harness pin subprocess over models.yaml's unpinned models, against a stand-in hub")
 def test_pin_resolves_every_unpinned_revision_keeping_comments_and_order(tmp_path):
     original = (ROOT / "models.yaml").read_text()
     path = copy_matrix(tmp_path)
@@ -91,6 +92,7 @@ def test_pin_resolves_every_unpinned_revision_keeping_comments_and_order(tmp_pat
     assert before == after
 
 
+@pytest.mark.slow("two harness pin subprocesses, the first against a stand-in hub")
 def test_pin_handles_block_style_quoted_revisions_and_leaves_pinned_ones(tmp_path):
     text = """version: 1
 # a comment at the top
@@ -178,6 +180,7 @@ def test_prefetch_once_per_agent_then_cells_read_the_snapshot_without_the_hub(tm
     assert hub.prefetched("acme/tiny", sha(42), cache) is None
 
 
+@pytest.mark.slow("waits out two 1.5 s attempt timeouts on a delayed stand-in hub download")
 def test_prefetch_retries_and_times_out_per_attempt(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # an in-process vLLM test of this worker sets it
     cache = tmp_path / "hub"
@@ -196,6 +199,7 @@ def test_prefetch_retries_and_times_out_per_attempt(tmp_path, monkeypatch):
     assert o.snapshot is None and o.attempts == 2 and o.error == "timed out after 1.5 s"
 
 
+@pytest.mark.slow("two harness prefetch subprocesses against a stand-in hub")
 def test_harness_prefetch_command_fetches_the_selected_hub_cells_and_exits_75_on_failure(tmp_path):
     matrix = copy_matrix(tmp_path)
     with StandinHub({"openai/whisper-large-v3": REPO}) as standin:

@@ -231,6 +231,7 @@ HOOK_SETS = {
 
 
 @pytest.mark.cpu_tiny
+@pytest.mark.slow("two harness runs (--update-baselines, then judged) of mutated multimodal cells, Whisper's vLLM too")
 @pytest.mark.parametrize("hooks", sorted(HOOK_SETS))
 def test_mutations_fail_even_with_a_baseline_written_under_them(tmp_path, capsys, monkeypatch, hooks):
     models = {m: _model(arch, m, "fixture", engines) for m, (arch, engines) in MUTATED.items()
@@ -262,6 +263,7 @@ def test_mutations_fail_even_with_a_baseline_written_under_them(tmp_path, capsys
 # ------------------------------------------------------------- the gpu-full prompt sets on CPU
 
 @pytest.mark.cpu_tiny
+@pytest.mark.slow("a harness run of 7 multimodal cells, Whisper's vLLM among them, on the gpu-full prompt sets")
 def test_gpu_full_prompt_sets_on_the_tiny_fixtures(tmp_path, capsys):
     """models.yaml's vision-chat and speech prompt sets (synthetic:gradient-448, synthetic:chirp-
     16k-5s), given to the tiny fixtures instead of their own prompts: every engine builds them

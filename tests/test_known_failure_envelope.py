@@ -31,6 +31,8 @@ CELLS = ("llama.bnb-nf4.reference", "llama.bnb-nf4.vllm")
 SELECTION = "(llama.bnb-nf4.reference or llama.bnb-nf4.vllm) and not mllama"
 FAULT = "fault=output-scaled:model.layers.1.mlp.down_proj:1.02@llama.bnb-nf4.vllm"
 
+pytestmark = pytest.mark.slow("harness runs of llama.bnb-nf4 on the reference and vLLM, after the module's --update-baselines run")
+
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> Path:

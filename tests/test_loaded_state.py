@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from harness import compare as C
@@ -77,6 +78,7 @@ def loaded_states(env: dict[str, str], cells: list[str] = PORTABLE) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow("three fresh interpreters loading 7 cells each: native, default+AVX2 kernels, no C decoders")
 def test_the_loaded_state_is_the_same_under_every_kernel_condition():
     """Native kernels, a lowered torch capability with the libraries' AVX2 paths, and the torch
     decoders instead of the C ones (HARNESS_NATIVE=0): one digest per module."""

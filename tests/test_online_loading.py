@@ -165,6 +165,7 @@ def test_prequantized_checkpoint_is_refused():
         reference.load(fixtures.build("llama-bnb-nf4"), quantization="online-fp8")
 
 
+@pytest.mark.slow("two `harness load --quantize` subprocesses on the llama fixture")
 def test_cli(llama):
     run = [sys.executable, "-m", "harness.cli", "load", str(llama), "--quantize"]
     ok = subprocess.run(run + ["online-bnb-nf4"], capture_output=True, text=True)

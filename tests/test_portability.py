@@ -40,6 +40,8 @@ LOADING_FAULTS = {
 }
 CAUGHT = {"regressed", "failed", "error"}
 
+pytestmark = pytest.mark.slow("each test runs harness run or the trace suite's faults in a subprocess under a kernel condition")
+
 
 def _run(tmp: Path, name: str, k: str, baselines: Path, overlay: dict[str, str] | None, *extra: str) -> dict[str, dict]:
     results = tmp / name

@@ -69,6 +69,7 @@ def test_fuse_false_leaves_every_group_unfused():
     assert report.groups and not any(g.fused for g in report.groups)
 
 
+@pytest.mark.slow("builds the Whisper torchao fixture and runs `harness load --json` in a subprocess")
 def test_cli_load_json():
     path = fixtures.build("whisper-torchao-int8wo")
     run = subprocess.run([sys.executable, "-m", "harness.cli", "load", str(path), "--json"],

@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 # The dummy format's module and library, and the dummy engine: each records being used.
@@ -159,6 +161,7 @@ print("SEEN " + json.dumps(seen))
 '''
 
 
+@pytest.mark.slow("a fresh interpreter importing every registry consumer (torch, engines) with dummy entries")
 def test_a_dummy_format_and_engine_reach_every_consumer(tmp_path):
     (tmp_path / "dummy_format.py").write_text(DUMMY_MODULE)
     (tmp_path / "dummy_lib.py").write_text("")

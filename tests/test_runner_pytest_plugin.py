@@ -66,6 +66,7 @@ def test_unsupported_by_probe_is_skipped_known_failures_are_xfail():
         check(result("waived", known_failure=True))
 
 
+@pytest.mark.slow("a pytest --collect-only of suites/matrix and a harness cells, both subprocesses")
 def test_collect_selects_exactly_the_cells():
     select = ["-k", "whisper and torchao", "--engine", "reference,transformers"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "suites/matrix", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -81,6 +82,7 @@ def test_collect_selects_exactly_the_cells():
         "whisper.torchao-int8wo.reference", "whisper.torchao-int8wo.transformers"]
 
 
+@pytest.mark.slow("two pytest --collect-only subprocesses of suites/matrix")
 def test_markers_and_options():
     proc = subprocess.run([sys.executable, "-m", "pytest", "suites/matrix", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "--tier", "gpu-tiny", "-m", "gpu and gpu_tiny"], cwd=ROOT, capture_output=True, text=True,

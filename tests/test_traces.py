@@ -266,6 +266,7 @@ def _run_with_a_dropped_k_scale(tmp_path, monkeypatch, capsys) -> tuple[int, str
     return code, capsys.readouterr().out
 
 
+@pytest.mark.slow("a harness run of two faulted Whisper FP8 cells, then traced re-runs of both engines")
 def test_a_failed_cell_is_localised_against_the_other_engine_and_its_baseline(tmp_path, monkeypatch, capsys):
     """The runner re-runs the failed cells' engines with tracing; the committed baselines of the
     Whisper fp8-static-kv cells carry fingerprints (and the per-module noise the comparison uses).
@@ -318,6 +319,7 @@ def test_a_bug_in_localisation_costs_its_explanation_not_the_verdict_or_the_run(
     assert tf["baseline"].detail.startswith("localisation failed (a harness bug"), tf["baseline"].detail
 
 
+@pytest.mark.slow("a harness run of a Whisper fp8-static-kv cell with --update-fingerprints")
 def test_a_fingerprint_is_written_only_from_the_baselines_own_kernels(tmp_path, capsys):
     """--update-fingerprints on a run from other kernels than the baseline's leaves the baseline's
     fingerprint as it was and says why: localisation compares a fingerprint as the traces of the

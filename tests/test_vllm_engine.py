@@ -345,6 +345,7 @@ def test_known_failures_of_vllm_carry_evidence():
     assert on_pinned >= 10
 
 
+@pytest.mark.slow("a fresh interpreter importing vLLM to time the llama model load")
 def test_a_load_timed_alone_ends_the_engine_after_the_model_loading_span(tmp_path):
     """harness bench's load-time children: vLLM's model loading span is timed, and the LLM's
     construction ends there (no engine start, no module read)."""

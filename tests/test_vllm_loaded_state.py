@@ -42,6 +42,7 @@ def native() -> dict:
     return loaded_states(ENV, [CLEAN, *MUTATED])
 
 
+@pytest.mark.slow("vLLM children loading the Whisper FP8 cell: the module's mutations, then under AVX2")
 def test_the_digest_is_the_same_under_avx2_kernels_as_natively(native):
     clean = native[CLEAN]
     # every module vLLM holds: linears, attentions (KV-cache scales), norms, convolutions, embeddings
@@ -50,6 +51,7 @@ def test_the_digest_is_the_same_under_avx2_kernels_as_natively(native):
     assert loaded_states({**ENV, **cpu.AVX2_MACHINE}, [CLEAN])[CLEAN] == clean
 
 
+@pytest.mark.slow("vLLM children loading the Whisper FP8 cell under its mutations (module fixtures)")
 @pytest.mark.parametrize("mutated", sorted(MUTATED))
 def test_a_scale_one_percent_off_changes_its_module_and_no_other(native, mutated):
     module = MUTATED[mutated]

@@ -32,6 +32,8 @@ from kernels import skip_unless_vllm_runs
 if importlib.util.find_spec("vllm") is None:  # not imported here: the engine children import it
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
+pytestmark = pytest.mark.slow("each test runs a cell through harness run in vLLM children, mutated and as control")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 MATRIX = """

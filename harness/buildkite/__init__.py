@@ -17,7 +17,8 @@
 - a final step that depends on every cell step, runs even when they fail, downloads the
   records, writes the HTML report, the JUnit XML and the annotation, annotates the build (one
   context per pipeline) and uploads to Buildkite Test Engine when ``BUILDKITE_ANALYTICS_TOKEN``
-  is set.
+  is set;
+- with ``--suite-agents N``, the harness's own test suite split over N agents (harness.buildkite.suite).
 
 Every value that comes from models.yaml and reaches a command is quoted with ``shlex``; values
 that reach other fields (env, plugin config) are validated. The pipeline must be uploaded with
@@ -43,7 +44,7 @@ import yaml
 
 from harness import matrix as mx
 from harness import selection
-from harness.buildkite import agents
+from harness.buildkite import agents, suite
 from harness.changes import git_changed_files, git_show, select_changed
 from harness.matrix import DEFAULT_PATH, ENGINES, TIERS, Cell, Environment, Matrix, MatrixError
 
@@ -99,6 +100,7 @@ class Options:
     # engine -> a candidate build's spec (--candidate ENGINE=SPEC): each step that runs the engine
     # runs it on the pinned build and on the candidate, on the same agent (harness run --candidate)
     candidates: tuple[tuple[str, str], ...] = ()
+    suite_agents: int = 0  # agents that share the harness's own test suite (harness.buildkite.suite); 0: no step
 
 
 def _retry(prefetch: bool = False) -> dict[str, Any]:
@@ -339,6 +341,8 @@ def generate(matrix: Matrix, cells: Sequence[Cell], opts: Options | None = None,
         for model, members in groups.items()
     ]
     steps.append(final_step(cells, step_keys, opts))
+    if opts.suite_agents:
+        steps.append(suite.suite_step(opts.suite_agents, _retry()))
     return {"steps": steps}
 
 
@@ -402,6 +406,8 @@ def add_arguments(p) -> None:
     p.add_argument("--candidate", action="append", metavar="ENGINE=SPEC",
                    help="each step that runs ENGINE also runs it on this build (a wheel path or URL, a pip requirement) "
                         "on the same agent, judged against the pinned build (docs/README-buildkite.md)")
+    p.add_argument("--suite-agents", type=int, default=0, metavar="N",
+                   help="also run the harness's own test suite, split by recorded durations over N agents (default: 0, not run)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the YAML here instead of stdout")
 
 
@@ -466,10 +472,13 @@ def run(args) -> int:
             notes += why + [f"change-based selection: {len(cells)} cell(s) to run"]
         elif args.all:
             notes.append("--all: every selected cell runs, whatever changed")
+        if args.suite_agents < 0:
+            raise MatrixError(f"--suite-agents {args.suite_agents}: expected 0 or more")
         if not args.hub_cache.startswith("/") or not agents.IMAGE.match(args.hub_cache.lstrip("/")):
             raise MatrixError(f"--hub-cache {args.hub_cache!r}: expected an absolute path of letters, digits, '._/-'")
         opts = Options(matrix_path=mrel, results_dir=args.results_dir, reports_dir=args.reports_dir, context=args.context,
-                       hub_cache=args.hub_cache, candidates=_candidates(args.candidate or [], m))
+                       hub_cache=args.hub_cache, candidates=_candidates(args.candidate or [], m),
+                       suite_agents=args.suite_agents)
         text = to_yaml(generate(m, cells, opts, universe=universe), comments=notes)
     except (MatrixError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

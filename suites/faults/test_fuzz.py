@@ -152,6 +152,7 @@ def templates(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow("60 hypothesis examples of `harness load` on a mutated config.json per fixture")
 @pytest.mark.parametrize("fixture", CONFIG_FIXTURES)
 def test_any_config_json_loads_or_is_one_line(fixture, templates, tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt") / "c"
@@ -218,6 +219,7 @@ def header_mutation(draw, header: dict) -> bytes:
     return text
 
 
+@pytest.mark.slow("150 hypothesis examples of `harness load` on a mutated safetensors header")
 def test_any_safetensors_header_loads_or_is_one_line(safetensors_parts, templates, tmp_path_factory):
     header, body = safetensors_parts
     d = tmp_path_factory.mktemp("st") / "c"
@@ -244,6 +246,7 @@ YAML_PIECES = st.lists(st.sampled_from(list("[]{}:,-&*!|>'\"#%@`?<= \n\t.0123456
                                       + ["<<", ": ", "\n  ", "\xff", "\x00"]), min_size=1, max_size=6).map("".join)
 
 
+@pytest.mark.slow("500 hypothesis examples of `harness cells` on a mutated models.yaml")
 def test_any_models_yaml_is_accepted_or_one_line(tmp_path_factory):
     m = tmp_path_factory.mktemp("yaml") / "m.yaml"
 

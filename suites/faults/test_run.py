@@ -43,6 +43,7 @@ def _committed(cell: str) -> dict:
     return json.loads((ROOT / "baselines" / "cpu-tiny" / f"{cell}.json").read_text())
 
 
+@pytest.mark.slow("a harness run subprocess of 7 reference cells, broken baselines and a SIGKILLed child")
 def test_the_run_keeps_its_work(tmp_path):
     (tmp_path / "m.yaml").write_text(matrix(REFERENCE_SCHEMES))
     b = tmp_path / "baselines" / "cpu-tiny"
@@ -85,6 +86,7 @@ def test_the_run_keeps_its_work(tmp_path):
     assert_no_process_left(o)
 
 
+@pytest.mark.slow("a harness run subprocess of the llama reference cell, its engine child included")
 def test_a_baseline_field_of_the_wrong_type_is_that_cells_error(tmp_path):
     """A token written as a string ("510", not 510): before the baselines were read strictly it
     was taken for the number, and the cell passed against a file that is not a baseline."""
@@ -111,6 +113,7 @@ EXIT = {"SIGINT": 130, "SIGTERM": 143}
 ANSWER_S = 1.0  # from the signal to the exit, on a loaded machine
 
 
+@pytest.mark.slow("a harness run subprocess per stage and signal, with a CPU hog on every core")
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_signal_at_each_stage_is_answered_within_a_second_with_no_late_writes(tmp_path, stage, sig):

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from faultlib import ROOT, matrix
 
 from harness import baselines as B
@@ -42,6 +43,8 @@ REAL = ("unquantized", "bnb-nf4", "bnb-fp4")
 DECIDED = ("  broken:\n    arch: LlamaForCausalLM\n    fixture: nosuch\n    prompts: fixture\n    tier: cpu-tiny\n"
            "    engines: {reference: core}\n    schemes:\n" + "".join(f"      {s}:\n" for s in REAL))
 TIMEOUT_S = 240
+
+pytestmark = pytest.mark.slow("three rounds of harness runs side by side, the last with engine children")
 
 
 def cells(model: str, *schemes: str) -> set[str]:

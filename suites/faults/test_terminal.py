@@ -25,6 +25,7 @@ def sandbox(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow("`harness load` in a fresh interpreter that imports torch and the quantization libraries")
 def test_load_of_nothing_is_one_line(sandbox):
     """The issue's own check: ``harness load /nonexistent 2>&1 | wc -l`` was 5."""
     o = subprocess_run(["load", "/nonexistent"], cwd=sandbox)
@@ -34,6 +35,7 @@ def test_load_of_nothing_is_one_line(sandbox):
     assert "load /nonexistent\n" in log  # the libraries' messages are kept, there
 
 
+@pytest.mark.slow("builds the torchao fixture, then `harness load --json` of it in a fresh interpreter")
 def test_load_that_works_says_nothing_on_stderr(sandbox):
     o = subprocess_run(["load", fixtures.build("llama-torchao-int8wo"), "--json"], cwd=sandbox)
     assert_clean(o)
