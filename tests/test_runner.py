@@ -498,6 +498,26 @@ def test_a_fork_server_killed_from_outside_is_replaced(tmp_path):
         supervise.stop_fork_servers()
 
 
+def test_a_childs_environment_leaves_out_the_running_test(monkeypatch):
+    """pytest changes PYTEST_CURRENT_TEST at every test phase; a fork server serves one environment,
+    so with it every test would start its own servers (tens of seconds of imports each)."""
+    assert os.environ.get("PYTEST_CURRENT_TEST")  # pytest sets it while this test runs
+    assert "PYTEST_CURRENT_TEST" not in supervise.child_env({}, 1)
+
+
+def test_the_ledger_has_a_line_per_child_only_where_the_session_asks(tmp_path, monkeypatch):
+    ledger = tmp_path / "children.jsonl"
+    monkeypatch.delenv(supervise.LEDGER_ENV, raising=False)
+    supervise.ledger("child", engine="reference")
+    monkeypatch.setenv(supervise.LEDGER_ENV, str(ledger))
+    supervise.ledger("child", engine="reference", seconds=1.5)
+    supervise.ledger("fork-server", preload="harness.engines._vllm_preload")
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    test = os.environ["PYTEST_CURRENT_TEST"]
+    assert lines == [{"kind": "child", "test": test, "engine": "reference", "seconds": 1.5},
+                     {"kind": "fork-server", "test": test, "preload": "harness.engines._vllm_preload"}]
+
+
 @pytest.mark.slow("starts three fork servers of the engine worker, one with a forked child")
 def test_a_process_whose_environment_keeps_changing_keeps_few_fork_servers(tmp_path, monkeypatch):
     monkeypatch.setattr(supervise, "MAX_SERVERS", 2)
