@@ -53,12 +53,13 @@ def _env(capability: str | None, kernel_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _child(job: dict, tmp: Path, env: dict[str, str]) -> None:
-    """Run one noise child; raises NoiseError naming the capability and the end of its log."""
+def _child(job: dict, tmp: Path, env: dict[str, str], preload: str | None) -> None:
+    """Run one noise child (forked from ``preload``'s server; spawned when None); raises NoiseError
+    naming the capability and the end of its log."""
     name = Path(job["out"]).stem
     log = tmp / f"{name}.log"
     exit = supervise.Supervisor().run(job, tmp / f"{name}.job.json", log, env, main="harness.noise_child",
-                                      preload=supervise.preload_for("reference"), timeout=PROBE_TIMEOUT_S)
+                                      preload=preload, timeout=PROBE_TIMEOUT_S)
     if exit.code is None:
         raise NoiseError(f"module noise probe timed out after {PROBE_TIMEOUT_S} s")
     if exit.code != 0 or not Path(job["out"]).exists():
@@ -81,7 +82,7 @@ def measure_modules(cell: Cell, sequences: dict[str, list[int]], fuse: bool, own
         for i, env in enumerate(envs):
             job = {"cell": cell.model_dump(mode="json"), "sequences": sequences, "fuse": fuse,
                    "out": str(Path(tmp) / f"run{i}.pt")}
-            _child(job, Path(tmp), env)
+            _child(job, Path(tmp), env, preload)
             runs.append(traces.load(Path(job["out"])))
     a, others = runs[0], runs[1:]
     labels = [label for label, _, _ in kernels]
