@@ -56,6 +56,10 @@ SERVER_REPLY_TIMEOUT_S = 600.0  # a fork server answers once its preload is impo
 # A harness run needs one per engine environment, and its localisation one per set of kernels it
 # measures module noise under (harness.measure_noise): ~0.5-1 GB each.
 MAX_SERVERS = 6
+# Variables a child reads only after the fork, never a preload: the test hooks and vLLM mutations
+# (harness.engines.worker, harness.engines.vllm_mutations). They travel in the fork request instead
+# of keying the server, so a test that plants a fault shares the fork servers of every other test.
+AFTER_FORK_ENV = ("HARNESS_TEST_HOOK", "HARNESS_VLLM_MUTATION", "HARNESS_VLLM_MASK_LAYER")
 WORKER = "harness.engines.worker"  # what a child runs unless told otherwise
 
 
@@ -307,14 +311,15 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def fork(self, job_path: Path, log: Path, main: str) -> Forked:
-        """Ask for a child running ``main`` (counted in ``children`` by :func:`fork_server`), without
-        waiting for the answer (Forked.started)."""
+    def fork(self, job_path: Path, log: Path, main: str, env: dict[str, str]) -> Forked:
+        """Ask for a child running ``main`` with ``env`` added to the server's environment (the
+        AFTER_FORK_ENV variables), counted in ``children`` by :func:`fork_server`, without waiting
+        for the answer (Forked.started)."""
         conn = socket.socket(socket.AF_UNIX)
         child = Forked(conn, self, log)
         try:
             conn.connect(self.address)
-            request = {"job": str(job_path), "log": str(log), "cwd": os.getcwd(), "main": main}
+            request = {"job": str(job_path), "log": str(log), "cwd": os.getcwd(), "main": main, "env": env}
             conn.sendall(json.dumps(request).encode() + b"\n")
         except OSError:
             pass  # started() then finds the connection closed
@@ -339,6 +344,7 @@ def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False, p
     ``for_child``: counted as forking a child until that child has ended. A process whose
     environment keeps changing (tests) keeps at most MAX_SERVERS: the oldest idle ones end."""
     python = python or sys.executable
+    env = {k: v for k, v in env.items() if k not in AFTER_FORK_ENV}
     key = (preload, python, tuple(sorted(env.items())))
     with _SERVERS_LOCK:
         server = _SERVERS.get(key)
@@ -368,7 +374,8 @@ def start_child(job_path: Path, log: Path, env: dict[str, str], preload: str | N
     is None, under ``python`` (default ours); a forked child has its pid only after Child.started."""
     if preload is None:
         return Spawned(job_path, log, env, python or sys.executable, main)
-    return fork_server(preload, env, for_child=True, python=python).fork(job_path, log, main)
+    after_fork = {k: env[k] for k in AFTER_FORK_ENV if k in env}
+    return fork_server(preload, env, for_child=True, python=python).fork(job_path, log, main, after_fork)
 
 
 @dataclass

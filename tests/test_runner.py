@@ -23,6 +23,7 @@ from harness import cli, cpu, judging, runner, supervise
 from harness import matrix as M
 from harness import records as R
 from harness import selection
+from harness.engines import worker
 from tests.stand_in_build import stand_in_build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -498,6 +499,28 @@ def test_a_fork_server_killed_from_outside_is_replaced(tmp_path):
         supervise.stop_fork_servers()
 
 
+@pytest.mark.slow("a fork server preloading the engine worker, and two forked children")
+def test_children_with_other_test_hooks_share_one_fork_server_and_each_gets_its_own(tmp_path):
+    """The hooks are read after the fork: they travel in the request, so a test that plants a
+    fault does not start its own servers (torch's and vLLM's imports again)."""
+    (tmp_path / "hook_preload.py").write_text(
+        "import os\n"
+        "from harness.engines import worker\n"
+        "assert worker.HOOK_ENV not in os.environ  # the server's own environment has none\n"
+        "worker.main = lambda args: print(os.environ.get(worker.HOOK_ENV)) or 0\n")
+    children = []
+    try:
+        for hook in ("crash@a.*", "sleep=1@b.*"):
+            env = supervise.child_env({"MARK": "", "PYTHONPATH": str(tmp_path), worker.HOOK_ENV: hook}, 1)
+            children.append(supervise.start_child(tmp_path / "job.json", tmp_path / f"{len(children)}.log", env,
+                                                  "hook_preload"))
+        assert [c.wait(60) for c in children] == [0, 0]
+    finally:
+        supervise.stop_fork_servers()
+    assert children[0].server is children[1].server
+    assert [(tmp_path / f"{i}.log").read_text().split() for i in (0, 1)] == [["crash@a.*"], ["sleep=1@b.*"]]
+
+
 def test_a_childs_environment_leaves_out_the_running_test(monkeypatch):
     """pytest changes PYTEST_CURRENT_TEST at every test phase; a fork server serves one environment,
     so with it every test would start its own servers (tens of seconds of imports each)."""
@@ -541,7 +564,7 @@ def test_a_fork_server_and_its_children_end_with_the_process_that_started_them(t
     os.mkfifo(fifo)
     script = (f"import time\nfrom pathlib import Path\nfrom harness import supervise\n"
               f"s = supervise.fork_server('harness.engines.worker', supervise.child_env({{}}, 1))\n"
-              f"c = s.fork(Path({str(fifo)!r}), Path({str(tmp_path / 'c.log')!r}), supervise.WORKER)\nc.started()\n"
+              f"c = s.fork(Path({str(fifo)!r}), Path({str(tmp_path / 'c.log')!r}), supervise.WORKER, {{}})\nc.started()\n"
               f"print(s.proc.pid, c.pid, flush=True)\ntime.sleep(600)\n")
     starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                env=supervise.child_env({}, 1))

@@ -8,14 +8,15 @@ one connection per child on the listening Unix socket it inherits as LISTEN_FD, 
 stdin, a pipe from the process that started it, closes: that process has gone.
 
 One connection per child: the client sends one JSON line ``{"job": PATH, "log": PATH, "cwd": DIR,
-"main": MODULE}`` (DIR: the client's working directory, the child's, in which relative paths
+"main": MODULE, "env": VARS}`` (DIR: the client's working directory, the child's, in which relative paths
 resolve; MODULE: what the child runs, ``harness.engines.worker`` or the module-noise child
-``harness.noise_child``, whose ``main([JOB])`` it calls); the child
+``harness.noise_child``, whose ``main([JOB])`` it calls; VARS: variables added to the child's
+environment, those read only after the fork, harness.supervise.AFTER_FORK_ENV); the child
 answers ``pid N`` once it leads its own session and its log is open, the server ``exit CODE`` when the child has ended
 (CODE as Popen's ``returncode``: negative for a signal).
 
 A child is what ``python -P -m MODULE JOB`` would be (docs/design.md, "Data
-flow"): the same environment (the server's is the child's), the same imports in the same
+flow"): the same environment (the server's and VARS), the same imports in the same
 order, no Python thread and no torch op before the fork (so no thread pool to lose), its own
 session, stdout and stderr to the cell's log, stdin from /dev/null, SIGKILL when the server ends,
 and a normal interpreter exit (atexit handlers run).
@@ -127,6 +128,7 @@ def become_child(conn: socket.socket, request: dict, server: int) -> list[str]:
     # would (left frozen, triton's bindings print "leaked" warnings).
     atexit.register(gc.unfreeze)
     os.chdir(request["cwd"])
+    os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
