@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from harness import baselines as B
 from harness import cpu
@@ -39,14 +40,45 @@ LOADING_FAULTS = {
     "llama.online-fp8.reference": "fault=skip-ignored",  # the lm_head quantized despite the skip list
 }
 CAUGHT = {"regressed", "failed", "error"}
+# The accuracy tasks the representative runs keep: one scheme whose computation carries, judged in
+# full under every condition. The others' tasks are the same code on other checkpoints, and slow
+# under lowered kernels (an FP8 cell's, 25 s under aten-default); that accuracy from other kernels
+# is shown but not judged where the computation does not carry is test_accuracy's. The fault runs
+# keep none: what they plant is caught by the loaded state and the logprobs.
+ACCURACY_KEPT = {"llama.bnb-nf4"}
 
 pytestmark = pytest.mark.slow("each test runs harness run or the trace suite's faults in a subprocess under a kernel condition")
 
 
-def _run(tmp: Path, name: str, k: str, baselines: Path, overlay: dict[str, str] | None, *extra: str) -> dict[str, dict]:
+def _matrix(path: Path, kept: set[str]) -> Path:
+    """models.yaml with the accuracy tasks of the schemes outside ``kept`` ("model.scheme") left out."""
+    data = yaml.safe_load((REPO / "models.yaml").read_text())
+    for task in data["accuracy_tasks"].values():
+        if (REPO / task["task"]).is_file():  # a task YAML of the repo, relative to models.yaml
+            task["task"] = str(REPO / task["task"])
+    for model, m in data["models"].items():
+        for scheme, s in m["schemes"].items():
+            if f"{model}.{scheme}" not in kept:
+                m["schemes"][scheme] = {**(s or {}), "accuracy": []}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def representative(tmp_path_factory) -> Path:
+    return _matrix(tmp_path_factory.mktemp("matrix") / "models.yaml", ACCURACY_KEPT)
+
+
+@pytest.fixture(scope="module")
+def no_accuracy(tmp_path_factory) -> Path:
+    return _matrix(tmp_path_factory.mktemp("matrix") / "models.yaml", set())
+
+
+def _run(tmp: Path, name: str, k: str, baselines: Path, matrix: Path, overlay: dict[str, str] | None,
+         *extra: str) -> dict[str, dict]:
     results = tmp / name
     p = subprocess.run([sys.executable, "-m", "harness.cli", "run", "-k", k, "--engine", "reference,transformers",
-                        "--baselines", str(baselines), "--results", str(results), *extra],
+                        "--matrix", str(matrix), "--baselines", str(baselines), "--results", str(results), *extra],
                        env=cpu.condition_env(overlay), cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                        timeout=1200)
     records = {}
@@ -95,13 +127,16 @@ def _judged_by_what_carries(records: dict[str, dict]) -> None:
             assert state is not None and state["ok"], f"{c}: the loaded state was not checked exactly: {state}"
 
 
-def test_the_committed_baselines_judge_this_machines_own_kernels(tmp_path, committed):
-    _judged_by_what_carries(_run(tmp_path, "native", REPRESENTATIVE, committed, None))
+def test_the_committed_baselines_judge_this_machines_own_kernels(tmp_path, committed, no_accuracy):
+    """The control of the kernel conditions below; the cells' accuracy on this machine's own kernels
+    is the matrix suite's (suites/matrix)."""
+    _judged_by_what_carries(_run(tmp_path, "native", REPRESENTATIVE, committed, no_accuracy, None))
 
 
 @pytest.mark.parametrize("condition", sorted(CONDITIONS))
-def test_under_other_kernels_only_what_carries_is_judged_and_nothing_is_red(tmp_path, committed, condition):
-    records = _run(tmp_path, condition, REPRESENTATIVE, committed, CONDITIONS[condition])
+def test_under_other_kernels_only_what_carries_is_judged_and_nothing_is_red(tmp_path, committed, representative,
+                                                                           condition):
+    records = _run(tmp_path, condition, REPRESENTATIVE, committed, representative, CONDITIONS[condition])
     _judged_by_what_carries(records)
     # under a kernel condition no committed baseline shares the run's kernels, so every cell that
     # quantizes activations is judged by what carries, and says so
@@ -110,29 +145,29 @@ def test_under_other_kernels_only_what_carries_is_judged_and_nothing_is_red(tmp_
 
 
 @pytest.mark.parametrize("condition", sorted(CONDITIONS))
-def test_every_planted_loading_fault_is_caught_under_other_kernels(tmp_path, committed, condition):
+def test_every_planted_loading_fault_is_caught_under_other_kernels(tmp_path, committed, no_accuracy, condition):
     hooks = ";".join(f"{hook}@{cell}" for cell, hook in LOADING_FAULTS.items())
-    records = _run(tmp_path, "faults", " or ".join(f"{c} and not mllama" for c in LOADING_FAULTS), committed,
+    records = _run(tmp_path, "faults", " or ".join(f"{c} and not mllama" for c in LOADING_FAULTS), committed, no_accuracy,
                    {**CONDITIONS[condition], "HARNESS_TEST_HOOK": hooks}, "--engine", "reference")
     assert set(records) == set(LOADING_FAULTS)
     missed = {c: (r["verdict"], r["verdict_reason"]) for c, r in records.items() if r["verdict"] not in CAUGHT}
     assert not missed, missed
 
 
-def test_a_compute_fault_in_an_fp8_engine_is_caught_by_the_witness_engine_of_its_run(tmp_path, committed):
+def test_a_compute_fault_in_an_fp8_engine_is_caught_by_the_witness_engine_of_its_run(tmp_path, committed, no_accuracy):
     """The loaded state is exact, the logprobs against a baseline from other kernels are not
     judged: the other engine of the same run, on the same kernels, catches it. The fault halves
     every dynamically quantized activation of the reference's code (its unfused witness, through
     which it is compared with transformers, runs the same code)."""
     cell = "llama.fp8-dynamic-ignore.reference"
     hook = f"break=harness.quant.fp8:quantize_dynamic_per_token@{cell}"
-    records = _run(tmp_path, "compute", "llama.fp8-dynamic-ignore.", committed,
+    records = _run(tmp_path, "compute", "llama.fp8-dynamic-ignore.", committed, no_accuracy,
                    {**CONDITIONS["libraries-avx2"], "HARNESS_TEST_HOOK": hook})
     r = records[cell]
     assert r["verdict"] == "failed" and "teacher-forced:transformers" in r["verdict_reason"], r["verdict_reason"]
 
 
-def test_a_carrying_cell_shifted_beyond_its_family_bound_is_caught_under_other_kernels(tmp_path, committed):
+def test_a_carrying_cell_shifted_beyond_its_family_bound_is_caught_under_other_kernels(tmp_path, committed, no_accuracy):
     cell = "llama.bnb-nf4.reference"
     b = B.read(committed, "cpu-tiny", cell)
     seq = b.sequences[0]
@@ -141,7 +176,8 @@ def test_a_carrying_cell_shifted_beyond_its_family_bound_is_caught_under_other_k
     root = tmp_path / "altered"
     shutil.copytree(committed, root)
     (root / "cpu-tiny" / f"{cell}.json").write_text(b.to_text())
-    records = _run(tmp_path, "altered-run", f"{cell} and not mllama", root, CONDITIONS["aten-default"], "--engine", "reference")
+    records = _run(tmp_path, "altered-run", f"{cell} and not mllama", root, no_accuracy, CONDITIONS["aten-default"],
+                   "--engine", "reference")
     assert _verdicts(records) == {cell: "regressed"}
     assert "teacher-forced:baseline: exceeds bound" in records[cell]["verdict_reason"]
 
