@@ -59,6 +59,19 @@ def stand_in_build(root: Path, mutation: str | None) -> Path:
     return make_stand_in(root, {MUTATION_ENV: mutation})
 
 
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """The module's stand-in build of each mutation (None: the base build's own code), made once: a
+    build's fork server (one per interpreter) then imports vLLM once for all the tests using it."""
+    made: dict[str | None, Path] = {}
+
+    def build(mutation: str | None) -> Path:
+        if mutation not in made:
+            made[mutation] = stand_in_build(tmp_path_factory.mktemp("build"), mutation)
+        return made[mutation]
+    return build
+
+
 @pytest.fixture
 def setup(tmp_path, monkeypatch):
     monkeypatch.delenv(MUTATION_ENV, raising=False)
@@ -70,21 +83,20 @@ def setup(tmp_path, monkeypatch):
     return matrix, tmp_path / "baselines"
 
 
-def run_candidate(tmp_path: Path, setup, capsys, mutation: str | None):
+def run_candidate(tmp_path: Path, setup, capsys, build: Path):
     """``harness run --candidate`` with a stand-in build: (exit code, output, base record, candidate
     record, results directory)."""
     matrix, baselines = setup
     results = tmp_path / "results"
-    build = stand_in_build(tmp_path / (mutation or "same"), mutation)
     code = cli.main(["run", "--matrix", str(matrix), "--baselines", str(baselines), "--results", str(results),
                      "-k", CELL, "--candidate", f"vllm={build}"])
     base, cand = R.load(results / f"{CELL}.json"), R.load(results / "candidate" / f"{CELL}.json")
     return code, capsys.readouterr().out, base, cand, results
 
 
-def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys):
-    code, out, base, cand, _ = run_candidate(tmp_path, setup, capsys, None)
-    build = tmp_path / "same"
+def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys, builds):
+    build = builds(None)
+    code, out, base, cand, _ = run_candidate(tmp_path, setup, capsys, build)
     assert base.candidate is None and cand.candidate == str(build)
     assert cand.verdict == "pass", cand.verdict_reason
     assert cand.verdict_reason.startswith("against base vllm 0.32.0: ")
@@ -98,10 +110,11 @@ def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys):
     # layer 3's causal mask off by one: a compute fault, the loaded state is the base's
     ("mask-shifted-layer", "regressed", ("model.layers.3.self_attn",), "attention"),
 ])
-def test_a_failing_candidate_is_localised_against_the_base_build(tmp_path, setup, capsys, mutation, verdict, modules, kind):
+def test_a_failing_candidate_is_localised_against_the_base_build(tmp_path, setup, capsys, builds, mutation, verdict,
+                                                                  modules, kind):
     """The candidate's cell fails, and its module traces against the pinned build's, both recorded
     in this run, name the module the mutation breaks. The base passes and is not traced."""
-    code, out, base, cand, results = run_candidate(tmp_path, setup, capsys, mutation)
+    code, out, base, cand, results = run_candidate(tmp_path, setup, capsys, builds(mutation))
     assert code == 1 and base.verdict == "pass" and not base.localisation, out
     assert cand.verdict == verdict, cand.verdict_reason
     [found] = cand.localisation
@@ -110,10 +123,9 @@ def test_a_failing_candidate_is_localised_against_the_base_build(tmp_path, setup
     assert (results / "traces" / f"{CELL}.candidate.pt").exists() and (results / "traces" / f"{CELL}.pt").exists()
 
 
-def test_bisect_names_the_first_build_with_the_mutation(tmp_path, setup, capsys):
-    matrix, baselines = setup
-    builds = [stand_in_build(tmp_path / "b1", None), stand_in_build(tmp_path / "b2", "merged-shards-swapped"),
-              stand_in_build(tmp_path / "b3", "merged-shards-swapped")]
+def test_bisect_names_the_first_build_with_the_mutation(tmp_path, setup, capsys, builds):
+    matrix, _ = setup
+    builds = [builds(None), builds("merged-shards-swapped"), stand_in_build(tmp_path / "b3", "merged-shards-swapped")]
     results = tmp_path / "bisect"
     code = cli.main(["bisect", "vllm", "--matrix", str(matrix), "-k", CELL, "--results", str(results),
                      "--versions", ",".join(map(str, builds)) + ",/nonexistent/vllm.whl"])
@@ -137,10 +149,10 @@ def _pytest(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
-def test_pytest_runs_a_candidate_beside_the_base_and_fails_on_what_it_changed(tmp_path, setup):
+def test_pytest_runs_a_candidate_beside_the_base_and_fails_on_what_it_changed(tmp_path, setup, builds):
     matrix, baselines = setup
     results = tmp_path / "results"
-    build = stand_in_build(tmp_path / "mutated", "merged-shards-swapped")
+    build = builds("merged-shards-swapped")
     proc = _pytest("--matrix", str(matrix), "--baselines", str(baselines), "--results", str(results),
                    "-k", CELL, "--candidate", f"vllm={build}", "-rA")
     out = proc.stdout + proc.stderr
@@ -154,12 +166,12 @@ def test_pytest_runs_a_candidate_beside_the_base_and_fails_on_what_it_changed(tm
     assert R.load(results / f"{CELL}.json").candidate is None
 
 
-def test_pytest_collects_candidate_tests_only_with_a_candidate(tmp_path, setup):
+def test_pytest_collects_candidate_tests_only_with_a_candidate(tmp_path, setup, builds):
     matrix, _ = setup
     plain = _pytest("--matrix", str(matrix), "--collect-only")
     assert plain.returncode == 0, plain.stdout + plain.stderr
     assert f"test_cell[{CELL}]" in plain.stdout and "test_candidate_cell" not in plain.stdout
-    build = stand_in_build(tmp_path / "same", None)
+    build = builds(None)
     with_candidate = _pytest("--matrix", str(matrix), "--collect-only", "--candidate", f"vllm={build}")
     assert f"test_candidate_cell[{CELL}]" in with_candidate.stdout, with_candidate.stdout + with_candidate.stderr
     refused = _pytest("--matrix", str(matrix), "--candidate", f"vllm={build}", "--update-baselines")
