@@ -425,7 +425,8 @@ class Supervisor:
         if code is None:
             child.kill()
         seconds = time.perf_counter() - t0
-        ledger("child", engine=job["cell"]["engine"], mode=job.get("mode", main), cell=job["cell"]["id"],
+        cell = job.get("cell") or {}  # a cell's job; a test's own child may run several
+        ledger("child", engine=cell.get("engine"), mode=job.get("mode", main), cell=cell.get("id"),
                seconds=round(seconds, 2), forked=preload is not None)
         return Exit(code, started, seconds)
 

