@@ -305,10 +305,14 @@ def _as_candidate(j: Judgement, record: Record, base: Record) -> Judgement:
     """The verdict of a candidate's record, ``j`` against the base's, said as a candidate's
     (:func:`judge_against_base`)."""
     base_name = f"base {base.engine} {base.engine_info.version or '(version unknown)'}"
-    # what vouches for the candidate: a base that could not run at all, or another engine of this run
-    vouched = base.status != "ok" or any(not c.against_baseline for c in j.checks)
-    if base.known_failure is not None and record.status == "ok" and vouched and disagreement(record, j.checks) is None:
-        k = base.known_failure
+    # what vouches for the candidate: a base that could not run at all, or the other engines of this
+    # run, the one the base's known failure is about among them. Not the input's contrast, which a
+    # cell of a run of one engine has too: its known failure can neither show nor be refuted there.
+    between = [c for c in j.checks if not c.against_baseline and c.spec.between_engines]
+    k = base.known_failure
+    vouched = base.status != "ok" or (
+        bool(between) and not (k is not None and _compared_with_absent_engine(k, record, between)))
+    if k is not None and record.status == "ok" and vouched and disagreement(record, j.checks) is None:
         return Judgement("fixed", f"{base_name} is {base.verdict} by known failure {k.pattern!r} ({k.engine} "
                          f"{k.versions}); the candidate agrees with the other engines of this run", j.checks)
     if j.verdict == "missing-baseline":

@@ -13,6 +13,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -346,6 +347,10 @@ class KnownFailureRef(_Strict):
     pattern: str
     reason: str
     link: str | None = None
+
+    def matches(self, text: str) -> bool:
+        """Whether the pattern is found in ``text``, as the matrix's known failure finds it."""
+        return re.search(self.pattern, text) is not None
 
 
 class Record(_Strict):

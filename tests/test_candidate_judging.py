@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 from harness import judging
+from harness.baselines import Baseline
 from harness import records as R
 from test_compare import BOUNDS, INFO, kf, record, seq
 
@@ -101,6 +102,31 @@ def test_in_a_run_of_one_engine_a_candidate_that_agrees_with_the_base_is_judged_
     assert j.verdict == "waived" and j.known_failure is not None and "the base is waived by known failure" in j.reason
     moved = candidate(sequences=[seq(lps=(-1.0, -2.01, -0.5))])
     assert judging.judge_against_base(c, moved, lone_base, [], known_failures=[known]).verdict == "regressed"
+
+
+def test_a_base_waived_for_want_of_the_engine_its_known_failure_is_about_is_never_fixed():
+    """`harness run -k vllm`: the reference does not run, so the base is waived as its baseline
+    records, and the candidate's only check not against the base is its input's contrast, which
+    shows nothing about the reference: the candidate that agrees with the base is waived as the
+    base is, never fixed. With a transformers record beside it the reference is still absent."""
+    known = kf(pattern="^(teacher-forced|greedy):reference", versions="<0.33")
+    c = cell(known)
+    waived_base = judged_base(c, record(sequences=DEVIATING, loaded_state=STATE))
+    lone_base = judging.judge(c, waived_base, Baseline.from_record(waived_base), []).apply(waived_base)
+    assert lone_base.verdict == "waived" and "no comparison with the reference ran here" in lone_base.verdict_reason
+    contrast = R.InputSensitivity(prompts=[R.PromptSensitivity(
+        prompt="p0", kind="image", input="synthetic:gradient-56", contrast="c", first=1, logprobs=[-1.0, -2.0],
+        contrast_logprobs=[-1.5, -2.0], max_delta=0.5)], gates={}, seconds=0.1)
+    seen = candidate(sequences=DEVIATING, input_sensitivity=contrast)
+    tf = record("transformers", sequences=DEVIATING, engine_info=R.EngineInfo(name="transformers", version="5.19.0",
+                                                                               platform="cpu-x86_64-avx2"))
+    for others in ([], [tf]):
+        j = judging.judge_against_base(c, seen, lone_base, others, known_failures=[known])
+        assert any(ch.kind == "input-sensitivity" for ch in j.checks)
+        assert j.verdict == "waived" and "the base is waived by known failure" in j.reason, (others, j.reason)
+    # the reference beside it vouches: the same candidate is then judged by it (fixed where it agrees)
+    j = judging.judge_against_base(c, candidate(input_sensitivity=contrast), lone_base, [REF], known_failures=[known])
+    assert j.verdict == "fixed", j.reason
 
 
 def test_a_base_without_results_is_no_pass_for_the_candidate():
