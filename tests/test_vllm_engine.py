@@ -304,6 +304,31 @@ def test_two_engine_children_bind_different_cores(tmp_path):
     assert out.stdout.strip() == "1"
 
 
+def test_each_vllm_installation_has_its_own_cache(monkeypatch, tmp_path):
+    """vLLM's model-info cache names one file per architecture, whatever the release: a candidate
+    build sharing the pinned build's cache would overwrite its entries, and each engine start of
+    either would inspect the model again in a fresh interpreter."""
+    import importlib.util
+    from types import SimpleNamespace as Spec
+
+    from harness.engines import vllm_environment
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    roots = {}
+    for build in ("venv", "candidate"):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, b=build: Spec(origin=f"/{b}/vllm/__init__.py"))
+        roots[build] = vllm_environment.cache_root()
+    assert roots["venv"] != roots["candidate"] and all(r.startswith(str(tmp_path / "vllm")) for r in roots.values())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: Spec(origin="/venv/vllm/__init__.py"))
+    assert vllm_environment.cache_root() == roots["venv"]  # the same installation, the same cache
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "VLLM_CACHE_ROOT"})  # ours untouched
+    vllm_environment.set_environment()
+    assert os.environ["VLLM_CACHE_ROOT"] == roots["venv"]
+    os.environ["VLLM_CACHE_ROOT"] = str(tmp_path / "mine")  # a user's own is kept
+    vllm_environment.set_environment()
+    assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "mine")
+
+
 def test_log_capture_reads_vllms_timing_lines():
     cap = W.LogCapture()
     log = logging.getLogger("test.vllm.timing")

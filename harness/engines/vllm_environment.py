@@ -3,6 +3,8 @@ says why): the variables set before vLLM is imported, and the CPU core its OpenM
 held by a lock file per core for the child's life."""
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -41,12 +43,25 @@ def bind_core() -> str:
     return str(chosen)
 
 
+def cache_root() -> str:
+    """vLLM's cache directory for the vLLM installation this interpreter imports: its model-info
+    cache holds one file per architecture, named by the class and not the release, so two builds
+    sharing it (a candidate beside the pinned one) overwrite each other's entry, and every engine
+    start then inspects the model again in a fresh interpreter (``python -m
+    vllm.model_executor.models.registry``, ~10 s of imports)."""
+    spec = importlib.util.find_spec("vllm")  # found, not imported
+    where = spec.origin if spec is not None and spec.origin else "absent"
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+    return str(root / "installations" / hashlib.sha256(where.encode()).hexdigest()[:16])
+
+
 def set_environment() -> None:
     """The variables vLLM runs with here, set before vLLM is imported (a fresh child's probe sets
     them, the vLLM fork server before its preload): vLLM reads some at import, e.g.
     ``VLLM_LOGGING_LEVEL`` configures its logger. ``VLLM_CPU_OMP_THREADS_BIND`` is not among them:
     vLLM reads it when the engine starts (:func:`bind_core`)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CACHE_ROOT", cache_root())
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
