@@ -523,6 +523,13 @@ def test_children_with_other_test_hooks_share_one_fork_server_and_each_gets_its_
     assert [(tmp_path / f"{i}.log").read_text().split() for i in (0, 1)] == [["crash@a.*"], ["sleep=1@b.*"]]
 
 
+def test_the_variables_sent_after_the_fork_are_the_test_hooks_and_the_vllm_mutations():
+    from harness.engines.vllm import MUTATION_ENV
+    from harness.engines.vllm_mutations import MASK_LAYER_ENV
+
+    assert set(supervise.AFTER_FORK_ENV) == {worker.HOOK_ENV, MUTATION_ENV, MASK_LAYER_ENV}
+
+
 def test_a_childs_environment_leaves_out_the_running_test(monkeypatch):
     """pytest changes PYTEST_CURRENT_TEST at every test phase; a fork server serves one environment,
     so with it every test would start its own servers (tens of seconds of imports each)."""
