@@ -313,8 +313,10 @@ def _as_candidate(j: Judgement, record: Record, base: Record) -> Judgement:
     vouched = base.status != "ok" or (
         bool(between) and not (k is not None and _compared_with_absent_engine(k, record, between)))
     if k is not None and record.status == "ok" and vouched and disagreement(record, j.checks) is None:
-        return Judgement("fixed", f"{base_name} is {base.verdict} by known failure {k.pattern!r} ({k.engine} "
-                         f"{k.versions}); the candidate agrees with the other engines of this run", j.checks)
+        shown = f"{base_name} is {base.verdict} by known failure {k.pattern!r} ({k.engine} {k.versions})"
+        if not _rounding_cascade(base, k):
+            return Judgement("fixed", f"{shown}; the candidate agrees with the other engines of this run", j.checks)
+        return _fix_or_flip(j, shown)
     if j.verdict == "missing-baseline":
         return Judgement("missing-baseline", f"{base_name} has no results to compare with ({base.verdict}: "
                          f"{base.verdict_reason})", j.checks, j.known_failure)
@@ -330,6 +332,37 @@ def _as_candidate(j: Judgement, record: Record, base: Record) -> Judgement:
     if j.known_failure is not None and (base.known_failure is None or base.known_failure.pattern != j.known_failure.pattern):
         return Judgement(j.verdict, f"new in the candidate: {j.reason}", j.checks, j.known_failure)
     return Judgement(j.verdict, f"against {base_name}: {j.reason}", j.checks, j.known_failure)
+
+
+def _rounding_cascade(base: Record, k: KnownFailureLike) -> bool:
+    """Whether the base's known failure ``k`` is a cascade of rounding flips: every check of the
+    base it excuses is a logprob check (checks.KINDS, ``moved_by_rounding``), on a computation that
+    does not carry (harness.records.Computation). Such logprobs move between two builds as they do
+    between two kernel sets, so their moving is no evidence of a fix (docs/design.md, "Candidate
+    builds")."""
+    excused = [c for c in base.checks if not c.ok and k.matches(f"{c.name}: {c.detail}")]
+    carries = base.computation is not None and base.computation.carries
+    return bool(excused) and all(c.spec.moved_by_rounding for c in excused) and not carries
+
+
+def _fix_or_flip(j: Judgement, shown: str) -> Judgement:
+    """A candidate that no longer shows the base's rounding cascade (``shown`` says which): ``fixed``
+    when what it loads changed, module by module (the loaded-state digest covers each module's
+    values, quant method, scheme and settings: the code path it computes with), and the reason
+    names the first module that changed; otherwise ``portable-pass``, its logprobs against the base
+    shown, not judged, as across kernels: a flip that lands the other way."""
+    state = next((c for c in j.checks if c.kind == "loaded-state" and c.against_baseline), None)
+    if state is not None and not state.ok:
+        return Judgement("fixed", f"{shown}, a rounding cascade; the candidate agrees with the other engines of this "
+                         f"run, and what it loads changed: {state.detail}", j.checks)
+    why = ("the base's known failure is a rounding cascade and the candidate loads what the base loads" if state
+           else "the base's known failure is a rounding cascade and no loaded state was compared")
+    checks = [evidence.shown(c, why) if c.against_baseline and c.spec.computed and not c.ok else c for c in j.checks]
+    said = (f"loaded state equal to the base's ({state.data['modules']} modules, quant methods and settings "
+            "included)" if state else "loaded state not compared (no digest on one side)")
+    return Judgement("portable-pass", f"{shown}, a rounding cascade; the candidate agrees with the other engines of "
+                     f"this run, but {said}: nothing names a fix, and a flip that lands the other way is none; its "
+                     "logprobs against the base shown, not judged", checks)
 
 
 def needs_localisation(record: Record, known_failures: Iterable[KnownFailureLike] = ()) -> bool:

@@ -136,3 +136,36 @@ def test_a_base_without_results_is_no_pass_for_the_candidate():
         record(status="error", sequences=[], load=None, error=R.ErrorInfo(type="KeyError", message="KeyError: 'k_scale'")))
     j = judging.judge_against_base(c, candidate(), base, [REF])
     assert j.verdict == "missing-baseline" and "has no results to compare with (error" in j.reason
+
+
+def test_a_base_rounding_cascade_is_fixed_only_where_what_the_candidate_loads_changed():
+    """A known failure whose excused checks are all logprobs moved by rounding, on a computation
+    that quantizes activations, is a rounding cascade: a candidate that agrees with the reference
+    while loading what the base loads is a flip that lands the other way (portable-pass, its
+    logprobs against the base shown, not judged), never fixed; one whose loaded state changed is
+    fixed, and the reason names the module."""
+    known = kf(pattern="^(teacher-forced|greedy):reference", versions="<0.33")
+    fp8 = R.Computation(dtype="float32", quantized_activations=["input"])
+    c = cell(known)
+    base = judged_base(c, record(sequences=DEVIATING, loaded_state=STATE, computation=fp8))
+    assert base.verdict == "waived"
+    j = judging.judge_against_base(c, candidate(computation=fp8), base, [REF], known_failures=[known])
+    assert j.verdict == "portable-pass", j.reason
+    assert "a rounding cascade" in j.reason and "loaded state equal to the base's (2 modules" in j.reason
+    shown = [ch for ch in j.checks if ch.name == "teacher-forced:baseline"]
+    assert shown and all(ch.ok and ch.data["judged"] is False and ch.data["within_bounds"] is False for ch in shown)
+    state = dict(STATE, **{"model.layers.0.self_attn.qkv_proj": "0" * 16})
+    j = judging.judge_against_base(c, candidate(computation=fp8, loaded_state=state), base, [REF], known_failures=[known])
+    assert j.verdict == "fixed", j.reason
+    assert "what it loads changed: loaded state differs from the baseline's at model.layers.0.self_attn.qkv_proj" in j.reason
+    # the same known failure on a float32 computation that quantizes nothing carries: its logprobs
+    # agreeing with the reference are evidence enough
+    f32 = judged_base(c, record(sequences=DEVIATING, loaded_state=STATE))
+    assert judging.judge_against_base(c, candidate(), f32, [REF], known_failures=[known]).verdict == "fixed"
+    # a known failure about the loaded state is no rounding cascade, whatever the computation
+    md = kf(pattern="^module-diff:reference", versions="<0.33")
+    diff = R.ModuleDiff(first_differing_module="model.layers.0.self_attn.qkv_proj", detail="scale differs")
+    md_base = judged_base(cell(md), record(loaded_state=STATE, computation=fp8, module_diff=diff))
+    assert md_base.verdict == "waived", md_base.verdict_reason
+    j = judging.judge_against_base(cell(md), candidate(computation=fp8), md_base, [REF], known_failures=[md])
+    assert j.verdict == "fixed", j.reason
