@@ -54,6 +54,8 @@ class Candidate:
     python: str  # the interpreter its engine children run under
     version: str | None  # the engine's version there (None: the harness's own reference)
     root: str | None = None  # the cached environment; None for an environment the user gave
+    built_s: float | None = None  # how long its environment took to build (None: the user's own)
+    reused: bool = False  # built before this run, found in the cache
 
     @property
     def label(self) -> str:
@@ -159,7 +161,9 @@ def prepare(engine: str, spec: str, *, cache: Path | None = None, base_python: s
         ready = root / "READY"
         if ready.is_file():
             echo(f"{name}: reusing {root}")
-            return Candidate(engine, spec, str(root / "bin" / "python"), json.loads(ready.read_text())["version"], str(root))
+            marker = json.loads(ready.read_text())
+            return Candidate(engine, spec, str(root / "bin" / "python"), marker["version"], str(root),
+                             marker.get("seconds"), reused=True)
         if root.exists():
             echo(f"{name}: removing a half-built environment at {root}")
             shutil.rmtree(root)
@@ -194,7 +198,7 @@ def _build(engine: str, spec: str, target: str, root: Path, base_python: str, ba
     (root / "READY.tmp").write_text(json.dumps(marker) + "\n")
     os.replace(root / "READY.tmp", root / "READY")
     echo(f"{name}: ready in {seconds:.0f} s, {size / 1e6:.0f} MB of its own ({engine} {version})")
-    return Candidate(engine, spec, str(python), version, str(root))
+    return Candidate(engine, spec, str(python), version, str(root), round(seconds, 1))
 
 
 def _pip_step(name: str, argv: list[str], log: Path, what: str, echo: Callable[[str], None], mode: str = "a") -> None:

@@ -278,13 +278,14 @@ def _finish(args, m, cells, r, results_list, wall: float) -> int:
     summary = verdicts.summarize([res.record for res in results_list])
     table, code = summary.table(), summary.exit_code
     # lazy: pydantic, +150 ms (scripts/import-graph --costs)
-    from harness.report.candidates import headline
+    from harness.report.candidates import cost, headline
 
-    versus = headline([res.record for res in results_list if res.record.candidate is None],
-                      [res.record for res in results_list if res.record.candidate is not None])
+    base = [res.record for res in results_list if res.record.candidate is None]
+    tried = [res.record for res in results_list if res.record.candidate is not None]
+    builds = [(f"{c.engine} {c.version or '?'}", c.built_s, c.reused) for c in r.candidates.values()]
     changes = [res.outcome.change for res in results_list if res.outcome.change is not None]
     refused = [res for res in results_list if res.outcome.refused]
-    lines = ["", table] + ([versus] if versus else [])
+    lines = ["", table] + [line for line in (headline(base, tried), cost(base, tried, builds, wall)) if line]
     if args.update_baselines or args.update_kernel_baselines:
         kinds = {k: sum(1 for c in changes if c.kind == k) for k in ("new", "updated", "unchanged")}
         lines.append(f"baselines: {kinds['new']} new, {kinds['updated']} updated, {kinds['unchanged']} unchanged, "

@@ -355,7 +355,7 @@ def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False, p
             for old in idle[:max(0, len(_SERVERS) + 1 - MAX_SERVERS)]:
                 _SERVERS.pop(old).stop()
             server = _SERVERS[key] = ForkServer(preload, env, python)
-            ledger("fork-server", preload=preload)
+            ledger("fork-server", preload=preload, python=python)
         server.children += for_child
         return server
 
@@ -412,6 +412,7 @@ class Supervisor:
                 self._children.add(child)
         try:
             child.started()
+            waited = time.perf_counter() - t0  # for a forked child, a cold fork server's imports among it
             stage("cell-running")
             code = child.wait(timeout)
         except BaseException:
@@ -427,7 +428,8 @@ class Supervisor:
         seconds = time.perf_counter() - t0
         cell = job.get("cell") or {}  # a cell's job; a test's own child may run several
         ledger("child", engine=cell.get("engine"), mode=job.get("mode", main), cell=cell.get("id"),
-               seconds=round(seconds, 2), forked=preload is not None)
+               seconds=round(seconds, 2), waited=round(waited, 2), forked=preload is not None,
+               python=python or sys.executable)
         return Exit(code, started, seconds)
 
     def kill_all(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 from harness import cli, cpu, loadtime
 from harness import matrix as M
 from harness import records as R
-from harness.bench import decode, detection, noise_model, pairs, portability, report
+from harness.bench import candidate, decode, detection, noise_model, pairs, portability, report
 from harness.fixtures import benchmark
 from harness.hooks import slowdown
 from harness.bench.detection import CellRun
@@ -557,6 +557,8 @@ def test_markdown_has_a_line_per_target_and_the_tables():
 def test_bench_rejects_unknown_parts_and_sizes(capsys):
     assert cli.main(["bench", "--parts", "load,speed"]) == 2
     assert "unknown part 'speed'" in capsys.readouterr().err
+    assert cli.main(["bench", "--parts", "candidate"]) == 2
+    assert "--parts candidate: name the build to try, --candidate ENGINE=SPEC" in capsys.readouterr().err
     assert cli.main(["bench", "--sizes", "XL"]) == 2
     assert "unknown size 'XL'" in capsys.readouterr().err
 
@@ -873,3 +875,24 @@ def test_detection_weighs_its_rule_against_the_same_children_without_the_calibra
            "false_alarm_runs": 0, "later_look": d.later_look, "predicted_false_alarm": d.predicted_false_alarm}
     line = "".join(report._uncalibrated_lines(det))
     assert "Without the calibration" in line and "in seconds" in line and "clean runs with a false alarm 0 of 6" in line
+
+
+@pytest.mark.slow("two harness runs of one reference cell, each with its fork server")
+def test_the_candidate_part_times_a_candidate_run_beside_a_plain_one(tmp_path):
+    """Both runs are real ``harness run``s; the ledger tells the candidate build's children and fork
+    server from the base's by their interpreter (a stand-in build: this venv's, under another path)."""
+    from tests.stand_in_build import stand_in_build
+
+    build = stand_in_build(tmp_path / "build", {})
+    fig = candidate.measure(f"reference={build}", "whisper.unquantized.reference", "cpu-tiny", echo=lambda _: None)
+    plain, both = fig["plain"], fig["with_candidate"]
+    assert (plain["exit"], both["exit"]) == (0, 0), (plain["summary"], both["summary"])
+    assert (plain["base"]["cells"], plain["candidate"]["cells"], both["base"]["cells"], both["candidate"]["cells"]) == (1, 0, 1, 1)
+    assert plain["ledger"]["base"]["children"] == {"cell": 1} and plain["ledger"]["candidate"]["children"] == {}
+    assert both["ledger"]["base"]["children"] == {"cell": 1} and both["ledger"]["candidate"]["children"] == {"cell": 1}
+    assert both["ledger"]["candidate"]["fork_servers"] == 1 and both["ledger"]["base"]["fork_servers"] == 1
+    assert "candidate cost: wall" in both["summary"] and "its own environment" in both["summary"]
+    assert fig["build_s"] is None and fig["wall_ratio"] == both["wall_s"] / plain["wall_s"]
+    text = "\n".join(candidate.lines(fig))
+    assert "the candidate's environment: an existing environment" in text
+    assert "| the candidate's cells: count, own time | - | 1, " in text and "Target 7: " in text

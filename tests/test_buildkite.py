@@ -3,6 +3,7 @@ change-based selection."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import subprocess
@@ -516,3 +517,36 @@ def test_a_candidate_build_runs_beside_the_base_on_the_same_agent(validator, cap
     assert "candidate" not in final(bk.generate(MATRIX, cells))["command"]
     assert bk.main(["--matrix", "models.yaml", "--candidate", "vlm=x.whl"]) == 2
     assert "--candidate 'vlm=x.whl': expected ENGINE=SPEC" in capsys.readouterr().err
+
+
+def test_a_candidate_step_has_time_for_both_builds_and_shows_its_cost_in_its_label(tmp_path):
+    """The step runs its cells twice, after building the candidate's environment: its timeout has
+    room for both, and once the run is done it appends harness run's cost line to its own label,
+    from inside the container too (the agent is mounted there for a candidate step alone)."""
+    url = "https://example.org/wheels/vllm_cpu-0.32.1.dev12+g1234-cp311-linux_x86_64.whl"
+    opts = bk.Options(candidates=(("vllm", url),))
+    for cell_id in ("llama.fp8-dynamic.vllm", "llama-gpu.fp8-dynamic.vllm"):
+        cells = [c for c in CELLS if c.id == cell_id]
+        plain, tried = by_cell(bk.generate(MATRIX, cells))[cell_id], by_cell(bk.generate(MATRIX, cells, opts))[cell_id]
+        extra = tried["timeout_in_minutes"] - plain["timeout_in_minutes"]
+        assert extra == math.ceil((2 * cells[0].timeout_s) / 60) - math.ceil(cells[0].timeout_s / 60) \
+            + bk.CANDIDATE_BUILD_MINUTES, (cell_id, extra)
+        assert "step update label" not in plain["command"] and "step update label" in tried["command"]
+        if "plugins" in tried:
+            assert tried["plugins"][0][bk.DOCKER_PLUGIN]["mount-buildkite-agent"] is True
+            assert plain["plugins"][0][bk.DOCKER_PLUGIN]["mount-buildkite-agent"] is False
+    # the label's lines, run as the step runs them, against a summary harness run wrote
+    job = tmp_path / "results" / "job-1"
+    job.mkdir(parents=True)
+    (job / "summary.txt").write_text("verdict  cells\ncandidate cost: wall 40 s; cells' own time: base 6 s, "
+                                     "candidate 7 s; vllm 0.31.0: environment built in 23 s\nwall time 40.2 s\n")
+    agent = tmp_path / "bin" / "buildkite-agent"
+    agent.parent.mkdir()
+    agent.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path}/argv\n")
+    agent.chmod(0o755)
+    script = "\n".join(bk._cost_label(bk.Options(results_dir="results")))
+    env = {"PATH": f"{agent.parent}:/usr/bin:/bin", "BUILDKITE_JOB_ID": "job-1"}
+    subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, check=True)
+    assert (tmp_path / "argv").read_text().splitlines() == [
+        "step", "update", "label", " · wall 40 s; cells' own time: base 6 s, candidate 7 s; vllm 0.31.0: environment "
+        "built in 23 s", "--append"]

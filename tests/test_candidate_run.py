@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -101,6 +102,8 @@ def test_a_candidate_that_is_the_base_build_passes(tmp_path, setup, capsys, buil
     assert cand.verdict == "pass", cand.verdict_reason
     assert cand.verdict_reason.startswith("against base vllm 0.32.0: ")
     assert "vs base 0.32.0: 0 cells changed, 0 fixed" in out
+    assert re.search(r"^candidate cost: wall \d+ s; cells' own time: base \d+ s, candidate \d+ s; vllm 0\.32\.0: "
+                     r"its own environment$", out, re.M), out
     assert code == (1 if base.verdict not in ("pass", "waived") else 0)
 
 

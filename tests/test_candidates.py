@@ -2,6 +2,7 @@
 download: the builds install a wheel made here, a stand-in "transformers 99.0.0"."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import subprocess
 import sys
@@ -82,7 +83,8 @@ def test_a_built_environment_shares_torch_shadows_the_engine_and_is_reused(tmp_p
     assert any("pip install (log:" in ln for ln in lines) and any("ready in" in ln for ln in lines)
     lines.clear()
     again = K.prepare("transformers", str(wheel), cache=tmp_path / "cache", echo=lines.append)
-    assert again == c and lines == [f"candidate transformers={wheel}: reusing {c.root}"]
+    assert again == dataclasses.replace(c, reused=True) and not c.reused and c.built_s is not None
+    assert lines == [f"candidate transformers={wheel}: reusing {c.root}"]
     Path(c.root, "READY").unlink()  # as a build killed before its end leaves it
     lines.clear()
     K.prepare("transformers", str(wheel), cache=tmp_path / "cache", echo=lines.append)
@@ -98,5 +100,6 @@ def test_concurrent_runs_build_once(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert len(got) == 2 and got[0] == got[1]
+    assert len(got) == 2 and sorted(g.reused for g in got) == [False, True]  # one built, one found built
+    assert got[0] == dataclasses.replace(got[1], reused=got[0].reused)
     assert sum("pip install (log:" in ln for ln in lines) == 1 and sum("reusing" in ln for ln in lines) == 1

