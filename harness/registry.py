@@ -232,7 +232,7 @@ FORMATS: dict[str, FormatSpec] = {spec.name: spec for spec in (
         },
     ),
     FormatSpec(
-        "torchao", "harness.quant.torchao", ("torchao-int8", "torchao-float8"),
+        "torchao", "harness.quant.torchao", ("torchao-int8", "torchao-float8", "torchao-int4"),
         # a config's _type is validated against every module torchao reads from: imported too
         (MethodSpec("torchao", "harness.quant.schema:validate_torchao", library="torchao", distribution="torchao",
                     warm_imports=("torchao.core.config", "torchao.prototype.safetensors.safetensors_utils",

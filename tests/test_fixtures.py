@@ -18,6 +18,7 @@ from harness import cpu
 from harness.fixtures import cache as C
 from harness.fixtures import models as M
 from harness.fixtures.identity import load_bin, read_safetensors_header
+from harness.fixtures.recipes import INT4_GROUP_SIZE
 from harness.quant import LABELS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,8 +71,11 @@ def disk_labels(path: Path, spec, modules) -> dict[str, str]:
             out[m] = "bnb-fp4"
         elif f"{d}._weight_qdata" in h:
             # transformers 5.19 writes torchao's __metadata__ keys in the in-memory spelling
-            t = json.loads(meta[f"{m}.weight"])["_type"]
-            out[m] = {"Int8Tensor": "torchao-int8", "Float8Tensor": "torchao-float8"}[t]
+            entry = json.loads(meta[f"{m}.weight"])
+            if entry["_type"] == "IntxUnpackedToInt8Tensor":  # the label names its target dtype: int4
+                out[m] = "torchao-" + entry["_data"]["target_dtype"]["_data"]
+            else:
+                out[m] = {"Int8Tensor": "torchao-int8", "Float8Tensor": "torchao-float8"}[entry["_type"]]
         elif f"{d}.weight" in h and h[f"{d}.weight"]["dtype"] == "F8_E4M3":
             shape = h[f"{d}.weight_scale"]["shape"]
             out[m] = "fp8-tensor" if shape in ([1], []) else "fp8-channel"
@@ -229,11 +233,14 @@ def test_fixture_manifest_and_layout(built, name):
             if s.model == "whisper":  # self- and cross-attention, encoder too
                 assert any(".encoder_attn" in a for a in attn) and any("model.encoder." in a for a in attn)
     if s.scheme.startswith("torchao"):
-        qdtype = {"torchao-int8": "I8", "torchao-float8": "F8_E4M3"}
+        qdtype = {"torchao-int8": "I8", "torchao-float8": "F8_E4M3", "torchao-int4": "I8"}  # int4: one per byte
         for m in quantized:
             assert h[f"{m}._weight_qdata"]["dtype"] == qdtype[modules[m]]
             assert h[f"{m}._weight_scale"]["dtype"] == "F32"
-            assert (f"{m}._weight_zero_point" in h) == (modules[m] == "torchao-int8")
+            assert (f"{m}._weight_zero_point" in h) == (modules[m] in ("torchao-int8", "torchao-int4"))
+            if modules[m] == "torchao-int4":  # one scale per group of INT4_GROUP_SIZE input columns
+                rows, cols = h[f"{m}._weight_qdata"]["shape"]
+                assert h[f"{m}._weight_scale"]["shape"] == [rows, cols // INT4_GROUP_SIZE], m
             assert f"{m}.weight" not in h
         # no bias (or anything else) became a tensor subclass
         for k, v in h["__metadata__"].items():

@@ -14,12 +14,13 @@ MODELS_YAML = ROOT / "models.yaml"
 LLAMA_SCHEMES = [
     "unquantized", "bnb-nf4", "bnb-nf4-dq", "bnb-fp4", "fp8-static-kv", "fp8-dynamic", "torchao-int8wo",
     "torchao-float8wo", "bnb-nf4-skip-ambiguous", "bnb-nf4-skip-kproj", "bnb-nf4-skip-short",
-    "torchao-int8wo-skip-fqn", "torchao-int8wo-skip-modules", "torchao-int8wo-bin", "fp8-dynamic-ignore",
-    "fp8-static-kv-skip-kproj",
+    "torchao-int8wo-skip-fqn", "torchao-int8wo-skip-modules", "torchao-int8wo-bin", "torchao-int4wo",
+    "torchao-int4wo-fqn-none", "torchao-int4wo-skip-prefix", "fp8-dynamic-ignore", "fp8-static-kv-skip-kproj",
 ]
 WHISPER_SCHEMES = [
     "unquantized", "bnb-nf4", "bnb-nf4-dq", "bnb-fp4", "fp8-static-kv", "fp8-dynamic", "torchao-int8wo",
-    "torchao-float8wo", "bnb-nf4-skip-encoder", "torchao-int8wo-skip-encoder", "fp8-dynamic-ignore-encoder",
+    "torchao-float8wo", "torchao-int4wo", "bnb-nf4-skip-encoder", "torchao-int8wo-skip-encoder",
+    "fp8-dynamic-ignore-encoder",
 ]
 FIXTURES = {f"llama-{s}" for s in LLAMA_SCHEMES} | {f"whisper-{s}" for s in WHISPER_SCHEMES}
 GPU_FULL_HUB_IDS = {

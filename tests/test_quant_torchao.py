@@ -6,7 +6,8 @@ import torch
 
 torchao_q = pytest.importorskip("torchao.quantization")
 from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict  # noqa: E402
-from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, PerGroup, PerTensor, quantize_  # noqa: E402
+from torchao.quantization import (Float8WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup,  # noqa: E402
+                                  PerTensor, quantize_)
 
 from harness.errors import CheckpointError  # noqa: E402
 from harness.quant import formats  # noqa: E402
@@ -25,6 +26,7 @@ CONFIGS = {
     "int8-row": (Int8WeightOnlyConfig(), "torchao-int8", "per-row"),
     "int8-group": (Int8WeightOnlyConfig(granularity=PerGroup(16)), "torchao-int8", "block-1x16"),
     "float8-row": (Float8WeightOnlyConfig(), "torchao-float8", "per-row"),
+    "int4-group": (IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)), "torchao-int4", "block-1x16"),
 }
 
 
@@ -237,3 +239,50 @@ def test_per_tensor_scale_held_per_row():
     assert stored.block == (1, 8) and stored.scale.shape == (6, 1)
     assert torch.equal(stored.dequantize(), q.float() * 0.5)
     assert torch.equal(stored.rows(2, 5).dequantize(), q[2:5].float() * 0.5)
+
+
+def _int4_parts():
+    model = quantized_linears(IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)), shapes=((8, 32),))
+    return flatten_tensor_state_dict(model.state_dict())
+
+
+def test_int4_codes_outside_their_range_are_refused():
+    """One code per int8 byte: a byte outside -8..7 is not int4, whatever the metadata says."""
+    tensors, metadata = _int4_parts()
+    assert formats.decode_weight(TensorSource.from_tensors(tensors, metadata), N).label == "torchao-int4"
+    tensors["0._weight_qdata"] = tensors["0._weight_qdata"].clone()
+    tensors["0._weight_qdata"][0, 0] = 9
+    err = _error(tensors, metadata, N)
+    assert err.where == "0._weight_qdata" and "int4 codes must lie in [-8, 7], found [" in err.what
+
+
+def test_int4_target_dtype_and_activation_quantization_are_read_by_type():
+    tensors, metadata = _int4_parts()
+    _edit_meta(metadata, lambda m: m["_data"].update(target_dtype={"_type": "torch.dtype", "_data": "int2"}))
+    assert "target_dtype 'int2' is not supported (only int4)" in _error(tensors, metadata).what
+    tensors, metadata = _int4_parts()
+    _edit_meta(metadata, lambda m: m["_data"].update(activation_quantization="INT8_ASYM_PER_TOKEN"))
+    assert "activation quantization" in _error(tensors, metadata).what
+
+
+def test_a_group_that_does_not_tile_the_weight_is_refused_in_one_line():
+    tensors, metadata = _int4_parts()
+    _edit_meta(metadata, lambda m: m["_data"].update(block_size=[1, 12]))
+    err = _error(tensors, metadata)
+    assert err.where == N and "block_size [1, 12] does not tile the weight shape [8, 32]" in err.what
+
+
+def test_the_engines_probes_read_the_torchao_config_by_type():
+    """Int4WeightOnlyConfig has no CPU kernel; IntxWeightOnlyConfig's int4 runs anywhere, though
+    its JSON says int4 too."""
+    from harness.quant import schema
+
+    cuda_only = {"quant_method": "torchao", "quant_type": {"default": {"_type": "Int4WeightOnlyConfig", "_data": {}}}}
+    anywhere = {"quant_method": "torchao", "quant_type": {"default": {"_type": "IntxWeightOnlyConfig", "_data": {
+        "weight_dtype": {"_type": "torch.dtype", "_data": "int4"}, "granularity": {"_type": "PerGroup", "_data": {}}}}}}
+    fqn = {"quant_method": "torchao", "quant_type": {"default": {"_type": "FqnToConfig", "_data": {"fqn_to_config": {
+        "_default": {"_type": "Int4WeightOnlyConfig", "_data": {}}, "lm_head": None}}}}}
+    assert "Int4WeightOnlyConfig has no CPU kernel" in schema.cpu_problem_of_torchao(cuda_only)
+    assert "Int4WeightOnlyConfig has no CPU kernel" in schema.cpu_problem_of_torchao(fqn)
+    assert schema.cpu_problem_of_torchao(anywhere) is None
+    assert schema.torchao_config_types(anywhere) == {"IntxWeightOnlyConfig", "torch.dtype", "PerGroup"}

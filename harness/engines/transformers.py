@@ -30,13 +30,13 @@ are unsupported; plus the cell's hardware needs.
 """
 from __future__ import annotations
 
-import json
 import time
 
 from harness import loadtime, registry
 from harness import records as R
 from harness.engines import reference
 from harness.engines.base import Checkpoint, InProcessEngine, device, online_quantization
+from harness.quant import schema
 
 
 class _NoCache:
@@ -91,8 +91,8 @@ class TransformersEngine(InProcessEngine):
         online = online_quantization(self.cell)
         qc = online or checkpoint.quantization_config or {}
         if not torch.cuda.is_available():
-            if qc.get("quant_method") == "torchao" and "Int4" in json.dumps(qc):
-                return "torchao int4 weight-only has no CPU kernel (torchao 0.18 fails on CPU for every packing format)"
+            if qc.get("quant_method") == "torchao" and schema.cpu_problem_of_torchao(qc):
+                return schema.cpu_problem_of_torchao(qc)
             if online is not None and qc.get("quant_method") == "fp8":
                 return (f"transformers {transformers.__version__} has no online FP8 quantization that runs on a CPU "
                         "(FineGrainedFP8Config needs a GPU)")

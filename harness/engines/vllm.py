@@ -41,7 +41,6 @@ The five steps (harness.engines.base):
 from __future__ import annotations
 
 import gc
-import json
 import os
 import time
 from typing import Any
@@ -50,6 +49,7 @@ from harness import architectures, cpu, loadtime
 from harness import records as R
 from harness.engines import vllm_conformance, vllm_environment, vllm_mutations, vllm_state, vllm_worker
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem, online_quantization
+from harness.quant import schema
 from harness.traces import vllm as vllm_traces
 
 MUTATION_ENV = "HARNESS_VLLM_MUTATION"
@@ -184,8 +184,8 @@ class VllmEngine(Engine):
 
             if importlib.util.find_spec("vllm_bnb_plugin") is None:
                 return f"vLLM {version} has no in-tree bitsandbytes (removed in 0.32) and vllm-bnb-plugin is not installed"
-        if method == "torchao" and "Int4" in json.dumps(qc) and on_cpu:
-            return "torchao int4 weight-only has no CPU kernel (torchao 0.18 fails on CPU for every packing format)"
+        if method == "torchao" and on_cpu and schema.cpu_problem_of_torchao(qc):
+            return schema.cpu_problem_of_torchao(qc)
         if method in ("fp8", "compressed-tensors") and on_cpu:
             standin = {"static-fp8-standin", "fp8-first-shard-scale"} & set(mutations_from_env())
             if _per_tensor_fp8(qc) and not standin and not vllm_worker._op_has_arguments("static_scaled_fp8_quant"):

@@ -14,11 +14,23 @@ from harness.engines.vllm_worker import _op_has_arguments
 
 
 def _mutate_torchao_ignore_skip() -> None:
-    """vLLM's torchao config forgets its skip list (modules_to_not_convert and the None entries of
-    module_fqn_to_config): every linear is given TorchAOLinearMethod."""
+    """vLLM's torchao config forgets its skip list: modules_to_not_convert (``should_skip``) and the
+    None entries of a ModuleFqnToConfig, whose modules get its ``_default`` instead: every linear
+    is given TorchAOLinearMethod."""
     from vllm.model_executor.layers.quantization import torchao
 
     torchao.should_skip = lambda prefix, skip_modules: False
+    original = torchao.TorchAOConfig.get_quant_method
+
+    def get_quant_method(self, layer, prefix):
+        method = original(self, layer, prefix)
+        table = getattr(self.torchao_config, "module_fqn_to_config", None) or {}
+        if isinstance(method, torchao.UnquantizedLinearMethod) and table.get("_default") is not None:
+            default = torchao.TorchAOConfig(table["_default"], self.skip_modules, self.is_checkpoint_torchao_serialized)
+            return torchao.TorchAOLinearMethod(default)
+        return method
+
+    torchao.TorchAOConfig.get_quant_method = get_quant_method
 
 
 def _per_tensor_dequantize(tensor, inv_scale, dtype=None):

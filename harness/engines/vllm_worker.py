@@ -277,6 +277,8 @@ def _on_cpu() -> bool:
 
 def _torchao_label(weight) -> str:
     name = type(weight).__name__
+    if name == "IntxUnpackedToInt8Tensor":
+        return f"torchao-{str(weight.target_dtype).removeprefix('torch.')}"
     if "Int8" in name:
         return "torchao-int8"
     if "Float8" in name:

@@ -13,6 +13,7 @@ loaded model right after it:
 | ``skip-ignored`` | online quantization ignores the skip rules: every linear is quantized, ``lm_head`` included |
 | ``rows:PARAM:LO-HI[,LO-HI...]:FACTOR`` | after loading, those rows of parameter PARAM multiplied by FACTOR (embedding or LM-head rows of tokens the logprob prompts never use: the logprob cells cannot see it) |
 | ``tensor-scaled:GLOB:FACTOR`` | the checkpoint tensors matching GLOB (on-disk names) read multiplied by FACTOR: a wrong FP8 ``weight_scale``, a corrupted bnb ``absmax`` |
+| ``scale-groups-shifted:GLOB`` | the group-wise scales matching GLOB (on-disk names: a torchao int4 ``_weight_scale``) read with each group given its neighbour's (the columns rolled by one) |
 | ``tensors-swapped:A:B`` | the checkpoint tensors under prefix A read from prefix B and the other way round: a loader that swaps k and v |
 | ``mask-shifted:GLOB`` | after loading, the attention modules matching GLOB (in-memory names) attend with a causal mask off by one (each position also sees the next) |
 | ``output-scaled:GLOB:FACTOR`` | after loading, the output of the modules matching GLOB (in-memory names: vLLM's fused ones in vLLM) multiplied by FACTOR: a second bug inside a cell a known failure already covers |
@@ -135,6 +136,17 @@ def _tensor_scaled(arg: str | None) -> None:
     def transform(read, name):
         t = read(name)
         return (t * float(factor)).to(t.dtype) if fnmatch.fnmatchcase(name, glob) else t
+
+    _tensor_read(transform)
+
+
+def _scale_groups_shifted(arg: str | None) -> None:
+    if not arg:
+        raise ValueError("fault scale-groups-shifted: expected GLOB (the scales' on-disk names)")
+
+    def transform(read, name):
+        t = read(name)
+        return t.roll(1, dims=-1) if fnmatch.fnmatchcase(name, arg) else t
 
     _tensor_read(transform)
 
@@ -279,6 +291,7 @@ FAULTS: dict[str, Callable[[str | None], Callable | None]] = {
     "skip-ignored": _skip_ignored,
     "rows": _rows,
     "tensor-scaled": _tensor_scaled,
+    "scale-groups-shifted": _scale_groups_shifted,
     "tensors-swapped": _tensors_swapped,
     "mask-shifted": _mask_shifted,
     "output-scaled": _output_scaled,

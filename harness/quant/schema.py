@@ -210,6 +210,24 @@ def _serialized_types(value: Any, path: str):
             yield from _serialized_types(v, f"{path}[{i}]")
 
 
+# torchao 0.18 configs whose weights only CUDA kernels compute with: every packing format of
+# Int4WeightOnlyConfig fails on a CPU. IntxWeightOnlyConfig(weight_dtype=torch.int4) runs anywhere.
+CUDA_ONLY_TORCHAO = frozenset({"Int4WeightOnlyConfig"})
+
+
+def torchao_config_types(qc: Mapping) -> set[str]:
+    """The ``_type`` of every torchao object a torchao quantization config serializes (its configs,
+    granularities, formats), read by type, never as a substring of the JSON."""
+    return {t for _, t in _serialized_types(qc.get("quant_type") or {}, "") if isinstance(t, str)}
+
+
+def cpu_problem_of_torchao(qc: Mapping) -> str | None:
+    """Why a torchao checkpoint cannot compute on a CPU (a config of CUDA_ONLY_TORCHAO); None when it can."""
+    found = sorted(torchao_config_types(qc) & CUDA_ONLY_TORCHAO)
+    return (f"torchao {', '.join(found)} has no CPU kernel (torchao 0.18 fails on CPU for every packing format)"
+            if found else None)
+
+
 class TorchaoSerialized(Open):
     """A torchao config as ``TorchAoConfig.to_dict`` serializes it (``{"_type", "_version", "_data"}``)."""
 

@@ -1,11 +1,11 @@
-"""torchao weight-only Int8 / Float8 checkpoints, decoded in plain torch.
+"""torchao weight-only Int8 / Float8 / group-wise int4 checkpoints, decoded in plain torch.
 
 On-disk layout (transformers 5.19 + torchao 0.18, `torchao.prototype.safetensors`
 `flatten_tensor_state_dict`): for a parameter `M.weight` that is a tensor subclass,
 
-    M._weight_qdata        I8 [out, in] (Int8Tensor)  or  F8_E4M3 [out, in] (Float8Tensor)
-    M._weight_scale        F32, one value per block: [out, 1] per row, [1, 1] per tensor
-    M._weight_zero_point   I8 [out, 1]   Int8Tensor only (zeros for the symmetric default)
+    M._weight_qdata        I8 [out, in] (Int8Tensor, IntxUnpackedToInt8Tensor)  or  F8_E4M3 [out, in] (Float8Tensor)
+    M._weight_scale        F32, one value per block: [out, 1] per row, [1, 1] per tensor, [out, in/g] per group
+    M._weight_zero_point   I8, as the scale   integer subclasses only (zeros for the symmetric default)
 
 and the file's `__metadata__` holds, under the key `M.weight`, the JSON
     {"_type": "Int8Tensor" | "Float8Tensor",
@@ -13,13 +13,16 @@ and the file's `__metadata__` holds, under the key `M.weight`, the JSON
                "act_quant_kwargs": null, ...},
      "_tensor_data_names": ["zero_point", "qdata", "scale"]}
 plus `tensor_names` (a JSON list of every parameter) and `format: pt`. Plain tensors keep their
-names and get `{"_type": "Tensor"}`.
+names and get `{"_type": "Tensor"}`. IntxWeightOnlyConfig's `IntxUnpackedToInt8Tensor` holds int4
+values one per int8 byte (unpacked, nibbles not packed), its `_data` naming `target_dtype` (int4)
+and `block_size` [1, group]; its `activation_quantization` must be null.
 
 Legacy `torch.save`d `.bin` checkpoints hold the subclass objects themselves; `TensorSource`
 splits them into this same layout when it opens the file.
 
 Decoding, as the subclasses' `dequantize()`:
-- Int8Tensor: `(float(q) - float(zero_point)) * scale`, scale broadcast over its block;
+- Int8Tensor, IntxUnpackedToInt8Tensor: `(float(q) - float(zero_point)) * scale`, scale broadcast
+  over its block (torchao's `dequantize_affine`); an int4 code outside [-8, 7] is refused;
 - Float8Tensor: `float32(q) * scale`;
 then cast to the metadata's `dtype` (the original weight dtype) and widened back to float32.
 Activation quantization (`act_quant_kwargs` not null, `act_pre_scale`...) is refused: the labels
@@ -36,8 +39,10 @@ from harness.errors import CheckpointError
 from harness.quant import Decoded, StoredWeight, native, schema
 from harness.quant.source import TensorSource
 
-SUBCLASSES = {"Int8Tensor": "torchao-int8", "Float8Tensor": "torchao-float8"}
-_QDTYPE = {"Int8Tensor": torch.int8, "Float8Tensor": torch.float8_e4m3fn}
+SUBCLASSES = {"Int8Tensor": "torchao-int8", "Float8Tensor": "torchao-float8", "IntxUnpackedToInt8Tensor": "torchao-int4"}
+_QDTYPE = {"Int8Tensor": torch.int8, "Float8Tensor": torch.float8_e4m3fn, "IntxUnpackedToInt8Tensor": torch.int8}
+# IntxUnpackedToInt8Tensor: the code range of each target dtype read here (torchao's _DTYPE_TO_QVALUE_BOUNDS)
+_INTX_RANGE = {"int4": (-8, 7)}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ACT_PARTS = ("act_quant_scale", "act_quant_zero_point", "act_pre_scale")
 
@@ -160,6 +165,8 @@ def decode(src: TensorSource, weight: str) -> Decoded:
     dtype = _attr_dtype(weight, data)
     qname, sname, zname = (part_name(weight, p) for p in ("qdata", "scale", "zero_point"))
     q = _read_qdata(src, kind, qname, sname)
+    if kind == "IntxUnpackedToInt8Tensor":
+        _check_codes(qname, q, _intx_target(weight, data))
     shape = tuple(q.shape)
     block = _block_size(weight, data.get("block_size"), shape)
     nblocks = (shape[0] // block[0], shape[1] // block[1])
@@ -180,7 +187,7 @@ def _weight_only_subclass(src: TensorSource, weight: str) -> tuple[str, dict]:
     if kind not in SUBCLASSES:
         raise CheckpointError(weight, f"torchao subclass {kind!r} is not supported (only {sorted(SUBCLASSES)})")
     data = meta.get("_data") or {}
-    if data.get("act_quant_kwargs") is not None:
+    if data.get("act_quant_kwargs") is not None or data.get("activation_quantization") is not None:
         raise CheckpointError(weight, "torchao activation quantization (act_quant_kwargs) is not supported; "
                                       "only weight-only Int8/Float8")
     for part in _ACT_PARTS:
@@ -200,6 +207,24 @@ def _read_qdata(src: TensorSource, kind: str, qname: str, sname: str) -> torch.T
     if q.dim() != 2:
         raise CheckpointError(qname, f"expected a 2-D [out, in] weight, got shape {tuple(q.shape)}")
     return q
+
+
+def _intx_target(weight: str, data: dict) -> str:
+    """An IntxUnpackedToInt8Tensor's target dtype (``int4``), refused unless one read here."""
+    d = data.get("target_dtype")
+    name = (d.get("_data") if isinstance(d, dict) else d) or None
+    if name not in _INTX_RANGE:
+        raise CheckpointError(weight, f"IntxUnpackedToInt8Tensor target_dtype {name!r} is not supported (only "
+                                      f"{', '.join(_INTX_RANGE)})")
+    return name
+
+
+def _check_codes(qname: str, q: torch.Tensor, target: str) -> None:
+    """Every code within the target dtype's range: an int4 checkpoint holds -8..7 in each byte."""
+    low, high = _INTX_RANGE[target]
+    qmin, qmax = int(q.min()), int(q.max())
+    if qmin < low or qmax > high:
+        raise CheckpointError(qname, f"{target} codes must lie in [{low}, {high}], found [{qmin}, {qmax}]")
 
 
 def _block_size(weight: str, block: list | None, shape: tuple[int, int]) -> tuple[int, int]:
@@ -233,8 +258,8 @@ def _read_zero_point(src: TensorSource, zname: str, kind: str, scale: torch.Tens
     """The integer zero point per block, shaped as the scale; None when the file holds none."""
     if zname not in src.keys:
         return None
-    if kind != "Int8Tensor":
-        raise CheckpointError(zname, "Float8Tensor has no zero point")
+    if _QDTYPE[kind] != torch.int8:
+        raise CheckpointError(zname, f"{kind} has no zero point")
     zero_point = src.get(zname)
     if zero_point.dtype.is_floating_point or zero_point.dtype.is_complex:
         raise CheckpointError(zname, f"zero point must be an integer tensor, got {zero_point.dtype}")

@@ -41,7 +41,11 @@ def _weight_label(src: TensorSource, module: str) -> str:
         if f"{weight}.quant_state.bitsandbytes__{quant_type}" in src.keys:
             return f"bnb-{quant_type}"
     if f"{module}._weight_qdata" in src.keys:
-        return "torchao-int8" if src.dtype(f"{module}._weight_qdata") == torch.int8 else "torchao-float8"
+        if src.dtype(f"{module}._weight_qdata") != torch.int8:
+            return "torchao-float8"
+        q, scale = src.get(f"{module}._weight_qdata"), src.get(f"{module}._weight_scale")
+        # one scale per group of columns and every code in -8..7: int4 held one per byte
+        return "torchao-int4" if scale.shape[-1] > 1 and -8 <= int(q.min()) and int(q.max()) <= 7 else "torchao-int8"
     if weight in src.keys and src.dtype(weight) == torch.float8_e4m3fn:
         return "fp8-channel" if src.get(f"{module}.weight_scale").numel() > 1 else "fp8-tensor"
     return "unquantized"
@@ -119,7 +123,7 @@ TRANSFORMERS_KNOWN_FAILURES = {
     **{name: ("load", RuntimeError, "automatic conversion of the weights",
               "transformers 5.19 cannot deserialize torchao tensors of Bart, whose embeddings are tied "
               "three ways (TorchAoDeserialize: 'not enough values to unpack')")
-       for name in ("bart-torchao-int8wo", "bart-torchao-float8wo")},
+       for name in ("bart-torchao-int8wo", "bart-torchao-float8wo", "bart-torchao-int4wo")},
     **{name: ("diverges", None, None,
               "compressed-tensors 0.17's dynamic 'token' FP8 keeps dims 0 and 1 and reduces the rest, so "
               "it is per token only for 3-D activations: a 2-D one (Qwen2.5-VL's vision tower) gets one "
