@@ -505,7 +505,7 @@ def _figures(**over):
 def test_targets_pass_miss_and_not_measured():
     marks = {t["target"][:2]: t["ok"] for t in report.targets(_figures())}
     assert marks == {"1a": True, "1b": True, "1c": True, "1d": True, "2 ": True, "3 ": None, "4 ": None, "5 ": None,
-                     "6 ": None}
+                     "6 ": None, "7 ": None}
     slow = _figures(matrix={"before_s": 100.0, "after_s": 80.0, "before": "x", "after": "y"},
                     decode=[{"format": "fp8", "shape": [1, 1], "decode_s": 0.04, "fill_s": 0.01, "ratio": 4.0}])
     marks = {t["target"][:2]: t["ok"] for t in report.targets(slow)}

@@ -26,7 +26,7 @@ from harness.fixtures.identity import read_safetensors_header
 REPO = Path(__file__).resolve().parent.parent
 NEW_MODELS = ("mllama", "qwen2_5_vl", "bart")
 SCHEMES = ("unquantized", "bnb-nf4", "bnb-nf4-dq", "bnb-fp4", "fp8-static-kv", "fp8-dynamic",
-           "torchao-int8wo", "torchao-float8wo")
+           "torchao-int8wo", "torchao-float8wo", "torchao-int4wo")
 VARIANTS = (
     "mllama-bnb-nf4-skip-vision",
     "mllama-torchao-int8wo-skip-vision",
@@ -36,6 +36,7 @@ VARIANTS = (
     "mllama-fp8-static-kv-mixed-cross",
     "qwen2_5_vl-bnb-nf4-skip-vision",
     "qwen2_5_vl-torchao-int8wo-skip-vision",
+    "qwen2_5_vl-torchao-int4wo-skip-vision",
     "qwen2_5_vl-fp8-dynamic-ignore-vision",
 )
 NEW = [n for n in F.names() if F.spec(n).model in NEW_MODELS]

@@ -311,7 +311,8 @@ def test_cells_lists_ids(capsys):
     code, out, _ = harness(capsys, "cells", "-k", "whisper and torchao and reference")
     assert code == 0
     assert out.split() == ["whisper.online-torchao-int8wo.reference", "whisper.torchao-float8wo.reference",
-                           "whisper.torchao-int8wo-skip-encoder.reference", "whisper.torchao-int8wo.reference"]
+                           "whisper.torchao-int4wo.reference", "whisper.torchao-int8wo-skip-encoder.reference",
+                           "whisper.torchao-int8wo.reference"]
     code, out, _ = harness(capsys, "cells", "--engine", "transformers", "-k", "whisper.unquantized")
     assert out.split() == ["whisper.unquantized.transformers"]
 

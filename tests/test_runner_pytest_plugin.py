@@ -78,6 +78,7 @@ def test_collect_selects_exactly_the_cells():
     assert ids == listed == [
         "whisper.online-torchao-int8wo.reference", "whisper.online-torchao-int8wo.transformers",
         "whisper.torchao-float8wo.reference", "whisper.torchao-float8wo.transformers",
+        "whisper.torchao-int4wo.reference", "whisper.torchao-int4wo.transformers",
         "whisper.torchao-int8wo-skip-encoder.reference", "whisper.torchao-int8wo-skip-encoder.transformers",
         "whisper.torchao-int8wo.reference", "whisper.torchao-int8wo.transformers"]
 
