@@ -135,7 +135,7 @@ def lines(fig: dict | None) -> list[str]:
     ]
     mark = "met" if met(fig) else "MISSED"
     return [f"`harness run -k {fig['select']} --tier {fig['tier']}` and the same with `--candidate {fig['spec']}` "
-            f"(vLLM {fig['version']}), one after the other; the candidate's environment: {build}. A `load` child is "
+            f"({fig['spec'].partition('=')[0]} {fig['version'] or '?'}), one after the other; the candidate's environment: {build}. A `load` child is "
             "a timed load of a gated tier's load-time pair; waiting: from asking for a child to its start (a cold "
             "fork server's imports).", "",
             "| | plain | with the candidate |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows] + [
