@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from harness import baselines as B
 from harness import cpu
+from matrix_overlay import without_accuracy
 
 REPO = Path(__file__).resolve().parent.parent
 # Every FP8 family (dynamic, static with a KV cache, online, a skipped vision tower), one bnb, one
@@ -50,28 +50,14 @@ ACCURACY_KEPT = {"llama.bnb-nf4"}
 pytestmark = pytest.mark.slow("each test runs harness run or the trace suite's faults in a subprocess under a kernel condition")
 
 
-def _matrix(path: Path, kept: set[str]) -> Path:
-    """models.yaml with the accuracy tasks of the schemes outside ``kept`` ("model.scheme") left out."""
-    data = yaml.safe_load((REPO / "models.yaml").read_text())
-    for task in data["accuracy_tasks"].values():
-        if (REPO / task["task"]).is_file():  # a task YAML of the repo, relative to models.yaml
-            task["task"] = str(REPO / task["task"])
-    for model, m in data["models"].items():
-        for scheme, s in m["schemes"].items():
-            if f"{model}.{scheme}" not in kept:
-                m["schemes"][scheme] = {**(s or {}), "accuracy": []}
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
 @pytest.fixture(scope="module")
 def representative(tmp_path_factory) -> Path:
-    return _matrix(tmp_path_factory.mktemp("matrix") / "models.yaml", ACCURACY_KEPT)
+    return without_accuracy(tmp_path_factory.mktemp("matrix") / "models.yaml", ACCURACY_KEPT)
 
 
 @pytest.fixture(scope="module")
 def no_accuracy(tmp_path_factory) -> Path:
-    return _matrix(tmp_path_factory.mktemp("matrix") / "models.yaml", set())
+    return without_accuracy(tmp_path_factory.mktemp("matrix") / "models.yaml")
 
 
 def _run(tmp: Path, name: str, k: str, baselines: Path, matrix: Path, overlay: dict[str, str] | None,
