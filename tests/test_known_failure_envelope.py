@@ -10,7 +10,7 @@ the error leaves as it was; ``harness run --update-kernel-baselines`` records th
 on this machine's kernels, and from then on the error is ``failed`` there too.
 
 One run of the reference and vLLM cells of one scheme records the baselines both tests start from;
-each test then runs them once or twice."""
+each test then runs them once or twice, the faulted runs without accuracy tasks."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,6 +22,7 @@ import pytest
 
 from harness import cli
 from harness import records as R
+from matrix_overlay import without_accuracy
 
 if importlib.util.find_spec("vllm") is None:  # not imported here: the engine children import it
     pytest.skip("vLLM is not installed", allow_module_level=True)
@@ -53,11 +54,18 @@ def _copy(recorded: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(recorded, tmp_path / "baselines"))
 
 
+def _faulted_matrix(tmp_path: Path) -> Path:
+    """The faulted runs' models.yaml: no accuracy tasks, since the fault is caught by the logprobs
+    against the cell's own baseline (the clean runs keep them, and write their baselines)."""
+    return without_accuracy(tmp_path / "models.yaml")
+
+
 def test_a_second_bug_in_a_waived_vllm_cell_is_failed(recorded, tmp_path, monkeypatch, capsys):
     baselines, k = _copy(recorded, tmp_path), SELECTION
     monkeypatch.setenv("HARNESS_TEST_HOOK", FAULT)
     results = tmp_path / "results"
-    cli.main(["run", "--baselines", str(baselines), "--results", str(results), "-k", k])
+    cli.main(["run", "--matrix", str(_faulted_matrix(tmp_path)), "--baselines", str(baselines), "--results",
+              str(results), "-k", k])
     capsys.readouterr()
     ref, rec = (R.load(results / f"{cell}.json") for cell in CELLS)
     assert ref.verdict == "pass", ref.verdict_reason
@@ -91,7 +99,7 @@ def test_a_baseline_of_this_machines_kernels_holds_a_waived_cell_whose_own_is_fr
     assert [p.name for p in (kernels / "cpu-tiny").glob("accuracy/*.json")] in ([], [f"{CELLS[1]}.json"])
     monkeypatch.setenv("HARNESS_TEST_HOOK", FAULT)
     results = tmp_path / "results"
-    assert cli.main([*run, "--results", str(results)]) == 1
+    assert cli.main([*run, "--matrix", str(_faulted_matrix(tmp_path)), "--results", str(results)]) == 1
     capsys.readouterr()
     rec = R.load(results / f"{CELLS[1]}.json")
     assert rec.verdict == "failed", rec.verdict_reason
