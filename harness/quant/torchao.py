@@ -188,8 +188,8 @@ def _weight_only_subclass(src: TensorSource, weight: str) -> tuple[str, dict]:
         raise CheckpointError(weight, f"torchao subclass {kind!r} is not supported (only {sorted(SUBCLASSES)})")
     data = meta.get("_data") or {}
     if data.get("act_quant_kwargs") is not None or data.get("activation_quantization") is not None:
-        raise CheckpointError(weight, "torchao activation quantization (act_quant_kwargs) is not supported; "
-                                      "only weight-only Int8/Float8")
+        raise CheckpointError(weight, "torchao activation quantization (act_quant_kwargs, activation_quantization) "
+                                      "is not supported; only weight-only Int8/Float8/int4")
     for part in _ACT_PARTS:
         if part_name(weight, part) in src.keys:
             raise CheckpointError(part_name(weight, part), "torchao activation quantization tensors are not supported")
