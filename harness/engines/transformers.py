@@ -91,8 +91,8 @@ class TransformersEngine(InProcessEngine):
         online = online_quantization(self.cell)
         qc = online or checkpoint.quantization_config or {}
         if not torch.cuda.is_available():
-            if qc.get("quant_method") == "torchao" and schema.cpu_problem_of_torchao(qc):
-                return schema.cpu_problem_of_torchao(qc)
+            if qc.get("quant_method") == "torchao" and (problem := schema.cpu_problem_of_torchao(qc)):
+                return problem
             if online is not None and qc.get("quant_method") == "fp8":
                 return (f"transformers {transformers.__version__} has no online FP8 quantization that runs on a CPU "
                         "(FineGrainedFP8Config needs a GPU)")

@@ -184,8 +184,8 @@ class VllmEngine(Engine):
 
             if importlib.util.find_spec("vllm_bnb_plugin") is None:
                 return f"vLLM {version} has no in-tree bitsandbytes (removed in 0.32) and vllm-bnb-plugin is not installed"
-        if method == "torchao" and on_cpu and schema.cpu_problem_of_torchao(qc):
-            return schema.cpu_problem_of_torchao(qc)
+        if method == "torchao" and on_cpu and (problem := schema.cpu_problem_of_torchao(qc)):
+            return problem
         if method in ("fp8", "compressed-tensors") and on_cpu:
             standin = {"static-fp8-standin", "fp8-first-shard-scale"} & set(mutations_from_env())
             if _per_tensor_fp8(qc) and not standin and not vllm_worker._op_has_arguments("static_scaled_fp8_quant"):
