@@ -1,7 +1,7 @@
 """The matrix (a models.yaml document, as harness.matrix loads it) and its cells: ``expand(matrix,
 tier=None, engines=None)`` turns the matrix into a sorted list of ``Cell``s, one per model x scheme
-x engine, with every setting resolved (scheme > model > defaults); the on-demand tier cpu-load only
-when named. Which cells a ``-k`` expression selects is harness.selection. Nothing here imports
+x engine (and per configuration the scheme runs the engine in), with every setting resolved
+(scheme > model > defaults); the on-demand tiers only when named. Which cells a ``-k`` expression selects is harness.selection. Nothing here imports
 torch."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from harness.matrix_blocks import (
     UNPINNED,
     Bounds,
     BoundsOverride,
+    Configuration,
     Defaults,
     Engine,
     EnvName,
@@ -51,6 +52,7 @@ class Matrix(_Strict):
     defaults: Defaults
     prompt_sets: dict[Name, Annotated[list[Prompt], Field(min_length=1)]] = {}
     accuracy_tasks: dict[Name, AccuracyTask] = {}  # docs/design.md, "Accuracy"
+    configurations: dict[Name, Configuration] = {}  # docs/design.md, "Configurations"
     models: dict[Name, Model] = Field(min_length=1)
 
     _file: str = PrivateAttr(default="models.yaml")
@@ -97,6 +99,17 @@ class Cell(_Strict):
     hardware: Hardware
     known_failures: tuple[KnownFailure, ...] = ()  # those for this engine only
     accuracy: tuple[CellAccuracyTask, ...] = ()  # accuracy tasks run in the same engine child
+    # An engine configuration beside the plain one (docs/design.md, "Configurations"): its name,
+    # and what it sets; the plain cell (one rank, eager) has none.
+    configuration: str | None = None
+    tensor_parallel: int = 1
+    compiled: bool = False
+
+    @property
+    def base(self) -> str | None:
+        """A configuration cell's plain cell, ``<model>.<scheme>.<engine>``, which it is judged
+        against (None for a plain cell)."""
+        return f"{self.model}.{self.scheme}.{self.engine}" if self.configuration else None
 
     @property
     def fixture_name(self) -> str | None:
@@ -112,7 +125,9 @@ class Cell(_Strict):
 
     @property
     def gate_load_time(self) -> bool:
-        return self.tier in GATED_TIERS
+        """On a gated tier, for a plain cell: a configuration's load differs from the plain one's by
+        design (ranks, compilation), and it is judged against that, not against a baseline."""
+        return self.tier in GATED_TIERS and self.configuration is None
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -153,10 +168,32 @@ def expand(matrix: Matrix, tier: str | Iterable[str] | None = None, engines: str
         for sname, scheme in model.schemes.items():
             s = scheme or Scheme()
             cell_tier = s.tier or model.tier
+            plain = _scheme_cells(matrix, mname, model, sname, s, cell_tier, engine_set)
             if cell_tier in tiers:
-                cells += _scheme_cells(matrix, mname, model, sname, s, cell_tier, engine_set)
+                cells += plain
+            configured = s.configurations if s.configurations is not None else model.configurations
+            cells += [_configured(c, name, matrix.configurations[name], tier, s.known_failures)
+                      for name, tier in (configured or {}).items() if tier in tiers
+                      for c in plain if c.engine == matrix.configurations[name].engine]
     cells.sort(key=lambda c: c.id)
     return cells
+
+
+def _configured(plain: Cell, name: str, configuration: Configuration, tier: str,
+                known_failures: Iterable[KnownFailure]) -> Cell:
+    """The plain cell run in a configuration, in the tier the scheme names for it: its id
+    ``<model>.<scheme>.<engine>-<configuration>``; on a GPU tier one GPU per rank; the plain
+    cell's known failures and the configuration's own; no accuracy tasks (the loaded state and the
+    logprobs are what a configuration is judged by, and the tasks cost a plain cell's time again)."""
+    hw = plain.hardware
+    if tier not in CPU_TIERS:
+        hw = hw.model_copy(update={"gpus": max(hw.gpus or 1, configuration.tensor_parallel)})
+    return plain.model_copy(update={
+        "id": f"{plain.id}-{name}", "tier": tier, "hardware": hw, "configuration": name,
+        "tensor_parallel": configuration.tensor_parallel, "compiled": configuration.compiled, "accuracy": (),
+        "description": configuration.description or plain.description,
+        "known_failures": plain.known_failures + tuple(k for k in known_failures
+                                                       if k.engine == plain.engine and k.configuration == name)})
 
 
 def _scheme_cells(matrix: Matrix, mname: str, model: Model, sname: str, s: Scheme, cell_tier: str,
@@ -198,7 +235,7 @@ def _scheme_cells(matrix: Matrix, mname: str, model: Model, sname: str, s: Schem
                 timeout_s=s.timeout_s or model.timeout_s or d.timeout_s,
                 bounds=Bounds(**bounds),
                 hardware=hw,
-                known_failures=tuple(k for k in s.known_failures if k.engine == engine),
+                known_failures=tuple(k for k in s.known_failures if k.engine == engine and k.configuration is None),
                 accuracy=accuracy if accuracy_engines is None or engine in accuracy_engines else (),
             )
         )

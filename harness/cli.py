@@ -172,7 +172,7 @@ def _run_owned(args, m, cells, run, results: Path) -> int:
     r.prepare(fresh=True)
     mode = (" (updating baselines)" if args.update_baselines else
             " (updating this machine's kernel baselines)" if args.update_kernel_baselines else "")
-    progress.echo(f"harness run: {len(cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
+    progress.echo(f"harness run: {len(r.cells)} cell(s) in {len(r.groups)} group(s), tier {args.tier}, "
                   f"jobs {args.jobs}{mode}; results in {results}")
     gated = [c for c in cells if c.gate_load_time and c.tier in matrix.CPU_TIERS]
     if gated and not args.update_kernel_baselines:

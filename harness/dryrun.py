@@ -65,6 +65,8 @@ def _checkpoint(cell: Cell, matrix_dir: Path) -> str:
 
 
 def _baseline(root: Path, cell: Cell) -> tuple[str, str | None]:
+    if cell.base is not None:  # harness.configurations: judged against its plain cell
+        return f"none needed: judged against {cell.base}, which the run adds (one rank, eager)", None
     try:
         b = B.read(root, cell.tier, cell.id)
     except B.BaselineError as e:
@@ -111,7 +113,7 @@ def report(m: Matrix, cells: Sequence[Cell], *, matrix_path: str | Path, baselin
             echo(f"    error: {p}")
         echo(f"    buildkite queue: {queue}; environment: {env_text}")
         echo(f"    checkpoint: {_checkpoint(c, matrix_dir)}")
-        echo(f"    baseline: {base} ({B.path_for(root, c.tier, c.id)})")
+        echo(f"    baseline: {base}" + ("" if c.base else f" ({B.path_for(root, c.tier, c.id)})"))
     echo("")
     echo(f"would run here: {counts['run']}; unsupported here: {counts['unsupported']}; "
          f"misconfigured (error): {counts['error']}")

@@ -33,10 +33,13 @@ def judged_against(record: Record, baseline) -> bool:
     """Whether what ``record`` computed is judged against ``baseline`` (logprob or accuracy): on
     the baseline's own kernels, or where the record's computation carries to other kernels
     (float32, no quantized activation). Elsewhere an FP8 rounding flip or a bfloat16 sum moves
-    it by more than any bound that still guards, so it is shown, not judged."""
+    it by more than any bound that still guards, so it is shown, not judged; a configuration
+    cell's record is on other kernels than any baseline's (docs/design.md, "Configurations")."""
     computation = record.computation
-    return (baseline is None or not other_kernels(record, baseline)
-            or (computation is not None and computation.carries))
+    carries = computation is not None and computation.carries
+    # a configuration cell's record (harness.configurations) computes with other kernels than the
+    # plain cell's it is judged against: an all-reduce or inductor's fused code sums in another order
+    return baseline is None or carries or (record.configuration is None and not other_kernels(record, baseline))
 
 
 def why_not_judged(record: Record, baseline) -> str:
@@ -45,6 +48,8 @@ def why_not_judged(record: Record, baseline) -> str:
     what = ("its computation is unknown" if computation is None
             else f"it computes in {computation.dtype}" if computation.dtype != "float32"
             else f"it quantizes activations ({', '.join(computation.quantized_activations)})")
+    if record.configuration is not None:
+        return f"the {record.configuration} configuration computes with other kernels than one rank, eager, and {what}"
     return f"the baseline is from other kernels ({kernel_set_of(baseline)}) and {what}"
 
 

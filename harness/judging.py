@@ -224,8 +224,10 @@ def _portable_pass(case: _Case, note: str = "") -> Judgement | None:
             else "loaded state not compared (no digest on one side)",
             f"agrees with {', '.join(dict.fromkeys(engines))} in this run" if engines
             else "no other engine in this run to agree with"]
-    return Judgement("portable-pass", f"{'; '.join(said)}; {case.evidence.not_judged} (record this kind's: harness run "
-                     f"--update-kernel-baselines -k {case.record.scheme}){note}", case.checks)
+    # a configuration cell has no baseline of its own to record (harness.configurations)
+    record_it = ("" if case.record.configuration else
+                 f" (record this kind's: harness run --update-kernel-baselines -k {case.record.scheme})")
+    return Judgement("portable-pass", f"{'; '.join(said)}; {case.evidence.not_judged}{record_it}{note}", case.checks)
 
 
 def _pass(case: _Case) -> Judgement:
@@ -284,13 +286,15 @@ def judge(cell: Cell, record: Record, baseline: Baseline | None, others: Iterabl
 
 
 def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterable[Record] = (), *,
-                       known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None) -> Judgement:
+                       known_failures: Iterable[KnownFailureLike] = (), unfused: Record | None = None,
+                       base_name: str | None = None, subject: str = "the candidate") -> Judgement:
     """A candidate build's record judged against ``base``, the pinned build's judged record of the
     same cell in this run (docs/design.md, "Candidate builds"): the base's record stands in for the
     baseline (sequences with the family bounds, the loaded state exactly, accuracy by the paired
     gate), unkeyed by engine version, and the cross-engine checks are the candidate's own. A known
     failure of the base that the candidate no longer shows is ``fixed``; a known failure that the
-    base does not match (none, or another) is named as new."""
+    base does not match (none, or another) is named as new. A configuration cell is judged so too,
+    against its plain cell (harness.configurations): ``base_name`` and ``subject`` name the two."""
     ok = base.status == "ok"
     j = verdict(record, Baseline.from_record(base) if ok else None, bounds=cell.bounds,
                 known_failures=cell.known_failures,
@@ -298,13 +302,13 @@ def judge_against_base(cell: Cell, record: Record, base: Record, others: Iterabl
                                                  unfused=unfused),
                 gate_load_time=cell.gate_load_time, keyed_by_version=False,
                 accuracy_baseline=AccuracyBaseline.from_record(base) if ok and base.accuracy else None)
-    return dataclasses.replace(_as_candidate(j, record, base), evidence=j.evidence)
+    base_name = base_name or f"base {base.engine} {base.engine_info.version or '(version unknown)'}"
+    return dataclasses.replace(_as_candidate(j, record, base, base_name, subject), evidence=j.evidence)
 
 
-def _as_candidate(j: Judgement, record: Record, base: Record) -> Judgement:
+def _as_candidate(j: Judgement, record: Record, base: Record, base_name: str, subject: str) -> Judgement:
     """The verdict of a candidate's record, ``j`` against the base's, said as a candidate's
     (:func:`judge_against_base`)."""
-    base_name = f"base {base.engine} {base.engine_info.version or '(version unknown)'}"
     # what vouches for the candidate: a base that could not run at all, or the other engines of this
     # run, the one the base's known failure is about among them. Not the input's contrast, which a
     # cell of a run of one engine has too: its known failure can neither show nor be refuted there.
@@ -315,22 +319,24 @@ def _as_candidate(j: Judgement, record: Record, base: Record) -> Judgement:
     if k is not None and record.status == "ok" and vouched and disagreement(record, j.checks) is None:
         shown = f"{base_name} is {base.verdict} by known failure {k.pattern!r} ({k.engine} {k.versions})"
         if not _rounding_cascade(base, k):
-            return Judgement("fixed", f"{shown}; the candidate agrees with the other engines of this run", j.checks)
-        return _fix_or_flip(j, shown)
+            return Judgement("fixed", f"{shown}; {subject} agrees with the other engines of this run", j.checks)
+        return _fix_or_flip(j, shown, subject)
     if j.verdict == "missing-baseline":
         return Judgement("missing-baseline", f"{base_name} has no results to compare with ({base.verdict}: "
                          f"{base.verdict_reason})", j.checks, j.known_failure)
     if j.known_failure is not None and record.status == "ok" and not vouched and all(c.ok for c in j.checks):
         # The candidate agrees with the base, and no other engine of this run can show the known
         # failure's pattern (a run of one engine): it behaves as the base does, whatever that is.
+        unjudged = j.evidence.not_judged if j.evidence is not None else None
+        same = f"its loaded state the same; {unjudged}" if unjudged else "the same within the bounds"
         if base.known_failure is not None:
             k = base.known_failure
-            return Judgement("waived", f"against {base_name}: the same within the bounds, and the base is {base.verdict} "
+            return Judgement("waived", f"against {base_name}: {same}, and the base is {base.verdict} "
                              f"by known failure {k.pattern!r} ({k.engine} {k.versions})", j.checks, k)
-        return Judgement("pass", f"against {base_name}: the same within the bounds; no other engine in this run can "
-                         "show the known failure that covers it, for the candidate or the base", j.checks)
+        return Judgement("pass", f"against {base_name}: {same}; no other engine in this run can "
+                         f"show the known failure that covers it, for {subject} or the base", j.checks)
     if j.known_failure is not None and (base.known_failure is None or base.known_failure.pattern != j.known_failure.pattern):
-        return Judgement(j.verdict, f"new in the candidate: {j.reason}", j.checks, j.known_failure)
+        return Judgement(j.verdict, f"new in {subject}: {j.reason}", j.checks, j.known_failure)
     return Judgement(j.verdict, f"against {base_name}: {j.reason}", j.checks, j.known_failure)
 
 
@@ -345,7 +351,7 @@ def _rounding_cascade(base: Record, k: KnownFailureLike) -> bool:
     return bool(excused) and all(c.spec.moved_by_rounding for c in excused) and not carries
 
 
-def _fix_or_flip(j: Judgement, shown: str) -> Judgement:
+def _fix_or_flip(j: Judgement, shown: str, subject: str) -> Judgement:
     """A candidate that no longer shows the base's rounding cascade (``shown`` says which): ``fixed``
     when what it loads changed, module by module (the loaded-state digest covers each module's
     values, quant method, scheme and settings: the code path it computes with), and the reason
@@ -353,14 +359,14 @@ def _fix_or_flip(j: Judgement, shown: str) -> Judgement:
     shown, not judged, as across kernels: a flip that lands the other way."""
     state = next((c for c in j.checks if c.kind == "loaded-state" and c.against_baseline), None)
     if state is not None and not state.ok:
-        return Judgement("fixed", f"{shown}, a rounding cascade; the candidate agrees with the other engines of this "
+        return Judgement("fixed", f"{shown}, a rounding cascade; {subject} agrees with the other engines of this "
                          f"run, and what it loads changed: {state.detail}", j.checks)
-    why = ("the base's known failure is a rounding cascade and the candidate loads what the base loads" if state
+    why = (f"the base's known failure is a rounding cascade and {subject} loads what the base loads" if state
            else "the base's known failure is a rounding cascade and no loaded state was compared")
     checks = [evidence.shown(c, why) if c.against_baseline and c.spec.computed and not c.ok else c for c in j.checks]
     said = (f"loaded state equal to the base's ({state.data['modules']} modules, quant methods and settings "
             "included)" if state else "loaded state not compared (no digest on one side)")
-    return Judgement("portable-pass", f"{shown}, a rounding cascade; the candidate agrees with the other engines of "
+    return Judgement("portable-pass", f"{shown}, a rounding cascade; {subject} agrees with the other engines of "
                      f"this run, but {said}: nothing names a fix, and a flip that lands the other way is none; its "
                      "logprobs against the base shown, not judged", checks)
 

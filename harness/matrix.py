@@ -19,6 +19,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from harness import files, yamldoc
+from harness.registry import ENGINES as ENGINE_SPECS
 
 # The public names of the schema and of the expansion, re-exported: callers import them from here.
 from harness.cells import Cell, Matrix, _family, _merge_hardware, expand, warnings
@@ -37,6 +38,7 @@ from harness.matrix_blocks import (
     Arch,
     Bounds,
     BoundsOverride,
+    Configuration,
     Defaults,
     Engine,
     EnvName,
@@ -133,9 +135,13 @@ def _check_references(m: Matrix, filename: str) -> None:
             if family not in m.defaults.bounds:
                 where = f"{spath}.family" if s.family else spath
                 fail(where, f"bounds family {family!r} is not defined under defaults.bounds{_defined(m.defaults.bounds)}")
+            configured = (s.configurations if s.configurations is not None else model.configurations) or {}
             for i, kf in enumerate(s.known_failures):
                 if kf.engine not in engines:
                     fail(f"{spath}.known_failures[{i}].engine", f"{kf.engine!r} is not one of this cell's engines ({', '.join(engines)})")
+                if kf.configuration is not None and kf.configuration not in configured:
+                    fail(f"{spath}.known_failures[{i}].configuration", f"{kf.configuration!r} is not one of this "
+                         f"scheme's configurations{_defined(configured)}")
             hw = _merge_hardware(model.hardware, s.hardware)
             if tier in CPU_TIERS and (hw.gpus or 0) > 0:
                 fail(f"{spath}.hardware.gpus" if s.hardware and s.hardware.gpus else f"{mpath}.hardware.gpus", f"{tier} cells cannot need a GPU")
@@ -150,6 +156,29 @@ def _check_references(m: Matrix, filename: str) -> None:
                 for i, e in enumerate(listed or ()):
                     if e not in engines:
                         fail(f"{where}.accuracy_engines[{i}]", f"{e!r} is not one of this cell's engines ({', '.join(engines)})")
+            where = spath if s.configurations is not None else mpath
+            for cname, ctier in configured.items():
+                _check_configuration(m, cname, ctier, tier, engines, f"{where}.configurations.{cname}", fail)
+
+
+def _check_configuration(m: Matrix, name: str, tier: str, scheme_tier: str, engines, path: str, fail) -> None:
+    """A configuration a scheme runs: defined, on one of the scheme's engines (its plain cell is
+    what it is judged against), in a tier on the same kind of machine as the scheme's."""
+    if name not in m.configurations:
+        fail(path, f"configuration {name!r} is not defined under configurations{_defined(m.configurations)}")
+    configuration = m.configurations[name]
+    engine = configuration.engine
+    needs = [k for k in ("tensor_parallel", "compiled") if getattr(configuration, k) != Configuration.model_fields[k].default]
+    unable = [k for k in needs if k not in ENGINE_SPECS[engine].configurable]
+    if unable:
+        fail(f"configurations.{name}", f"engine {engine!r} does not run {' or '.join(unable)} (it runs: "
+                                       f"{', '.join(ENGINE_SPECS[engine].configurable) or 'no configuration'})")
+    if engine not in engines:
+        fail(path, f"configuration {name!r} runs {engine!r}, which is not one of this cell's engines ({', '.join(engines)})")
+    if (tier in CPU_TIERS) != (scheme_tier in CPU_TIERS):
+        fail(path, f"tier {tier!r} runs on {'a CPU' if tier in CPU_TIERS else 'GPUs'}, the scheme's tier {scheme_tier!r} "
+                   f"on {'a CPU' if scheme_tier in CPU_TIERS else 'GPUs'}: a configuration is judged against the plain "
+                   "cell on the same machine")
 
 
 def _task_yaml_problem(path: Path) -> str | None:

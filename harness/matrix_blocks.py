@@ -17,13 +17,16 @@ from harness import architectures
 from harness.registry import ENGINE_NAMES, known_engine
 
 ENGINES: tuple[str, ...] = ENGINE_NAMES
-TIERS: tuple[str, ...] = ("cpu-tiny", "cpu-load", "gpu-tiny", "gpu-full")
+TIERS: tuple[str, ...] = ("cpu-tiny", "cpu-load", "cpu-config", "gpu-tiny", "gpu-full")
 # Tiers on which load time is gated (docs/design.md, "Load time": never on cpu-tiny, where Python
 # overhead dominates; cpu-load holds the benchmark checkpoints that are large enough to time).
 GATED_TIERS: frozenset[str] = frozenset({"cpu-load", "gpu-tiny", "gpu-full"})
-# CPU tiers (no GPU); and the tiers run only when selected by name (never by default nor in CI):
-# cpu-load's checkpoints are built on demand (harness.fixtures.benchmark) and take minutes.
-CPU_TIERS: frozenset[str] = frozenset({"cpu-tiny", "cpu-load"})
+# CPU tiers (no GPU); and the tiers run only when selected by name (never by default nor in the
+# generated pipeline): cpu-load's checkpoints are built on demand (harness.fixtures.benchmark) and
+# take minutes. cpu-config holds the configuration cells of the tiny fixtures (tensor-parallel,
+# compiled), which cost several plain cells each (docs/design.md, "Configurations"): `harness run`
+# and the matrix suite run cpu-tiny unless told otherwise, the generated pipeline runs it too.
+CPU_TIERS: frozenset[str] = frozenset({"cpu-tiny", "cpu-load", "cpu-config"})
 ON_DEMAND_TIERS: frozenset[str] = frozenset({"cpu-load"})
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
 UNPINNED = "unpinned"
@@ -31,7 +34,7 @@ UNPINNED = "unpinned"
 # A registered engine (harness.registry, an installed package's included): an unknown name is one
 # line listing the choices.
 Engine = Annotated[str, AfterValidator(known_engine)]
-Tier = Literal["cpu-tiny", "cpu-load", "gpu-tiny", "gpu-full"]
+Tier = Literal["cpu-tiny", "cpu-load", "cpu-config", "gpu-tiny", "gpu-full"]
 # The transformers classes of harness.architectures (docs/design.md: one list of architectures).
 Arch = Literal[architectures.HF_CLASSES]  # type: ignore[valid-type]
 # Names that become part of a cell id: no dots (ids are dot-separated), no spaces, no shell.
@@ -124,6 +127,9 @@ class KnownFailure(_Strict):
     reason: Annotated[str, StringConstraints(min_length=1)]
     link: str | None = None
     evidence: str | None = None
+    # Only the cells of this configuration (docs/design.md, "Configurations"); None: the plain cell
+    # and, as the same bug shows there too, its configuration cells.
+    configuration: Name | None = None
 
     @field_validator("versions")
     @classmethod
@@ -191,6 +197,22 @@ class Hub(_Strict):
         return v
 
 
+class Configuration(_Strict):
+    """An engine configuration beside the one every cell runs (one rank, eager): its cells are
+    judged against that plain cell of the same run (docs/design.md, "Configurations")."""
+
+    description: str | None = None
+    engine: Engine
+    tensor_parallel: int = Field(default=1, ge=1, le=64)  # ranks; on a GPU tier, one GPU each
+    compiled: bool = False  # the engine's default compiled execution instead of eager
+
+    @model_validator(mode="after")
+    def _not_the_plain_cell(self) -> Configuration:
+        if self.tensor_parallel == 1 and not self.compiled:
+            raise ValueError("one rank, eager is the plain cell every scheme has; set tensor_parallel above 1 or compiled")
+        return self
+
+
 class _CellSettings(_Strict):
     """Settings shared by a model (as defaults for its schemes) and by each scheme."""
 
@@ -203,6 +225,8 @@ class _CellSettings(_Strict):
     hardware: Hardware | None = None
     accuracy: list[Name] | None = None  # names under accuracy_tasks; a scheme's list replaces its model's
     accuracy_engines: list[Engine] | None = None  # the engines that run them (default: all the cell's)
+    # configuration name (under configurations) -> the tier its cells run in; a scheme's replaces its model's
+    configurations: dict[Name, Tier] | None = None
 
 
 class Scheme(_CellSettings):

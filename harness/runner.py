@@ -28,6 +28,9 @@ run`` refuses a run in one line when one cannot be written, before anything runs
 engine runs again under the candidate's interpreter with the same sequences, judged against the
 base's record of this run (:meth:`Runner.judge_candidate`; docs/design.md, "Candidate builds").
 
+**A configuration cell** (models.yaml ``configurations``: tensor-parallel, compiled): run once its
+plain cell is judged, judged against it (harness.configurations); selecting it adds its plain cell.
+
 **Traces.** A cell with a failing check its known failures do not excuse (every cell with
 ``trace``) is localised against the engines it disagrees with and its baseline's fingerprint;
 ``update_fingerprints`` refreshes those fingerprints (harness.traces.jobs; docs/design.md,
@@ -49,7 +52,7 @@ from filelock import FileLock
 from harness import baselines as B
 from harness import compare as C
 from harness import judging
-from harness import cpu, evidence, loadtime, probes, resolver
+from harness import configurations, cpu, evidence, loadtime, probes, resolver
 from harness import records as R
 from harness import store, supervise
 from harness.accuracy import store as accuracy_store
@@ -113,7 +116,10 @@ class Runner:
                  candidates: Mapping[str, Candidate] | None = None, candidate_dir: str = "candidate",
                  update_kernel_baselines: bool = False, later_look_s: float = loadtime.LATER_LOOK_S):
         self.matrix = matrix
-        self.cells = sorted(cells, key=lambda c: (group_key(c), _engine_order(c)))
+        universe = expand(matrix, tier=TIERS)
+        self.cells = sorted(configurations.with_bases(cells, universe), key=lambda c: (group_key(c), _engine_order(c)))
+        # the configuration cells, each run once its plain cell is judged (harness.configurations)
+        self.configured = configurations.ConfigurationRuns(self.cells)
         self.results = Path(results)
         self.layout = Layout(self.results)
         # engine -> the candidate build that runs beside the pinned one (harness run --candidate)
@@ -134,11 +140,13 @@ class Runner:
         self._decided: dict[str, R.Record | None] = {}
         self.groups: dict[str, list[Cell]] = {}
         for c in self.cells:
-            self.groups.setdefault(group_key(c), []).append(c)
+            if c.configuration is None:
+                self.groups.setdefault(group_key(c), []).append(c)
         # every engine of a group in the matrix (selected or not, on-demand tiers too), for baseline-derived sequences
         matrix_cells: dict[str, list[Cell]] = {}
-        for c in sorted(expand(matrix, tier=TIERS), key=_engine_order):
-            matrix_cells.setdefault(group_key(c), []).append(c)
+        for c in sorted(universe, key=_engine_order):
+            if c.configuration is None:
+                matrix_cells.setdefault(group_key(c), []).append(c)
         self.sequences = ScoredSequences(self.baselines_root, matrix_cells, self.layout.sequences, self._compute_sequences)
 
     def record_path(self, cell: Cell) -> Path:
@@ -180,7 +188,7 @@ class Runner:
         # be decided a configuration error: no checkpoint yet)
         later = {cell.id for cell, *_ in unbuilt}
         running = [c for c in self.cells if c.id in later or self.decided(c) is None]
-        beside_baselines = [w for c in running for w in self._baseline_writes(c)]
+        beside_baselines = [w for c in running if c.configuration is None for w in self._baseline_writes(c)]
         if beside_baselines:
             beside_baselines.insert(0, Written(self.baselines_root, "--baselines"))
             # the baselines of each set of kernels, and the obtained files beside them
@@ -393,7 +401,7 @@ class Runner:
     # ---- a candidate build beside the pinned one ----------------------------------------------
     def candidate_cells(self) -> list[Cell]:
         """The selected cells whose engine has a candidate build in this run."""
-        return [c for c in self.cells if c.engine in self.candidates]
+        return [c for c in self.cells if c.engine in self.candidates and c.configuration is None]
 
     def judge_candidate(self, cell: Cell, base: CellResult, raws: dict[str, R.Record]) -> CellResult:
         """The cell run on its engine's candidate build, with the group's scored sequences, and
@@ -417,11 +425,26 @@ class Runner:
         self._add_localisation(result, self.tracer.against_base_build(cell, result.record, candidate.python))
         return result
 
+    def judge_configuration(self, cell: Cell, base: CellResult, raws: dict[str, R.Record]) -> CellResult:
+        """A configuration cell (harness.configurations) run with its group's scored sequences and
+        judged against ``base``, its plain cell's judged result of this run. It writes no baseline."""
+        rec = self.decided(cell)
+        if rec is None:
+            rec = self.run_child(cell, mode="cell", sequences=self.scored_sequences(group_key(cell))[0],
+                                 record_path=self.layout.raw(cell.id), log=self.layout.log(cell.id))
+        judged = configurations.judge(cell, rec, base.record, raws, self.groups[group_key(cell)], self.unfused(raws))
+        return CellResult(cell, judged, sequence_source=base.sequence_source)
+
     # ---- entry points ---------------------------------------------------------------------
     def run_cell(self, cell: Cell) -> CellResult:
         """One cell, judged against the other selected engines of its group (running them when no
-        other process has): the pytest plugin's entry point."""
-        return self._run_cell(cell, self._group_raws(cell))
+        other process has), a configuration cell against its plain cell: the pytest plugin's entry
+        point."""
+        if cell.base is None:
+            return self._run_cell(cell, self._group_raws(cell))
+        plain = next(c for c in self.groups[group_key(cell)] if c.id == cell.base)
+        raws = self._group_raws(plain)
+        return self.finish(self.judge_configuration(cell, self._run_cell(plain, raws), raws))
 
     def run_candidate_cell(self, cell: Cell) -> CellResult:
         """The cell on its engine's candidate build, judged against the pinned build's result of
@@ -451,6 +474,8 @@ class Runner:
             r.sequence_source = source
             out.append(self.finish(r))
         out += [self.finish(self.judge_candidate(r.cell, r, raws)) for r in list(out) if r.cell.engine in self.candidates]
+        out += [self.finish(self.judge_configuration(c, r, raws))
+                for r in list(out) if r.record.candidate is None for c in self.configured.of(r.cell)]
         return out
 
     def run(self, jobs: int = 1, progress: Callable[[int, int, CellResult], None] | None = None) -> list[CellResult]:

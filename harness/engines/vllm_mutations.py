@@ -291,6 +291,71 @@ def _mutate_torchao_full_size_dummy() -> None:
     torchao.torchao_quantize_param_data = torchao_quantize_param_data
 
 
+def _as_rank_zero(load: Callable, applies: Callable[..., bool]) -> Callable:
+    """``load`` (a weight loader of a layer or a parameter), run as rank 0 of several where
+    ``applies(self, *args, **kwargs)``: the layer's and the parameter's ``tp_rank`` are 0 for the
+    call, so the rank narrows the checkpoint tensor at rank 0's offset."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    def loader(self, *args, **kwargs):
+        if get_tensor_model_parallel_world_size() == 1 or not applies(self, *args, **kwargs):
+            return load(self, *args, **kwargs)
+        held = [o for o in (self, *args) if hasattr(o, "tp_rank")]
+        ranks = [o.tp_rank for o in held]
+        for o in held:
+            o.tp_rank = 0
+        try:
+            return load(self, *args, **kwargs)
+        finally:
+            for o, rank in zip(held, ranks):
+                o.tp_rank = rank
+
+    return loader
+
+
+def _mutate_tp_q_offset() -> None:
+    """Under tensor parallelism (more than one rank) every rank loads the q shard of a QKV module
+    at rank 0's offset: rank 1 holds rank 0's q rows. One rank is unaffected."""
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    def is_q(layer, param, loaded_weight, loaded_shard_id=None, *rest, **kwargs):
+        return loaded_shard_id == "q"
+
+    QKVParallelLinear.weight_loader = _as_rank_zero(QKVParallelLinear.weight_loader, is_q)
+    QKVParallelLinear.weight_loader_v2 = _as_rank_zero(QKVParallelLinear.weight_loader_v2, is_q)
+
+
+def _mutate_tp_scale_shard() -> None:
+    """Under tensor parallelism every rank takes its per-output-channel weight scales of a fused
+    (QKV, gate/up) module from rank 0's part of each shard: rank 1's rows are dequantized with
+    rank 0's scales. One rank is unaffected."""
+    from vllm.model_executor.parameter import ChannelQuantScaleParameter
+
+    for name in ("load_qkv_weight", "load_merged_column_weight"):
+        setattr(ChannelQuantScaleParameter, name,
+                _as_rank_zero(getattr(ChannelQuantScaleParameter, name), lambda *a, **k: True))
+
+
+def _mutate_compiled_only() -> None:
+    """A row-parallel linear's output scaled by 1.01 in the code torch.compile traces, and only
+    there (``torch.compiler.is_compiling()``): the compiled model computes something the eager one
+    does not, from the same loaded weights."""
+    import torch
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    forward = RowParallelLinear.forward
+
+    def compiled_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if not torch.compiler.is_compiling():
+            return out
+        if isinstance(out, tuple):
+            return (out[0] * 1.01, *out[1:])
+        return out * 1.01
+
+    RowParallelLinear.forward = compiled_forward
+
+
 MUTATIONS: dict[str, tuple[str, Any]] = {
     "torchao-full-size-dummy": ("a full-size nn.Linear allocated and initialised per torchao weight (the seed's slow "
                                 "load reverted)", _mutate_torchao_full_size_dummy),
@@ -307,6 +372,12 @@ MUTATIONS: dict[str, tuple[str, Any]] = {
                            _static_fp8_quant_standin),
     "k-scale-off": ("the first attention layer's KV-cache k_scale 1% off as loaded", _mutate_k_scale_off),
     "input-scale-off": ("the first static FP8 linear's input_scale 1% off as loaded", _mutate_input_scale_off),
+    "tp-q-offset": ("under tensor parallelism, every rank loads a QKV module's q shard at rank 0's offset",
+                    _mutate_tp_q_offset),
+    "tp-scale-shard": ("under tensor parallelism, every rank takes a fused module's per-channel weight scales "
+                       "from rank 0's part of each shard", _mutate_tp_scale_shard),
+    "compiled-only": ("a row-parallel linear's output 1% off in the code torch.compile traces only",
+                      _mutate_compiled_only),
 }
 
 

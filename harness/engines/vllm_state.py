@@ -18,7 +18,15 @@ from __future__ import annotations
 from typing import Any
 
 from harness import loaded_state as state
-from harness.engines.vllm_worker import AFTER_LOAD, _is_linear, _packed, effective_shards, shard_layout
+from harness.engines.vllm_worker import (
+    AFTER_LOAD,
+    _is_linear,
+    _packed,
+    effective_shards,
+    shard_layout,
+    tp_layout,
+    tp_rank_and_size,
+)
 
 # What a linear's quant method, scheme or config says about its quantization, by attribute name:
 # static or dynamic activations (compressed-tensors' scheme, the fp8 config's activation_scheme),
@@ -33,9 +41,15 @@ LOADED_STATE_ATTR = "_harness_loaded_state"  # where the digest taken at load wa
 
 
 def loaded_state(model) -> dict[str, str]:
-    """Module -> digest of what vLLM loaded there (harness.loaded_state.digest_entries), in vLLM's
-    module names and order: taken right after ``BaseModelLoader.load_model`` (weights loaded and
-    processed, before the engine runs any forward pass) and read back by ``LLM.apply_model``.
+    """:func:`state_entries`, each module's digested (harness.loaded_state.digest_entries)."""
+    return {name: state.digest_entries(entries) for name, (_, entries) in state_entries(model).items()}
+
+
+def state_entries(model) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Module -> (the module, what vLLM loaded there), in vLLM's module names and order: taken
+    right after ``BaseModelLoader.load_model`` (weights loaded and processed, before the engine runs
+    any forward pass) and read back by ``LLM.apply_model``, digested (:func:`loaded_state`) or, on
+    one of several tensor-parallel ranks, held for the reassembly (harness.engines.vllm_ranks).
 
     Logical values only, never the kernels' own buffers, so the digest is the same under every
     kernel condition and on every CPU whose vLLM picks the same quant methods: a linear by its
@@ -50,7 +64,7 @@ def loaded_state(model) -> dict[str, str]:
         else:
             entries = attention_state(module) or _plain_state(module)
         if entries:
-            out[name] = state.digest_entries(entries)
+            out[name] = (module, entries)
     return out
 
 
@@ -121,18 +135,44 @@ def _quantization(layer) -> dict[str, str]:
     return found
 
 
+def rank_state(model) -> dict[str, Any]:
+    """This tensor-parallel rank's loaded state, for the engine to reassemble with the other
+    ranks' (harness.engines.vllm_ranks.gather_state): its rank and rank count, and per module
+    (:func:`state_entries`) its entries (on the CPU) and how this rank holds them
+    (vllm_worker.tp_layout)."""
+    rank, size = tp_rank_and_size()
+    modules = {name: {**tp_layout(module), "entries": _on_cpu_entries(entries)}
+               for name, (module, entries) in state_entries(model).items()}
+    return {"rank": rank, "size": size, "modules": modules}
+
+
+def _on_cpu_entries(value):
+    import torch
+
+    if isinstance(value, torch.nn.Parameter):  # a parameter stays one: the digest names the kind
+        return torch.nn.Parameter(value.detach().cpu(), requires_grad=False)
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu_entries(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu_entries(v) for v in value)
+    return value
+
+
 def _hold_loaded_state(model) -> None:
     """Digest the model as vLLM loaded it (:func:`loaded_state`) and keep the digest on it for the
-    engine to read (:func:`held_loaded_state`); where the digest fails, why, rather than a failed
-    load."""
+    engine to read (:func:`held_loaded_state`): on one of several tensor-parallel ranks, this
+    rank's entries instead, which the engine reassembles and digests (harness.engines.vllm_ranks);
+    where the digest fails, why, rather than a failed load."""
     try:
-        held: dict[str, str] | str = loaded_state(model)
+        held: dict | str = rank_state(model) if tp_rank_and_size()[1] > 1 else loaded_state(model)
     except Exception as e:  # a gap of the reader, reported by the engine
         held = f"{type(e).__name__}: {e}"
     setattr(model, LOADED_STATE_ATTR, held)
 
 
-def held_loaded_state(model) -> dict[str, str] | str | None:
+def held_loaded_state(model) -> dict | str | None:
     """The ``LLM.apply_model`` function that returns the digest taken at load (or why none was)."""
     return getattr(model, LOADED_STATE_ATTR, None)
 

@@ -60,6 +60,8 @@ _LOG_PATTERNS = {
     "log_init_model": re.compile(r"Initializing model took ([0-9.]+) seconds"),
     "log_model_loading": re.compile(r"Model loading took .*? and ([0-9.]+) seconds"),
     "log_init_engine": re.compile(r"init engine \(.*\) took ([0-9.]+) s"),
+    # compiled execution (a configuration cell): reported apart from the load
+    "log_compile": re.compile(r"torch.compile took ([0-9.]+) s in total"),
 }
 
 
@@ -294,6 +296,8 @@ def shard_layout(name: str, layer, packed: dict[str, list[str]]) -> tuple[list[s
     leaf = name.rsplit(".", 1)[-1]
     names = list(packed.get(leaf, [leaf]))
     sizes = list(getattr(layer, "output_partition_sizes", None) or [])
+    if sizes and _whole_on_every_rank(layer):
+        sizes = [layer.weight.shape[0]]
     return names, sizes if len(sizes) == len(names) else [None] * len(names)
 
 
@@ -413,7 +417,53 @@ def effective_shards(name: str, layer, packed: dict[str, list[str]]) -> dict:
                      f"no reader for {qm_name} ({weight.dtype})")
     return {"module": name, "class": type(layer).__name__, "quant_method": qm_name,
             "scheme": type(scheme).__name__ if scheme is not None else None,
-            "shards": shards.readings, "note": note}
+            "shards": shards.readings, "note": note, **tp_layout(layer)}
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    """This process's tensor-parallel rank and the rank count (0, 1 where vLLM has set up none)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def tp_layout(module) -> dict[str, Any]:
+    """How this rank holds its part of ``module`` (harness.engines.vllm_ranks reassembles the
+    ranks' parts by it): ``parallel``, :func:`parallel_kind`; ``vocab``, for a vocabulary-parallel
+    module, its rows of the original vocabulary, those rows padded, and its added rows; and
+    ``kv_replicas``, for a QKV module, how many ranks hold each KV head."""
+    indices = getattr(module, "shard_indices", None)
+    vocab = None if indices is None else (indices.num_org_elements, indices.num_org_elements_padded,
+                                          indices.num_added_elements)
+    kind = parallel_kind(module)
+    if _whole_on_every_rank(module):
+        kind, vocab = "replicated", None
+    return {"parallel": kind, "vocab": vocab,
+            "kv_replicas": int(getattr(module, "num_kv_head_replicas", 1) or 1)}
+
+
+def _whole_on_every_rank(module) -> bool:
+    """A vocabulary-parallel head tied to an embedding every rank holds whole (Whisper's
+    ``proj_out``): it holds every row on every rank, whatever its partition says."""
+    weight = getattr(module, "weight", None)
+    return (parallel_kind(module) == "vocab" and weight is not None
+            and weight.shape[0] != module.num_embeddings_per_partition)
+
+
+def parallel_kind(module) -> str:
+    """How tensor parallelism splits the module across ranks (harness.engines.vllm_ranks
+    reassembles by it): ``column`` (output rows: ColumnParallelLinear and its merged, QKV and
+    cross kinds), ``row`` (input columns: RowParallelLinear), ``vocab`` (vocabulary rows:
+    VocabParallelEmbedding, ParallelLMHead), ``replicated`` (every rank holds it whole)."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for kind, cls in (("column", ColumnParallelLinear), ("row", RowParallelLinear), ("vocab", VocabParallelEmbedding)):
+        if isinstance(module, cls):
+            return kind
+    return "replicated"
 
 
 def _is_linear(module) -> bool:
@@ -439,4 +489,5 @@ def read_modules(model, reduce=None) -> dict:
         if _is_linear(module):
             entry = effective_shards(name, module, packed)
             found[name] = reduce(entry) if reduce is not None else entry
-    return {"modules": found, "packed": packed}
+    rank, size = tp_rank_and_size()
+    return {"modules": found, "packed": packed, "rank": rank, "size": size}

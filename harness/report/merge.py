@@ -170,11 +170,12 @@ MERGED = " (cross-engine, compared when the results were merged)"
 
 
 def _groups(merged: Merged, source: str) -> list[list[Entry]]:
-    """The entries of one result set, grouped by (model, scheme)."""
+    """The entries of one result set, grouped by (model, scheme); a configuration cell's record
+    (harness.configurations) is no engine of its group: its run judged it against its plain cell."""
     groups: dict[tuple[str, str], list[Entry]] = {}
     for entries in merged.history.values():
         for e in entries:
-            if e.source == source:
+            if e.source == source and e.record.configuration is None:
                 groups.setdefault((e.record.model, e.record.scheme), []).append(e)
     return [g for g in groups.values() if len(g) > 1]
 

@@ -59,7 +59,7 @@ CASES = {
                            f"{M}: defaults.timeout_s: must be a finite number (got inf)"),
     "a FIFO": ("hang", fifo, f"{M}: is a FIFO, not a regular file"),
     "billion laughs": ("hang", text(MATRIX + LAUGHS), f"{M}: a: unknown key (allowed: version, environments, defaults, "
-                                                      "prompt_sets, accuracy_tasks, models)"),
+                                                      "prompt_sets, accuracy_tasks, configurations, models)"),
     "bounds.logprob infinite": ("silent", replaced("{logprob: 1.0e-4,", "{logprob: .inf,"),
                                 f"{M}: defaults.bounds.unquantized.logprob: must be a finite number (got inf)"),
     "top_k 10**6": ("silent", replaced("top_k: 3", "top_k: 1000000"),
