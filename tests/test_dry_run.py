@@ -51,10 +51,10 @@ def test_dry_run_of_the_whole_matrix_loads_nothing(tmp_path):
     got = blocks(out.stdout)
     assert set(got) == {c.id for c in cells}
     gpu = [c for c in cells if c.hardware.gpus]
-    for c in gpu:
-        assert "here: unsupported: needs 1 GPU(s); this machine has 0" in got[c.id]
+    for c in gpu:  # one GPU, or one per rank of a configuration cell
+        assert f"here: unsupported: needs {c.hardware.gpus} GPU(s); this machine has 0" in got[c.id]
         env = "cuda-check \\(virtualenv\\)" if c.environment == "cuda-check" else ".*\\(image "
-        assert re.search(rf"buildkite queue: gpu-1x\d+gb; environment: {env}", got[c.id])
+        assert re.search(rf"buildkite queue: gpu-{c.hardware.gpus}x\d+gb; environment: {env}", got[c.id])
     cpu = next(c for c in cells if c.id == "llama.bnb-nf4.reference")
     assert "here: would run" in got[cpu.id] and "buildkite queue: cpu; environment: core (virtualenv)" in got[cpu.id]
     assert "checkpoint: fixture llama-bnb-nf4 (built on first use)" in got[cpu.id]

