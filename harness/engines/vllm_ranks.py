@@ -46,37 +46,45 @@ def gather_modules(readings: list[dict]) -> dict:
 
 
 def _gather_shard(pieces: list[dict], entry: dict) -> dict:
-    kind = entry["parallel"]
     out = dict(pieces[0])
-    weights = [p["weight"] for p in pieces]
-    if kind == "replicated" or any(w is None for w in weights):
-        held = _once(weights, "weight")
-        out["weight"] = None if isinstance(held, dict) else held
+    weight, spans = _joined_weights([p["weight"] for p in pieces], entry, out["shard"])
+    bias = _joined_biases([p["bias"] for p in pieces], entry, out["shard"])
+    for what, held in (("weights", weight), ("biases", bias)):
         if isinstance(held, dict):
-            out["note"] = f"the ranks hold different weights ({', '.join(held)}), where each should hold it whole"
-        return out
-    if kind == "vocab":
-        weights = [_vocab_rows(w, entry["vocab"]) for w in weights]
-    dim = 1 if kind == "row" else 0
-    kept = _distinct_kv(list(range(len(pieces))), entry, pieces[0]["shard"])
+            out["note"] = f"the ranks hold different {what} ({', '.join(held)}), where each should hold them whole"
+    out["weight"] = None if isinstance(weight, dict) else weight
+    out["bias"] = bias["rank 0"] if isinstance(bias, dict) else bias
+    if spans:
+        out["span_dim"], out["spans"] = 1 if entry["parallel"] == "row" else 0, spans
+    return out
+
+
+def _joined_weights(weights: list, layout: dict, shard: str):
+    """One shard's weight from every rank's part (:func:`_once` where the module is replicated or
+    a part is missing), and the ``[rank, start, end]`` each rank's part spans."""
     import torch
 
-    out["weight"] = torch.cat([weights[r] for r in kept], dim=dim)
-    out["span_dim"] = dim
-    start, spans = 0, []
+    kind = layout["parallel"]
+    if kind == "replicated" or any(w is None for w in weights):
+        return _once(weights), []
+    if kind == "vocab":
+        weights = [_vocab_rows(w, layout["vocab"]) for w in weights]
+    dim = 1 if kind == "row" else 0
+    kept = _distinct_kv(list(range(len(weights))), layout, shard)
+    bounds = [0]
     for r in kept:
-        spans.append([r, start, start + weights[r].shape[dim]])
-        start += weights[r].shape[dim]
-    out["spans"] = spans
-    biases = [p["bias"] for p in pieces]
-    if kind == "row" or any(b is None for b in biases):
-        held = _once(biases, "bias")
-        out["bias"] = held["rank 0"] if isinstance(held, dict) else held
-        if isinstance(held, dict):
-            out["note"] = f"the ranks hold different biases ({', '.join(held)}), where each should hold it whole"
-    else:
-        out["bias"] = torch.cat([biases[r] for r in kept], dim=0)
-    return out
+        bounds.append(bounds[-1] + weights[r].shape[dim])
+    return torch.cat([weights[r] for r in kept], dim=dim), [[r, bounds[i], bounds[i + 1]] for i, r in enumerate(kept)]
+
+
+def _joined_biases(biases: list, layout: dict, shard: str):
+    """One shard's bias from every rank's: by output rows on a column-parallel module, else what
+    every rank holds whole (a row-parallel bias is added once, after the reduction)."""
+    import torch
+
+    if layout["parallel"] not in ("column", "vocab") or any(b is None for b in biases):
+        return _once(biases)
+    return torch.cat([biases[r] for r in _distinct_kv(list(range(len(biases))), layout, shard)], dim=0)
 
 
 def _distinct_kv(ranks: list[int], entry: dict, shard: str) -> list[int]:
@@ -107,7 +115,7 @@ def _like(part, whole):
     return torch.nn.Parameter(whole, requires_grad=False) if isinstance(part, torch.nn.Parameter) else whole
 
 
-def _once(values: list, what: str):
+def _once(values: list):
     """What every rank holds whole: the value, once; every rank's, by rank, where they differ."""
     first = values[0]
     if all(_equal(v, first) for v in values[1:]):
@@ -156,8 +164,8 @@ def _gather_entries(parts: list[dict[str, Any]], layout: dict, kv_replicas: int)
         import torch
 
         return {k: (_like(parts[0][k], torch.cat([_vocab_rows(p[k], layout["vocab"]) for p in parts]))
-                    if k == "weight" else _once([p[k] for p in parts], k)) for k in parts[0]}
-    merged = {k: _once([p[k] for p in parts], k) for k in parts[0]}
+                    if k == "weight" else _once([p[k] for p in parts])) for k in parts[0]}
+    merged = {k: _once([p[k] for p in parts]) for k in parts[0]}
     for heads in ("num_heads", "num_kv_heads"):
         if heads in parts[0] and isinstance(parts[0][heads], int):
             merged[heads] = sum(p[heads] for p in parts) // (kv_replicas if heads == "num_kv_heads" else 1)
@@ -170,27 +178,17 @@ def _gather_linear(parts: list[dict[str, Any]], layout: dict) -> dict[str, Any]:
 
     kind = layout["parallel"]
     first = parts[0]
-    dim = 1 if kind == "row" else 0
-    out = {k: _once([p[k] for p in parts], k) for k in first if k not in ("shards", "layout", "weight_scale")}
-    sizes = first["layout"]["sizes"]
-    names = first["layout"]["shards"]
-    out["layout"] = {"shards": names, "sizes": first["layout"]["sizes"] if kind == "row" or None in first["layout"]["sizes"]
-                     else [sum(p["layout"]["sizes"][i] for p in parts) // _replicas(layout, n) for i, n in enumerate(names)]}
-    shards = []
+    out = {k: _once([p[k] for p in parts]) for k in first if k not in ("shards", "layout", "weight_scale")}
+    names, sizes = first["layout"]["shards"], first["layout"]["sizes"]
+    out["layout"] = {"shards": names, "sizes": sizes if kind == "row" or None in sizes else
+                     [sum(p["layout"]["sizes"][i] for p in parts) // _replicas(layout, n) for i, n in enumerate(names)]}
+    out["shards"] = []
     for i, shard in enumerate(first["shards"]):
         pieces = [p["shards"][i] for p in parts]
-        kept = _distinct_kv(list(range(len(parts))), layout, shard["shard"])
-        merged = {k: _once([q[k] for q in pieces], k) for k in shard if k not in ("weight", "bias")}
-        ws = [q["weight"] for q in pieces]
-        if kind == "vocab":
-            ws = [None if w is None else _vocab_rows(w, layout["vocab"]) for w in ws]
-        merged["weight"] = (_once(ws, "weight") if any(w is None for w in ws)
-                            else torch.cat([ws[r] for r in kept], dim=dim))
-        bs = [q["bias"] for q in pieces]
-        merged["bias"] = (_once(bs, "bias") if kind == "row" or any(b is None for b in bs)
-                          else torch.cat([bs[r] for r in kept], dim=0))
-        shards.append(merged)
-    out["shards"] = shards
+        merged = {k: _once([q[k] for q in pieces]) for k in shard if k not in ("weight", "bias")}
+        merged["weight"] = _joined_weights([q["weight"] for q in pieces], layout, shard["shard"])[0]
+        merged["bias"] = _joined_biases([q["bias"] for q in pieces], layout, shard["shard"])
+        out["shards"].append(merged)
     out["weight_scale"] = _gather_scale([p.get("weight_scale") for p in parts], kind, parts, layout)
     return out
 
@@ -208,7 +206,7 @@ def _gather_scale(scales: list, kind: str, parts: list[dict], layout: dict):
     sizes = [p["layout"]["sizes"] for p in parts]
     per_row = all(isinstance(s, torch.Tensor) and None not in z and s.numel() == sum(z) > 1 for s, z in zip(scales, sizes))
     if kind != "column" or not per_row:
-        return _once(scales, "weight_scale")
+        return _once(scales)
     names = parts[0]["layout"]["shards"]
     split = [list(torch.split(s.reshape(sum(z), -1), z)) for s, z in zip(scales, sizes)]
     pieces = [split[r][i] for i, n in enumerate(names) for r in _distinct_kv(list(range(len(parts))), layout, n)]
