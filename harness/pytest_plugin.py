@@ -14,7 +14,7 @@ session owns it, its xdist workers share it, and another run's directory is refu
 harness.runs), ``--baselines DIR`` (default baselines/), ``--matrix FILE`` (default
 models.yaml).
 
-Markers (registered in pyproject.toml): the tier (``cpu_tiny``, ``gpu_tiny``, ``gpu_full``), the
+Markers (registered in pyproject.toml): the tier (``cpu_tiny``, ``cpu_config``, ``gpu_tiny``, ``gpu_full``), the
 hardware class (``cpu`` or ``gpu``), and for GPU cells ``hardware(gpus=, gpu_memory_gb=,
 compute_capability=)`` with the cell's needs: ``pytest suites -m "not gpu"``.
 
