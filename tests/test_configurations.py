@@ -250,6 +250,9 @@ def test_every_configuration_loads_what_one_rank_loads(tmp_path, monkeypatch, ca
     assert fp8.verdict == "portable-pass", fp8.verdict_reason
     assert check(fp8, "loaded-state").ok and fp8.module_diff is None
     assert check(fp8, "teacher-forced").data["judged"] is False
+    # the report puts each configuration beside its plain cell, named as its id names it
+    html = (tmp_path / "results-clean" / "report" / "report.html").read_text()
+    assert ">vllm-tp2<" in html and ">vllm-compiled<" in html
 
 
 @needs_vllm

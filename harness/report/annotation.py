@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from harness.matrix import TIERS
 from harness.registry import ENGINES
-from harness.report.states import counts_of, passing, passing_apart, state_of
+from harness.report.states import counts_of, engine_of, passing, passing_apart, state_of
 from harness.report.merge import Entry, Merged
 from harness.report import accuracy, candidates
 from harness.verdicts import MISSING, SEVERITY, STATES, needs_attention, row
@@ -66,7 +66,7 @@ def _missing_slot(cid: str, tier: str) -> Slot:
 def _slots_of(merged: Merged, matrix=None) -> list[Slot]:
     """Every cell with a record, then every expected cell without one."""
     tiers_of = {c.id: c.tier for c in matrix.cells()} if matrix is not None else {}
-    slots = [Slot(cid, e.record.tier, e.record.model, e.record.scheme, e.record.engine, state_of(e.record),
+    slots = [Slot(cid, e.record.tier, e.record.model, e.record.scheme, engine_of(e.record), state_of(e.record),
                   e.record.verdict_reason or "") for cid, e in merged.current.items()]
     return slots + [_missing_slot(cid, tiers_of.get(cid, "unknown")) for cid in merged.missing]
 

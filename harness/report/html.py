@@ -39,7 +39,7 @@ from harness.matrix import TIERS
 from harness.records import Record
 from harness.registry import ENGINE_NAMES
 from harness.report import charts
-from harness.report.states import check_state, counts_of, passing, passing_apart, state_of
+from harness.report.states import check_state, counts_of, engine_of, passing, passing_apart, state_of
 from harness.report.merge import Entry, Merged
 from harness.verdicts import ROWS, SEVERITY, STATES, needs_attention, row, worst
 from harness.report import accuracy, candidates, localisation, sensitivity
@@ -71,7 +71,7 @@ class _Slot:
         self.id = cell_id
         self.entry = entry
         self.model, self.scheme, self.engine = _split_id(cell_id) if entry is None else (
-            entry.record.model, entry.record.scheme, entry.record.engine)
+            entry.record.model, entry.record.scheme, engine_of(entry.record))
         self.tier = tier
         self.state = state_of(entry.record if entry else None)
 

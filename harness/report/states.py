@@ -10,6 +10,12 @@ from harness.records import Check, Record
 from harness.verdicts import MISSING, STATES, VERDICTS, needs_attention
 
 
+def engine_of(record: Record) -> str:
+    """The engine as the outputs name a record's column: ``vllm``, or a configuration cell's
+    ``vllm-tp2`` (harness.configurations), which sits beside its plain cell."""
+    return f"{record.engine}-{record.configuration}" if record.configuration else record.engine
+
+
 def state_of(record: Record | None) -> str:
     """The state shown for a record: its verdict; ``error`` when it was never judged; ``missing``
     for no record."""
