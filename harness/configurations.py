@@ -2,12 +2,13 @@
 configuration, tensor-parallel ranks or compiled execution (models.yaml ``configurations``), and
 judged against its plain cell (one rank, eager) of the same run, as a candidate build is judged
 against the pinned one (judging.judge_against_base): the plain cell's record stands in for a
-baseline (the loaded state exactly, the logprobs within the family bounds, accuracy by the paired
-gate), so a configuration needs no baseline of its own, and writes none.
+baseline (the loaded state exactly, the logprobs within the family bounds where the computation
+carries; a configuration cell runs no accuracy tasks), so a configuration needs no baseline of its
+own, and writes none.
 
 A configuration cell needs its plain cell in the same run: :func:`with_bases` adds the plain cells
-a selection lacks, and :class:`ConfigurationRuns` runs each configuration cell once its plain cell
-is judged.
+a selection lacks, :class:`ConfigurationRuns` finds the configuration cells of a judged plain cell
+(the runner runs them then: ``Runner.judge_configuration``), and :func:`judge` judges one.
 """
 from __future__ import annotations
 
