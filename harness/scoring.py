@@ -1,7 +1,15 @@
 """Teacher-forced scoring and greedy decoding on any model that is called like transformers'.
 
-Both engines that run in-process (reference, transformers) go through these two functions, so
-a difference between them is a difference in loading, never in how they were driven.
+Both engines that run in-process (reference, transformers) go through these functions, so a
+difference between them is a difference in loading, never in how they were driven.
+
+``teacher_forced_text`` and ``greedy_text`` take many plain token sequences (the accuracy tasks')
+and run as many of them in one forward pass as fit ``batch_tokens`` positions, right-padded: a
+causal model's real positions never attend to the padding after them, so each row is what it
+would be alone, up to how the matmul kernels sum a taller matrix. That holds for a computation
+that treats each token on its own (activation scales static or per token); one that takes an
+activation scale over the whole input would see the padding and the other rows, so its callers
+pass ``batch_tokens=0`` (``Engine.rows_alone``): one sequence a pass.
 """
 from dataclasses import dataclass, field
 
@@ -83,15 +91,49 @@ def _topk(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(v)) for i, v in zip(indices, values)]
 
 
-def teacher_forced(model, prompt: Prompt, tokens: list[int], k: int) -> Scored:
-    """Score a given token sequence in one forward pass."""
-    lp = _log_softmax(model, prompt, tokens)
+def _scored(lp: torch.Tensor, tokens: list[int], k: int) -> Scored:
     positions = range(len(tokens) - 1)
     return Scored(
         tokens=list(tokens),
         logprobs=[_logprob(lp[i], tokens[i + 1]) for i in positions],
         topk=[_topk(lp[i], k) for i in positions],
     )
+
+
+def teacher_forced(model, prompt: Prompt, tokens: list[int], k: int) -> Scored:
+    """Score a given token sequence in one forward pass."""
+    return _scored(_log_softmax(model, prompt, tokens), tokens, k)
+
+
+@torch.inference_mode()
+def _log_softmax_rows(model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Each text sequence's log-softmax rows, from one forward pass over all of them right-padded
+    (with each one's own last token: any id the model takes)."""
+    width = max(map(len, sequences))
+    ids = torch.tensor([s + s[-1:] * (width - len(s)) for s in sequences])
+    logits = model(input_ids=ids).logits.float()
+    return [torch.log_softmax(logits[row, :len(s)], dim=-1) for row, s in enumerate(sequences)]
+
+
+def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices of sequences of these lengths, shortest first (the least padding), in groups whose
+    padded size (rows times the longest) is at most ``batch_tokens``, at least one sequence each."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def teacher_forced_text(model, sequences: list[list[int]], k: int, batch_tokens: int) -> list[Scored]:
+    """``teacher_forced`` of many plain token sequences, batched (module docstring)."""
+    out: list[Scored | None] = [None] * len(sequences)
+    for group in _batches([len(s) for s in sequences], batch_tokens):
+        for i, lp in zip(group, _log_softmax_rows(model, [sequences[i] for i in group])):
+            out[i] = _scored(lp, sequences[i], k)
+    return out
 
 
 def greedy(model, prompt: Prompt, max_tokens: int, k: int, stop=None) -> Greedy:
@@ -109,6 +151,26 @@ def greedy(model, prompt: Prompt, max_tokens: int, k: int, stop=None) -> Greedy:
         tokens.append(top[0][0])
         if stop is not None and stop(out.tokens):
             break
+    return out
+
+
+def greedy_text(model, prompts: list[list[int]], max_tokens: int, k: int, batch_tokens: int,
+                stop=None) -> list[Greedy]:
+    """``greedy`` from many plain token prompts, batched (module docstring; a batch's size counts
+    its prompts at their longest, ``max_tokens`` added): each step runs the prompts still
+    decoding, and a prompt leaves its batch when ``stop`` says so."""
+    out = [Greedy([], []) for _ in prompts]
+    for group in _batches([len(p) + max_tokens for p in prompts], batch_tokens):
+        live = list(group)
+        for _ in range(max_tokens):
+            rows = _log_softmax_rows(model, [prompts[i] + out[i].tokens for i in live])
+            for i, lp in zip(live, rows):
+                top = _topk(lp[-1], k)
+                out[i].tokens.append(top[0][0])
+                out[i].topk.append(top)
+            live = [i for i in live if stop is None or not stop(out[i].tokens)]
+            if not live:
+                break
     return out
 
 

@@ -159,11 +159,17 @@ class ScriptedEngine:
     """An engine whose logprob of token t after any prefix is -t/100 and whose top-1 is token 300;
     greedy decoding emits the ids in ``script`` and honours a Stop."""
 
-    def __init__(self, script=()):
+    def __init__(self, script=(), rows_alone=True):
         self.script = list(script)
         self.scored: list[list[int]] = []
+        self._rows_alone = rows_alone
+        self.batch_tokens: set[int] = set()
 
-    def teacher_forced(self, prompts, sequences, top_k):
+    def rows_alone(self, checkpoint):
+        return self._rows_alone
+
+    def teacher_forced(self, prompts, sequences, top_k, batch_tokens=0):
+        self.batch_tokens.add(batch_tokens)
         out = []
         for seq in sequences:
             self.scored.append(list(seq))
@@ -171,7 +177,8 @@ class ScriptedEngine:
                                 topk=[[(300, -0.1)] for _ in seq[1:]]))
         return out
 
-    def greedy(self, prompts, max_tokens, top_k, stop=None):
+    def greedy(self, prompts, max_tokens, top_k, stop=None, batch_tokens=0):
+        self.batch_tokens.add(batch_tokens)
         out = []
         for _ in prompts:
             tokens = []
@@ -226,6 +233,17 @@ def test_generate_until_stops_on_the_string_and_cuts_the_text_there():
     assert stop.reached([lm.eot_token_id])
     with pytest.raises(ValueError, match="greedily only"):
         lm.generate_until([Request("x", {"until": [";"], "do_sample": True, "temperature": 0.7})])
+
+
+@pytest.mark.parametrize("rows_alone", [True, False])
+def test_sequences_are_batched_only_where_each_row_is_computed_alone(rows_alone):
+    """A cell whose activation scales span tokens (Engine.rows_alone) scores one sequence a pass."""
+    from harness.accuracy.lm import BATCH_TOKENS
+
+    lm = harness_lm(ScriptedEngine(script=[5], rows_alone=rows_alone))
+    lm.loglikelihood([Request("hello", " world")])
+    lm.generate_until([Request("x", {"until": [";"], "max_gen_toks": 2})])
+    assert lm.engine.batch_tokens == ({BATCH_TOKENS} if rows_alone else {0})
 
 
 # ------------------------------------------------------------------------------ checks, verdict

@@ -100,6 +100,32 @@ def test_reference_unfused_is_what_transformers_executes(cells):
     assert _max_delta(fused, tf) > 1e-2  # far beyond the fp8 bound: requantization changes the numbers
 
 
+@pytest.mark.parametrize("cell_id", ["llama.torchao-int4wo.reference", "llama.bnb-nf4.transformers",
+                                     "llama.fp8-dynamic.reference", "llama.fp8-dynamic.transformers"])
+def test_batched_text_rows_are_what_each_computes_alone(cells, cell_id):
+    """The accuracy tasks' plain sequences run many to a forward pass, right-padded (harness.scoring):
+    each row's logprobs, top-k and greedy tokens are those of the sequence alone, and a row that
+    reaches its stop leaves the batch while the others decode on. Dynamic FP8 inputs are
+    quantized per token, so their rows are alone too."""
+    cell = _cell(cells, cell_id)
+    engine = {"reference": ReferenceEngine, "transformers": TransformersEngine}[cell.engine](cell)
+    checkpoint = base.resolve_checkpoint(cell)
+    assert engine.rows_alone(checkpoint)
+    engine.load(checkpoint)
+    sequences = [[1, *range(5 + 7 * i, 9 + 7 * i + i % 4)] for i in range(12)]  # lengths 5 to 8
+    prompts = [base.EnginePrompt(id=f"s{i}", kind="text", tokens=s[:1]) for i, s in enumerate(sequences)]
+    alone = engine.teacher_forced(prompts, sequences, 3)
+    together = engine.teacher_forced(prompts, sequences, 3, batch_tokens=40)  # 5 rows of 8, or fewer
+    for a, b in zip(alone, together):
+        assert b.tokens == a.tokens and [[t for t, _ in k] for k in b.topk] == [[t for t, _ in k] for k in a.topk]
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    starts = [base.EnginePrompt(id=f"g{i}", kind="text", tokens=s[:3 + i % 3]) for i, s in enumerate(sequences)]
+    stop = base.Stop(token_ids=(engine.greedy(starts[:1], 1, 1)[0].tokens[0],))  # the first row stops at once
+    alone = engine.greedy(starts, 6, 2, stop=stop)
+    together = engine.greedy(starts, 6, 2, stop=stop, batch_tokens=40)
+    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    assert len({len(g.tokens) for g in alone}) > 1  # some stopped before others
+
 def test_probe_makes_unsupported_before_loading(cells):
     gpu_cell = _cell(cells, "llama.unquantized.transformers", hardware=M.Hardware(gpus=1))
 

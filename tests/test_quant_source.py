@@ -217,3 +217,32 @@ def test_decode_weight_dispatch_and_disk_is_truth():
         with pytest.raises(CheckpointError) as e:
             formats.decode_weight(src, name)
         assert e.value.where == name and word in e.value.what, (name, e.value.what)
+
+
+def _ct(inputs=None, kv=None):
+    return {"quant_method": "compressed-tensors", "kv_cache_scheme": kv,
+            "config_groups": {"g": {"targets": ["Linear"], "input_activations": inputs}}}
+
+
+_TORCHAO_FLOAT8 = {"_type": "Float8DynamicActivationFloat8WeightConfig", "_data": {"granularity": [{"_type": "PerTensor"}]}}
+
+
+@pytest.mark.parametrize("qc, spans", [
+    (None, False),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, False),
+    (_ct(), False),
+    (_ct({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}), False),
+    (_ct({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}), False),
+    (_ct({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": True}), True),
+    (_ct(kv={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}), False),
+    (_ct(kv={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": True}), True),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, False),
+    ({"quant_method": "torchao", "quant_type": {"default": _TORCHAO_FLOAT8}}, True),
+    ({"quant_method": "torchao", "quant_type": {"default": json.loads(json.dumps(_TORCHAO_FLOAT8).replace("PerTensor", "PerRow"))}}, False),
+    ({"quant_method": "torchao", "quant_type": {"default": {"_type": "Int8WeightOnlyConfig", "_data": {}}}}, False),
+])
+def test_an_activation_scale_spans_tokens_only_where_it_is_dynamic_and_not_per_token(qc, spans):
+    """What decides whether an in-process engine may batch the accuracy tasks' sequences (harness.scoring)."""
+    from harness.quant import schema
+
+    assert schema.scales_span_tokens(qc) is spans

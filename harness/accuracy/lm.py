@@ -32,6 +32,10 @@ from harness.engines.base import Checkpoint, Engine, EnginePrompt, Stop
 
 CHUNK = 256  # sequences per engine call (progress lines between chunks)
 DEFAULT_MAX_GEN_TOKS = 256
+# Token positions per forward pass of an in-process engine (harness.scoring): the tiny tasks' few
+# dozen sequences of up to ~100 tokens go in a handful of passes, a GPU model's long few-shot
+# prompts a couple at a time, their logits in memory.
+BATCH_TOKENS = 2048
 
 
 def context_length(config: dict) -> int:
@@ -60,6 +64,9 @@ class HarnessLM(TemplateLM):
         # top-1 and top-2 logprob over the generated steps (the tiny-task builder keeps only items
         # whose gold is clear).
         self.margins = margins
+        # A batched row is what it computes alone unless an activation scale is taken over more
+        # than one token, the other rows and the padding with it: such a cell goes one at a time.
+        self.batch_tokens = BATCH_TOKENS if engine.rows_alone(checkpoint) else 0
         self.generation_margins: dict[str, float] = {}
         self._cache: dict[tuple[int, ...], tuple[list[float], list[int]]] = {}
 
@@ -96,7 +103,7 @@ class HarnessLM(TemplateLM):
             if len(todo) > CHUNK:
                 self.log(f"accuracy: {what}: scoring sequences {start + 1}-{start + len(chunk)} of {len(todo)}")
             prompts = [EnginePrompt(id=f"acc{start + i}", kind="text", tokens=list(s[:1])) for i, s in enumerate(chunk)]
-            scored = self.engine.teacher_forced(prompts, [list(s) for s in chunk], 1)
+            scored = self.engine.teacher_forced(prompts, [list(s) for s in chunk], 1, batch_tokens=self.batch_tokens)
             for s, r in zip(chunk, scored):
                 self._cache[s] = (list(r.logprobs), [top[0][0] if top else -1 for top in r.topk])
         return [self._cache[tuple(s)] for s in sequences]
@@ -153,7 +160,8 @@ class HarnessLM(TemplateLM):
             self.log(f"accuracy: generate_until: {len(prompts)} requests, at most {max_gen} tokens, stop {list(until)}")
             results = []
             for start in range(0, len(prompts), CHUNK):
-                results += self.engine.greedy(prompts[start:start + CHUNK], max_gen, 2 if self.margins else 1, stop=stop)
+                results += self.engine.greedy(prompts[start:start + CHUNK], max_gen, 2 if self.margins else 1, stop=stop,
+                                             batch_tokens=self.batch_tokens)
             for i, g in zip(indices, results):
                 tokens = [t for t in g.tokens if t != self.eot_token_id]
                 text = self.tok_decode(tokens)

@@ -190,6 +190,11 @@ class Engine(abc.ABC):
         qc = online_quantization(self.cell) or checkpoint.quantization_config
         return R.Computation(dtype=self.compute_dtype(checkpoint), quantized_activations=schema.quantized_activations(qc))
 
+    def rows_alone(self, checkpoint: Checkpoint) -> bool:
+        """Whether each row of a batched forward pass is what it computes alone: no activation scale
+        of the effective quantization is taken over more than one token (harness.scoring)."""
+        return not schema.scales_span_tokens(online_quantization(self.cell) or checkpoint.quantization_config)
+
     # ---- the five steps ------------------------------------------------------------------
     def probe(self, checkpoint: Checkpoint) -> str | None:
         """Why this engine cannot run the cell here, decided before loading; None when it can.
@@ -223,13 +228,18 @@ class Engine(abc.ABC):
         is all of it (the in-process ones) just loads."""
         return self.load(checkpoint)
 
+    # ``batch_tokens``: how many token positions an engine that runs one forward pass per call
+    # (harness.scoring) may put in one pass when every prompt is plain text; 0 is one prompt a
+    # pass. The caller decides whether batching keeps each row what it would be alone
+    # (harness.accuracy.lm); vLLM schedules its own batches.
     @abc.abstractmethod
     def greedy(self, prompts: Sequence[EnginePrompt], max_tokens: int, top_k: int,
-               stop: Stop | None = None) -> list[R.Greedy]:
+               stop: Stop | None = None, batch_tokens: int = 0) -> list[R.Greedy]:
         ...
 
     @abc.abstractmethod
-    def teacher_forced(self, prompts: Sequence[EnginePrompt], sequences: Sequence[list[int]], top_k: int) -> list[R.Scored]:
+    def teacher_forced(self, prompts: Sequence[EnginePrompt], sequences: Sequence[list[int]], top_k: int,
+                       batch_tokens: int = 0) -> list[R.Scored]:
         ...
 
     def module_diff(self, checkpoint: Checkpoint) -> R.ModuleDiff | None:
@@ -403,6 +413,11 @@ def topk_lists(x) -> list:
     return [list(t) for t in x]
 
 
+def _plain_text(p: EnginePrompt) -> bool:
+    """A prompt that is its tokens alone (no image, audio, encoder input or mask)."""
+    return p.kind == "text" and set(p.hf_inputs) <= {"input_ids"}
+
+
 class InProcessEngine(Engine):
     """An engine whose model is a torch module called like transformers' (reference, transformers):
     greedy decoding and teacher-forced scoring go through harness.scoring, so a difference between
@@ -432,26 +447,28 @@ class InProcessEngine(Engine):
             kwargs["input_ids"] = torch.tensor([p.tokens])
         return scoring.Prompt.from_model_inputs(p.id, kwargs)
 
-    def greedy(self, prompts, max_tokens, top_k, stop=None):
+    def greedy(self, prompts, max_tokens, top_k, stop=None, batch_tokens=0):
         # lazy: torch, numpy, +1.4 s (scripts/import-graph --costs)
         from harness import scoring
 
-        out = []
-        for p in prompts:
-            g = scoring.greedy(self.model, self._prompt(p), max_tokens, top_k,
-                               stop=stop.reached if stop is not None else None)
-            out.append(R.Greedy(tokens=g.tokens, topk=topk_lists(g.topk)))
-        return out
+        reached = stop.reached if stop is not None else None
+        if batch_tokens and all(_plain_text(p) for p in prompts):
+            done = scoring.greedy_text(self.model, [list(p.tokens) for p in prompts], max_tokens, top_k,
+                                       batch_tokens, stop=reached)
+        else:
+            done = [scoring.greedy(self.model, self._prompt(p), max_tokens, top_k, stop=reached) for p in prompts]
+        return [R.Greedy(tokens=g.tokens, topk=topk_lists(g.topk)) for g in done]
 
-    def teacher_forced(self, prompts, sequences, top_k):
+    def teacher_forced(self, prompts, sequences, top_k, batch_tokens=0):
         # lazy: torch, numpy, +1.4 s (scripts/import-graph --costs)
         from harness import scoring
 
-        out = []
-        for p, seq in zip(prompts, sequences):
-            s = scoring.teacher_forced(self.model, self._prompt(p), list(seq), top_k)
-            out.append(R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=topk_lists(s.topk)))
-        return out
+        if batch_tokens and all(_plain_text(p) for p in prompts):
+            done = scoring.teacher_forced_text(self.model, [list(s) for s in sequences], top_k, batch_tokens)
+        else:
+            done = [scoring.teacher_forced(self.model, self._prompt(p), list(seq), top_k)
+                    for p, seq in zip(prompts, sequences)]
+        return [R.Scored(tokens=s.tokens, logprobs=s.logprobs, topk=topk_lists(s.topk)) for s in done]
 
     def loaded_state(self):
         # lazy: torch, numpy, +1.6 s (scripts/import-graph --costs)

@@ -378,7 +378,7 @@ class VllmEngine(Engine):
                          f"{md.detail}]")
             raise EngineStepError(text) from e
 
-    def greedy(self, prompts, max_tokens, top_k, stop=None):
+    def greedy(self, prompts, max_tokens, top_k, stop=None, batch_tokens=0):
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top_k, ignore_eos=True, detokenize=False)
@@ -396,7 +396,7 @@ class VllmEngine(Engine):
             result.append(R.Greedy(tokens=tokens, topk=topk))
         return result
 
-    def teacher_forced(self, prompts, sequences, top_k):
+    def teacher_forced(self, prompts, sequences, top_k, batch_tokens=0):
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False)

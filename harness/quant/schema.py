@@ -305,6 +305,25 @@ def quantized_activations(qc: Mapping | None) -> list[str]:
     return ["input"] * bool(inputs) + ["kv-cache"] * bool(qc.get("kv_cache_scheme"))
 
 
+def scales_span_tokens(qc: Mapping | None) -> bool:
+    """Whether an (already validated) quantization config takes an activation scale at run time
+    over more than one token, which makes the rows of one forward pass depend on each other
+    (harness.scoring): a dynamic compressed-tensors scale of any strategy but ``token`` (inputs
+    or KV cache), or a torchao dynamic-activation config not per row. Static scales and the fp8
+    method's dynamic ones (per token, or per token group) keep every token to itself."""
+    if not qc:
+        return False
+    method = method_of(qc, "config.json")
+    if method == "compressed-tensors":
+        args = [g.get("input_activations") or {} for g in (qc.get("config_groups") or {}).values()]
+        return any(a.get("dynamic") not in (None, False) and a.get("strategy") != "token"
+                   for a in [*args, qc.get("kv_cache_scheme") or {}])
+    if method == "torchao":
+        quant_types = json.dumps(qc.get("quant_type"))
+        return "DynamicActivation" in quant_types and "PerRow" not in quant_types
+    return False
+
+
 def quantization_config(qc: Any, file: str, prefix: str = "quantization_config") -> str:
     """Validate one quantization config; its normalised quant_method."""
     if not isinstance(qc, Mapping):
