@@ -65,7 +65,7 @@ from harness.layout import Layout, group_key
 from harness.matrix import CPU_TIERS, ENGINES, TIERS, Cell, Matrix, expand
 from harness.registry import fuses_shards
 from harness.sequences import ScoredSequences
-from harness.traces.jobs import Tracer
+from harness.traces.jobs import BASE_BUILD, PLAIN_CELL, Tracer
 
 if TYPE_CHECKING:
     from harness.candidates import Candidate
@@ -422,18 +422,23 @@ class Runner:
                                        known_failures=[k for c in group for k in c.known_failures],
                                        unfused=self.unfused(raws))
         result = CellResult(cell, j.apply(rec), messages=retimed, sequence_source=base.sequence_source)
-        self._add_localisation(result, self.tracer.against_base_build(cell, result.record, candidate.python))
+        self._add_localisation(result, self.tracer.against_base(cell, result.record, cell, BASE_BUILD, candidate.python))
         return result
 
     def judge_configuration(self, cell: Cell, base: CellResult, raws: dict[str, R.Record]) -> CellResult:
-        """A configuration cell (harness.configurations) run with its group's scored sequences and
-        judged against ``base``, its plain cell's judged result of this run. It writes no baseline."""
+        """A configuration cell (harness.configurations) run with its group's scored sequences,
+        judged against ``base``, its plain cell's judged result of this run, and localised against
+        it when it fails at one rank (each rank computes its part of a module's output: the loaded
+        state's module diff names the module and the rank). It writes no baseline."""
         rec = self.decided(cell)
         if rec is None:
             rec = self.run_child(cell, mode="cell", sequences=self.scored_sequences(group_key(cell))[0],
                                  record_path=self.layout.raw(cell.id), log=self.layout.log(cell.id))
         judged = configurations.judge(cell, rec, base.record, raws, self.groups[group_key(cell)], self.unfused(raws))
-        return CellResult(cell, judged, sequence_source=base.sequence_source)
+        result = CellResult(cell, judged, sequence_source=base.sequence_source)
+        if cell.tensor_parallel == 1:
+            self._add_localisation(result, self.tracer.against_base(cell, result.record, base.cell, PLAIN_CELL))
+        return result
 
     # ---- entry points ---------------------------------------------------------------------
     def run_cell(self, cell: Cell) -> CellResult:

@@ -4,13 +4,14 @@ same run.
 
 The matrix part and the reassembly of the ranks' readings run in milliseconds; the end-to-end
 tests run vLLM at two ranks and compiled (about 30 s a cell here), clean and under the planted
-faults (harness.engines.vllm_mutations), each caught with the module and the rank named:
+faults (harness.engines.vllm_mutations), each caught with the module (and the rank) named:
 
-| fault           | cell                         | caught by                                          |
-|-----------------|------------------------------|----------------------------------------------------|
-| tp-q-offset     | llama.unquantized.vllm-tp2   | module diff: layers.0 q_proj, rank 1's rows         |
-| tp-scale-shard  | llama.fp8-dynamic.vllm-tp2   | module diff: layers.0 q_proj, rank 1's rows         |
-| compiled-only   | llama.unquantized.vllm-compiled | teacher-forced logprobs against the plain cell  |
+| fault           | cell                            | caught by                                              |
+|-----------------|---------------------------------|--------------------------------------------------------|
+| tp-q-offset     | llama.unquantized.vllm-tp2      | module diff: layers.0 q_proj, rank 1's rows             |
+| tp-scale-shard  | llama.fp8-dynamic.vllm-tp2      | module diff: layers.0 q_proj, rank 1's rows             |
+| compiled-only   | llama.unquantized.vllm-compiled | teacher-forced logprobs against the plain cell, localised |
+|                 |                                 | to layers.0 o_proj by the compiled graph's own traces   |
 
 Under each fault the plain cell of the same run is the control: one rank, eager, it is unaffected.
 """
@@ -269,7 +270,11 @@ def test_a_wrong_shard_offset_and_a_compiled_only_path_are_caught(tmp_path, monk
     compiled = recs["llama.unquantized.vllm-compiled"]
     assert compiled.verdict == "regressed", compiled.verdict_reason
     assert check(compiled, "loaded-state").ok and compiled.module_diff is None  # the same weights ...
-    assert not check(compiled, "teacher-forced").ok  # ... computed otherwise
+    assert not check(compiled, "teacher-forced").ok  # ... computed otherwise, where the compiled graph's
+    # own module traces part from the plain cell's: at the first row-parallel linear
+    [where] = compiled.localisation
+    assert where.against == "plain cell" and where.module == "model.layers.0.self_attn.o_proj", where
+    assert not tp2.localisation  # ranks are not traced: the module diff names the module and the rank
 
 
 @needs_vllm

@@ -256,6 +256,10 @@ class Engine(abc.ABC):
         any forward pass; None where this engine's modules cannot be read."""
         return None
 
+    def prepare_trace(self) -> None:
+        """Called before ``load`` in a trace child: what the engine must do at load to trace the
+        model later (a compiled vLLM model's hooks). Nothing by default."""
+
     def trace(self, prompts: Sequence[EnginePrompt], sequences: Sequence[list[int]]) -> list[PromptTrace]:
         """The module trace of each prompt's scored sequence (harness.traces.PromptTrace), on
         demand only (``harness run --trace``, and a failed or regressed cell): docs/design.md,

@@ -123,6 +123,7 @@ def trace_cell(engine: Engine, checkpoint: Callable[[], Checkpoint], sequences: 
         reason = engine.probe(ckpt)
         if reason:
             return R.Record.for_cell(cell, engine_info=info, status="unsupported", unsupported_reason=reason)
+        engine.prepare_trace()
         engine.load(ckpt)
         prompts = [p for p in prompts_for(cell, ckpt) if p.id in sequences]
         t0 = time.perf_counter()

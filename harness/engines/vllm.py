@@ -431,9 +431,18 @@ class VllmEngine(Engine):
         self._log(f"vllm: loaded state not digested: {held or 'vLLM model loading did not run through the harness'}")
         return None
 
+    def prepare_trace(self) -> None:
+        """A compiled model records its traces through hooks installed as it is loaded, before
+        vLLM's warm-up compiles it, which traces them into its graph (harness.traces.vllm)."""
+        if self.cell.compiled:
+            vllm_worker.AFTER_LOAD.append(vllm_traces.install_hooks)
+
     def trace(self, prompts, sequences):
         """Module traces recorded inside vLLM through ``apply_model`` (harness.traces.vllm)."""
-
+        if self.cell.tensor_parallel > 1:
+            raise NotImplementedError(f"module traces at {self.cell.tensor_parallel} ranks are not recorded: each rank "
+                                      f"computes its part of a module's output (the loaded state's module diff names "
+                                      f"the module and the rank)")
         requests = [(p.id, self._prompt(p, s), len(s)) for p, s in zip(prompts, sequences)]
         return self._run("recording module traces",
                          lambda: vllm_traces.trace(self.llm, self.arch, requests, self._log))

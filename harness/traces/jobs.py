@@ -12,7 +12,9 @@ is judged ``failed`` or ``regressed``: then each engine involved runs once more 
 - against the baseline, the cell's trace against the fingerprint the baseline stores
   (harness.traces.fingerprint);
 - a candidate build's failed or regressed cell (``harness run --candidate``): its trace, from a
-  trace child under the candidate's interpreter, against the pinned build's of the same sequences.
+  trace child under the candidate's interpreter, against the pinned build's of the same sequences;
+- a configuration cell's (harness.configurations): its trace against its plain cell's of the same
+  sequences (a compiled cell's recorded by the compiled graph; ranks are not traced).
 
 ``--update-fingerprints`` adds or refreshes the fingerprint of the baseline of each cell that
 passes against it, nothing else of the file.
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
 CANDIDATE = ".candidate"  # the file name variant of a candidate build's traces
 BASE_BUILD = "base build"  # what a candidate build's cell is localised against
+PLAIN_CELL = "plain cell"  # what a configuration cell is localised against
 
 
 def _contained(against: str, step) -> R.Localisation | None:
@@ -149,21 +152,23 @@ class Tracer:
         out = [_contained(against, step) for against, step in steps]
         return [loc for loc in out if loc is not None]
 
-    def against_base_build(self, cell: Cell, record: R.Record, python: str) -> list[R.Localisation]:
-        """A candidate build's cell (``record``, its children under ``python``) localised against
-        the pinned build's traces of the same sequences, with the per-module noise the cross-engine
-        localisation uses and the engine's kernel floor (a build may change its kernels); empty
-        when the cell is not traced."""
+    def against_base(self, cell: Cell, record: R.Record, base: Cell, against: str,
+                     python: str | None = None) -> list[R.Localisation]:
+        """A cell judged against another run of its scheme and engine (judging.judge_against_base)
+        localised against ``base``'s traces of the same sequences, with the per-module noise the
+        cross-engine localisation uses and the engine's kernel floor: a candidate build's cell (its
+        children under ``python``) against the pinned build's (``base`` is the cell itself), a
+        configuration cell against its plain cell. Empty when the cell is not traced."""
         if not self.wanted(cell, record):
             return []
         sequences = scored(record)
         try:
             mine = self.traces(cell, None, sequences, candidate=python)
-            theirs = self.traces(cell, None, sequences)
+            theirs = self.traces(base, None, sequences)
         except TraceUnavailable as e:
-            return [R.Localisation(against=BASE_BUILD, detail=str(e))]
+            return [R.Localisation(against=against, detail=str(e))]
         noise, note = self._noise_for(cell, fuses_shards(cell.engine), record)
-        return [diff.cross_engine(mine, theirs, BASE_BUILD, noise, note, diff.kernel_rtol(cell.engine))]
+        return [diff.cross_engine(mine, theirs, against, noise, note, diff.kernel_rtol(cell.engine))]
 
     def _engines(self, record: R.Record, raws: dict[str, R.Record]) -> list[str]:
         if self.always:

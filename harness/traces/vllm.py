@@ -28,9 +28,12 @@ transformers' shape (:func:`prompt_trace`):
   multiplies by its weight, once for the prompt logprobs (positions 0..n-2) and once for the
   sampled token (position n-1). Its calls are recorded under the LM head's name and put back in
   position order by matching their input rows with the hidden states the model returned.
-- **Compiled graphs.** Module hooks fire only when the model runs eagerly; the engine always
-  builds vLLM with ``enforce_eager=True``. Should no hook fire all the same (a compiled graph,
-  CUDA graphs), the trace says so and stops rather than return an empty trace.
+- **Compiled graphs.** A hook registered after torch.compile traced the model never runs in the
+  compiled graph; one registered before is traced into it, and records what the compiled code
+  computes. So a compiled configuration cell (``VllmEngine.prepare_trace``) installs the hooks as
+  its model is loaded, before vLLM's warm-up compiles it, and :func:`install_hooks` keeps them.
+  Should no hook fire all the same (hooks added after compilation, CUDA graphs), the trace says so
+  and stops rather than return an empty trace.
 
 ``weights`` are the module reader's effective weights (``vllm_worker.read_modules``) projected on
 ``harness.traces.weight_probe`` as they are read; ``quantizers`` the linears whose vLLM scheme quantizes its input
@@ -128,10 +131,13 @@ def _copy(x):
 
 def install_hooks(model) -> int:
     """``apply_model`` function: hooks on every module of vLLM's model (a LogitsProcessor gets
-    its own, which records the LM head). Returns the number of modules hooked."""
+    its own, which records the LM head). Returns the number of hooks. Hooks installed at load (a
+    compiled model's, traced into its graph) are kept: new ones would never run there."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    remove_hooks(model)
+    installed = getattr(model, RECORDER, None)
+    if installed is not None:
+        return len(installed.handles)
     rec = _Recorder()
     names = {id(m): n for n, m in model.named_modules()}
     for name, module in model.named_modules():
@@ -261,8 +267,8 @@ def _check_fired(raw: dict, n_positions: int) -> None:
     if not raw["outputs"] or (raw["shards"] and len(raw["silent"]) == len(raw["shards"])):
         raise RuntimeError(
             f"no module hook fired in vLLM's model ({len(raw['silent'])} linears known to run, none recorded): "
-            f"vLLM ran a compiled graph (torch.compile or CUDA graphs), where module hooks do not run; record "
-            f"the trace with enforce_eager=True, knowing that the eager kernels differ from the compiled ones")
+            f"vLLM ran a compiled graph (torch.compile or CUDA graphs) whose hooks were added after it was "
+            f"compiled; a compiled model's hooks are installed as it is loaded (VllmEngine.prepare_trace)")
     hidden = raw["outputs"].get("")
     calls = sum(1 for label in raw["order"] if label.partition("#")[0] == "")
     if hidden is None or calls != 1 or hidden.shape[0] != n_positions:
