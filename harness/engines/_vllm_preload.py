@@ -18,5 +18,13 @@ try:
 
     import harness.engines.vllm_state  # noqa: F401
     import harness.engines.vllm_worker  # noqa: F401
+    from torch._inductor import cpu_vec_isa
+
+    # vLLM compiles its sampler's rank count (batched_count_greater_than) in every cell, eager ones
+    # too, and torch.compile's CPU code generation first probes which vector ISAs build and load
+    # here: a compiler and a python subprocess per ISA, about 1.1 s, remembered per process
+    # (functools.cache). Taken once here, with the children's environment, for all of them; it
+    # runs subprocesses only, no thread and no torch op.
+    cpu_vec_isa.valid_vec_isa_list()
 except Exception:  # the child imports it again and its log says why it fails
     pass
