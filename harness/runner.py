@@ -21,8 +21,8 @@ bound is timed again in fresh children, and a later look, before its verdict.
 or ``update_kernel_baselines`` where its baseline does not carry) is judged against what it
 writes; failed, error and unsupported cells are refused. Else a mismatch's obtained file is written.
 
-**Writes checked first.** :meth:`Runner.writes` lists every path the run may write; ``harness
-run`` refuses a run in one line when one cannot be written, before anything runs.
+**Writes checked first.** :meth:`Runner.writes` (harness.run_writes) lists every path the run may
+write; ``harness run`` refuses a run in one line when one cannot be written, before anything runs.
 
 **A candidate build** (``harness run --candidate``): after its group is judged, each cell of that
 engine runs again under the candidate's interpreter with the same sequences, judged against the
@@ -54,13 +54,11 @@ from harness import compare as C
 from harness import judging
 from harness import configurations, cpu, evidence, loadtime, probes, resolver
 from harness import records as R
-from harness import store, supervise
-from harness.accuracy import store as accuracy_store
+from harness import run_writes, supervise
 from harness.accuracy.store import AccuracyBaseline
 from harness.files import Written
 from harness.baseline_step import BaselineStep
 from harness.gate import LoadGate
-from harness.fixtures import benchmark, cache
 from harness.layout import Layout, group_key
 from harness.matrix import CPU_TIERS, ENGINES, TIERS, Cell, Matrix, expand
 from harness.registry import fuses_shards
@@ -167,58 +165,9 @@ class Runner:
         with self._echo_lock:
             self.echo(line)
 
-    # ---- what the run writes -------------------------------------------------------------------
     def writes(self) -> list[Written]:
-        """Every path this run may write: the results directory and each cell's files in it; beside
-        each baseline of a cell that runs its obtained file (written on a mismatch, removed on a
-        pass or by a new baseline, with or without --update-baselines), and the baseline itself
-        where --update-baselines or --update-fingerprints may replace it; the fixture and bench
-        caches where something they lack is built. The report's files are harness.report's."""
-        out = [Written(d, "--results") for d in self.layout.directories()]
-        out += [Written(self.layout.summary(), "--results", file=True)]
-        out += [Written(self.layout.sequences(key), "--results", file=True) for key in self.groups]
-        for cell in self.cells:
-            out += [Written(p, "--results", file=True) for p in self.layout.cell_files(cell.id)]
-        if self.candidates:
-            candidate = self.candidate_layout
-            out += [Written(d, "--results") for d in candidate.directories()]
-            out += [Written(p, "--results", file=True) for c in self.candidate_cells() for p in candidate.cell_files(c.id)]
-        unbuilt = benchmark.unbuilt(self.matrix, self.cells)
-        # a cell whose checkpoint is built after this check is not decided before it (it would
-        # be decided a configuration error: no checkpoint yet)
-        later = {cell.id for cell, *_ in unbuilt}
-        running = [c for c in self.cells if c.id in later or self.decided(c) is None]
-        beside_baselines = [w for c in running if c.configuration is None for w in self._baseline_writes(c)]
-        if beside_baselines:
-            beside_baselines.insert(0, Written(self.baselines_root, "--baselines"))
-            # the baselines of each set of kernels, and the obtained files beside them
-            kernels = self.baselines_root / B.KERNELS_FOLDER
-            if self.update_kernel_baselines or kernels.is_dir():
-                beside_baselines.insert(1, Written(kernels, "--baselines"))
-        return out + beside_baselines + self._cache_writes(running, bool(unbuilt))
-
-    def _baseline_writes(self, cell: Cell) -> list[Written]:
-        kinds = [(B.Baseline, self.update_baselines or self.update_fingerprints)]
-        if cell.accuracy:
-            kinds.append((accuracy_store.AccuracyBaseline, self.update_baselines))
-        out = []
-        for kind, replaced in kinds:
-            out.append(Written(store.obtained_path_for(kind, self.baselines_root, cell.tier, cell.id), "--baselines", True))
-            baseline = store.path_for(kind, self.baselines_root, cell.tier, cell.id)
-            # one that is not a regular file is its cell's error (unreadable), never replaced
-            if replaced and (baseline.is_file() or not os.path.lexists(baseline)):
-                out.append(Written(baseline, "--baselines", True))
-        return out
-
-    def _cache_writes(self, running: list[Cell], checkpoints_to_build: bool) -> list[Written]:
-        fixtures = {c.fixture_name for c in running if c.fixture_name}
-        out = []
-        if any(not cache.fixture_dir(name).is_dir() for name in fixtures):
-            out.append(Written(cache.cache_root(), "$HARNESS_FIXTURE_CACHE or .cache/fixtures"))
-        gated = any(c.gate_load_time for c in running)
-        if checkpoints_to_build or (gated and not loadtime.calibration_path().is_file()):
-            out.append(Written(cache.bench_cache_root(), "$HARNESS_BENCH_CACHE or .cache/bench"))
-        return out
+        """Every path this run may write (harness.run_writes)."""
+        return run_writes.writes(self)
 
     # ---- probes before fetching -----------------------------------------------------------------
     def decided(self, cell: Cell) -> R.Record | None:
