@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from harness.supervise import LEDGER_ENV
+from harness.supervise import LEDGER_ENV, repeats
 
 
 def pytest_configure(config):
@@ -47,20 +47,26 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not path:
         return
     children, servers, seconds = collections.Counter(), collections.Counter(), collections.Counter()
+    environments = set()
     with open(path) as f:
-        for entry in map(json.loads, f):
-            where = (entry["test"] or "?").split("::")[0]
-            if entry["kind"] == "fork-server":
-                servers[where, "vllm" in entry["preload"]] += 1
-            else:
-                children[where] += 1
-                seconds[where] += entry["seconds"]
+        entries = [json.loads(line) for line in f]
+    for entry in entries:
+        where = (entry["test"] or "?").split("::")[0]
+        if entry["kind"] == "fork-server":
+            servers[where, "vllm" in entry["preload"]] += 1
+            environments.add(entry["environment"])
+        else:
+            children[where] += 1
+            seconds[where] += entry["seconds"]
     if not children:
         return
     vllm = sum(n for (_, is_vllm), n in servers.items() if is_vllm)
+    repeated = repeats(entries)
     terminalreporter.write_sep("-", f"engine children: {sum(children.values())} "
-                                    f"({sum(seconds.values()):.0f} s), fork servers: "
-                                    f"{sum(servers.values())} ({vllm} importing vLLM)")
+                                    f"({sum(seconds.values()):.0f} s; {len(repeated)} repeating another's job "
+                                    f"in its environment, {sum(e['seconds'] for e in repeated):.0f} s), fork servers: "
+                                    f"{sum(servers.values())} ({vllm} importing vLLM) for "
+                                    f"{len(environments)} environments")
     for where, n in children.most_common(10):
         terminalreporter.write_line(f"{n:5d} children {seconds[where]:7.0f} s  {where}")
 

@@ -21,6 +21,7 @@ servers with them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -127,6 +128,19 @@ def ledger(kind: str, **fields) -> None:
         line = json.dumps({"kind": kind, "test": os.environ.get("PYTEST_CURRENT_TEST"), **fields}) + "\n"
         with open(path, "a") as f:
             f.write(line)
+
+
+def repeats(entries: list[dict]) -> list[dict]:
+    """The ledger's children that ran a job another child had already run in the same environment:
+    the engine time that sharing records between tests could still save."""
+    seen, out = set(), []
+    for entry in entries:
+        if entry["kind"] == "child":
+            work = (entry["work"], entry["environment"])
+            if work in seen:
+                out.append(entry)
+            seen.add(work)
+    return out
 
 
 def preload_for(engine: str) -> str | None:
@@ -333,6 +347,10 @@ class ForkServer:
         self.proc.wait()
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 _SERVERS: dict[tuple[str, str, tuple[tuple[str, str], ...]], ForkServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
@@ -355,7 +373,7 @@ def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False, p
             for old in idle[:max(0, len(_SERVERS) + 1 - MAX_SERVERS)]:
                 _SERVERS.pop(old).stop()
             server = _SERVERS[key] = ForkServer(preload, env, python)
-            ledger("fork-server", preload=preload, python=python)
+            ledger("fork-server", preload=preload, python=python, environment=_digest(repr(key)))
         server.children += for_child
         return server
 
@@ -427,9 +445,11 @@ class Supervisor:
             child.kill()
         seconds = time.perf_counter() - t0
         cell = job.get("cell") or {}  # a cell's job; a test's own child may run several
+        # environment and work: what tells a child computing what another of the session already did
         ledger("child", engine=cell.get("engine"), mode=job.get("mode", main), cell=cell.get("id"),
                seconds=round(seconds, 2), waited=round(waited, 2), forked=preload is not None,
-               python=python or sys.executable)
+               python=python or sys.executable, environment=_digest(repr(sorted(env.items()))),
+               work=_digest(json.dumps([job.get(k) for k in ("mode", "cell", "sequences", "threads")], default=str)))
         return Exit(code, started, seconds)
 
     def kill_all(self) -> None:

@@ -531,6 +531,26 @@ def test_the_variables_sent_after_the_fork_are_the_test_hooks_and_the_vllm_mutat
     assert set(supervise.AFTER_FORK_ENV) == {worker.HOOK_ENV, MUTATION_ENV, MASK_LAYER_ENV}
 
 
+@pytest.mark.slow("three forked worker children of a job they cannot run")
+def test_the_ledger_tells_a_child_repeating_another_childs_job_in_its_environment(tmp_path, monkeypatch):
+    """What the suite's summary counts as work sharing could still save: the same job in the same
+    environment again; a test hook (read after the fork) makes another environment."""
+    ledger = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(supervise.LEDGER_ENV, str(ledger))
+    job = {"mode": "cell", "cell": {"id": "c", "engine": "reference"}, "sequences": None, "threads": 1}
+    runs = supervise.Supervisor()
+    try:
+        for name, hook in (("a", None), ("b", None), ("c", "crash@c")):
+            env = supervise.child_env({"MARK": "", **({worker.HOOK_ENV: hook} if hook else {})}, 1)
+            runs.run({**job, "record": str(tmp_path / f"{name}.json")}, tmp_path / f"{name}.job.json",
+                     tmp_path / f"{name}.log", env, preload=LIGHT, timeout=60)
+    finally:
+        supervise.stop_fork_servers()
+    entries = [json.loads(line) for line in ledger.read_text().splitlines()]
+    children = [e for e in entries if e["kind"] == "child"]
+    assert len(children) == 3 and supervise.repeats(entries) == [children[1]]
+
+
 def test_a_childs_environment_leaves_out_the_running_test(monkeypatch):
     """pytest changes PYTEST_CURRENT_TEST at every test phase; a fork server serves one environment,
     so with it every test would start its own servers (tens of seconds of imports each)."""
@@ -579,6 +599,7 @@ def test_a_fork_server_and_its_children_end_with_the_process_that_started_them(t
     starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                env=supervise.child_env({}, 1))
     pids = [int(p) for p in starter.stdout.readline().split()]
+    assert len(pids) == 2, "the starter failed before forking"
     starter.kill()
     starter.wait()
     deadline = time.monotonic() + 30
