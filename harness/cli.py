@@ -254,10 +254,10 @@ def _pin(args) -> int:
 
 
 def _bench(args) -> int:
-    # lazy: pydantic, numpy and more, +270 ms (scripts/import-graph --costs)
-    from harness import bench
+    # lazy: torch and the engines, +1.2 s (scripts/import-graph --costs)
+    from harness.bench import main
 
-    return bench.run(args)
+    return main.run(args)
 
 
 def _bisect(args) -> int:
@@ -442,11 +442,11 @@ def _add_report_and_pipeline(sub) -> None:
 
 def _add_bench(sub) -> None:
     # lazy: pydantic, numpy and more, +270 ms (scripts/import-graph --costs)
-    from harness import bench
+    from harness.bench import options
 
     bn = sub.add_parser("bench", help="measure load, decode, the load-time gate and the matrix's wall time; "
                                       "write BENCHMARKS.md")
-    bench.add_arguments(bn)
+    options.add_arguments(bn)
     bn.set_defaults(func=_bench)
 
 

@@ -586,9 +586,9 @@ def test_bench_quick_decode_on_a_tiny_size(monkeypatch, tmp_path, capsys):
     assert "## Decode" in out.read_text()
 
     # without --output, a run of one part leaves the repository's BENCHMARKS.md as it was
-    import harness.bench
+    from harness.bench import main
 
-    monkeypatch.setattr(harness.bench, "REPO_ROOT", tmp_path / "repo")
+    monkeypatch.setattr(main, "REPO_ROOT", tmp_path / "repo")
     committed = tmp_path / "repo" / "BENCHMARKS.md"
     committed.parent.mkdir()
     committed.write_text("# Benchmarks\n\nthe full run's figures\n")
@@ -609,11 +609,12 @@ def test_bench_quick_decode_on_a_tiny_size(monkeypatch, tmp_path, capsys):
 def test_only_a_run_of_every_default_part_and_size_writes_benchmarks_md_by_default(argv, where, tmp_path, monkeypatch):
     import argparse
 
-    import harness.bench as bench
+    from harness.bench import main as bench
+    from harness.bench import options
 
     monkeypatch.setattr(bench, "REPO_ROOT", tmp_path)
     p = argparse.ArgumentParser()
-    bench.add_arguments(p)
+    options.add_arguments(p)
     args = p.parse_args(argv)
     out = bench._output(args, bench._parts(args), bench._sizes(args))
     if where == "results":
@@ -785,12 +786,12 @@ def test_the_bench_writes_into_this_checkout():
 
 def test_the_portability_part_runs_only_when_named():
     """It times every cpu-load cell under three conditions (about 15 minutes): a measurement, not a default."""
-    from harness import bench
+    from harness.bench import main, options
 
-    assert "portability" in bench.PARTS and "portability" not in bench.DEFAULT_PARTS
+    assert "portability" in options.PARTS and "portability" not in options.DEFAULT_PARTS
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    assert bench._parts(parser.parse_args([])) == list(bench.DEFAULT_PARTS)
+    options.add_arguments(parser)
+    assert main._parts(parser.parse_args([])) == list(options.DEFAULT_PARTS)
 
 
 def test_the_memory_pass_reads_the_file_into_buffers_it_reuses(small_calibration):

@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 
 from harness import loadtime
 from harness import records as R
-from harness.engines import base, reference, transformers  # noqa: F401
 from harness.bench.noise_model import Noise, balanced_threshold, modelled_flag, robust_sd
 from harness.loadtime import BASELINE_CHILDREN, load_statistic, lower_median, retimed
 from harness.registry import ENGINES
@@ -362,6 +361,10 @@ def cell_run(cell, path, repeats: int, slow: float = 0.0, mutation: str | None =
 def preload(cells, paths: dict) -> None:
     """Import in this (parent) process what the children would import, as the fork server does."""
     import torch
+
+    # the reference engine too, so that the children it forks have it imported
+    # lazy: torch and the engines, +1.1 s (scripts/import-graph --costs)
+    from harness.engines import base, reference, transformers  # noqa: F401
 
 
     torch.set_num_threads(1)
