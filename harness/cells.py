@@ -130,6 +130,16 @@ class Cell(_Strict):
         return self.tier in GATED_TIERS and self.configuration is None
 
     @property
+    def untraceable(self) -> str | None:
+        """Why no module traces are recorded for this cell (None: they are). At more than one rank
+        each rank computes its part of a module's output; the loaded state's module diff names the
+        module and the rank instead."""
+        if self.tensor_parallel > 1:
+            return (f"module traces at {self.tensor_parallel} ranks are not recorded: each rank computes its "
+                    f"part of a module's output (the loaded state's module diff names the module and the rank)")
+        return None
+
+    @property
     def markers(self) -> tuple[str, ...]:
         """pytest marker names for this cell: the tier (``cpu_tiny``...), ``cpu`` or ``gpu``, and
         ``accuracy`` when it runs accuracy tasks."""

@@ -377,15 +377,14 @@ class Runner:
     def judge_configuration(self, cell: Cell, base: CellResult, raws: dict[str, R.Record]) -> CellResult:
         """A configuration cell (harness.configurations) run with its group's scored sequences,
         judged against ``base``, its plain cell's judged result of this run, and localised against
-        it when it fails at one rank (each rank computes its part of a module's output: the loaded
-        state's module diff names the module and the rank). It writes no baseline."""
+        it when it fails and its traces are recorded (Cell.untraceable). It writes no baseline."""
         rec = self.decided(cell)
         if rec is None:
             rec = self.run_child(cell, mode="cell", sequences=self.scored_sequences(group_key(cell))[0],
                                  record_path=self.layout.raw(cell.id), log=self.layout.log(cell.id))
         judged = configurations.judge(cell, rec, base.record, raws, self.groups[group_key(cell)], self.unfused(raws))
         result = CellResult(cell, judged, sequence_source=base.sequence_source)
-        if cell.tensor_parallel == 1:
+        if not cell.untraceable:
             self._add_localisation(result, self.tracer.against_base(cell, result.record, base.cell, PLAIN_CELL))
         return result
 

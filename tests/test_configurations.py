@@ -91,6 +91,8 @@ def test_a_configuration_is_a_cell_of_its_own_tier_judged_against_its_plain_cell
     assert not tp2.gate_load_time  # judged against the plain cell, never a load-time baseline
     compiled = cells["llama.unquantized.vllm-compiled"]
     assert (compiled.tensor_parallel, compiled.compiled) == (1, True)
+    # ranks are not traced (the runner localises no two-rank cell; the vLLM engine refuses to trace one)
+    assert "at 2 ranks are not recorded" in tp2.untraceable and compiled.untraceable is None
     # the scheme's own tier holds the plain cells only, the configuration's known failure not on them
     plain = {c.id: c for c in m.cells(tier="cpu-tiny")}
     assert "llama.fp8-dynamic.vllm" in plain and not any(c.configuration for c in plain.values())

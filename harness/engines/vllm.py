@@ -439,10 +439,8 @@ class VllmEngine(Engine):
 
     def trace(self, prompts, sequences):
         """Module traces recorded inside vLLM through ``apply_model`` (harness.traces.vllm)."""
-        if self.cell.tensor_parallel > 1:
-            raise NotImplementedError(f"module traces at {self.cell.tensor_parallel} ranks are not recorded: each rank "
-                                      f"computes its part of a module's output (the loaded state's module diff names "
-                                      f"the module and the rank)")
+        if self.cell.untraceable:
+            raise NotImplementedError(self.cell.untraceable)
         requests = [(p.id, self._prompt(p, s), len(s)) for p, s in zip(prompts, sequences)]
         return self._run("recording module traces",
                          lambda: vllm_traces.trace(self.llm, self.arch, requests, self._log))
