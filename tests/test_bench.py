@@ -3,6 +3,7 @@ import argparse
 import json
 import math
 import random
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -782,6 +783,14 @@ def test_bench_reads_slowdowns_and_conditions(capsys):
 def test_the_bench_writes_into_this_checkout():
     """Its default output, baselines and git commands are the checkout's (loadtime.REPO_ROOT)."""
     assert (loadtime.REPO_ROOT / "pyproject.toml").is_file() and (loadtime.REPO_ROOT / "harness").is_dir()
+
+
+def test_building_the_harness_parser_imports_no_engine():
+    """Every command builds the whole parser, bench's options among them: importing torch there
+    cost each command about 2 s of start (harness.bench.options)."""
+    code = "import sys; from harness import cli; cli.parser(); print(sorted({'torch', 'vllm'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=loadtime.REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_the_portability_part_runs_only_when_named():

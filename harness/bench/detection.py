@@ -366,7 +366,6 @@ def preload(cells, paths: dict) -> None:
     # lazy: torch and the engines, +1.1 s (scripts/import-graph --costs)
     from harness.engines import base, reference, transformers  # noqa: F401
 
-
     torch.set_num_threads(1)
     loadtime.calibration_file()
     for cell in cells:
