@@ -260,5 +260,35 @@ def test_a_load_only_child_times_the_load_alone_with_the_hooks_before_it(monkeyp
     out = tmp_path / "load.json"
     job = SimpleNamespace(checkpoint=lambda: "ckpt", load_out=out, record=tmp_path / "record.json", cell=Engine.cell)
     worker._run_load(job, Engine(), None)
-    assert calls == [("hooks", "m.s.vllm"), ("timed", "ckpt"), ("close",)]
+    assert calls == [("hooks", "m.s.vllm"), ("timed", "ckpt")]  # not closed: the child ends right after
     assert json.loads(out.read_text())["seconds"] == 0.5
+
+
+def test_a_child_leaves_its_engine_to_the_process_end(monkeypatch, tmp_path):
+    """run_job keeps the engine referenced after the job: released, vLLM's LLM would shut down
+    first (a garbage collection, its KV cache freed, its rank workers waited for), seconds that
+    change no output, before main's os._exit."""
+    import weakref
+    from types import SimpleNamespace
+
+    from harness.engines import worker
+
+    released = []
+
+    class Engine:
+        def __init__(self, cell, options):
+            self.cell = cell
+            weakref.finalize(self, released.append, "shut down")
+
+        def info(self):
+            return R.EngineInfo(name="reference", environment="e", platform=R.cpu_platform())
+
+    monkeypatch.setattr(worker.base, "engine_class", lambda name: Engine)
+    monkeypatch.setitem(worker.RUN_MODES, "cell", lambda job, engine, info: None)
+    monkeypatch.setattr(worker, "_OPEN_UNTIL_EXIT", [])
+    job = SimpleNamespace(mode="cell", cell=SimpleNamespace(id="m.s.reference", engine="reference"), options={},
+                          threads=1, info=None)
+    assert worker.run_job(job) == 0
+    assert released == []
+    worker._OPEN_UNTIL_EXIT.clear()
+    assert released == ["shut down"]  # the finalizer can run: the engine was held, not lost

@@ -114,7 +114,8 @@ def trace_cell(engine: Engine, checkpoint: Callable[[], Checkpoint], sequences: 
                log: Callable[[str], None] = lambda s: None) -> R.Record | None:
     """Load the cell and record the module traces of ``sequences`` (prompt id -> tokens) to ``out``
     (harness.traces.save): docs/design.md, "Localisation". None on success; the error record when
-    the engine cannot run or fails (never raises for the engine's own failures)."""
+    the engine cannot run or fails (never raises for the engine's own failures). The engine is left
+    open: it is the caller's (the engine child's, which ends right after)."""
     cell = engine.cell
     info = R.EngineInfo(name=cell.engine, environment=cell.environment, platform=R.cpu_platform())
     try:
@@ -137,11 +138,6 @@ def trace_cell(engine: Engine, checkpoint: Callable[[], Checkpoint], sequences: 
         log(tb)
         return R.Record.for_cell(cell, engine_info=info, status="error",
                                  error=R.ErrorInfo(type=type(e).__name__, message=str(e) or type(e).__name__, log_tail=tb))
-    finally:
-        try:
-            engine.close()
-        except Exception:
-            pass
 
 
 # The positions the input-sensitivity check compares: from the prompt's last input token on.

@@ -230,7 +230,6 @@ def _run_load(job: Job, engine, info: R.EngineInfo) -> None:
     hooked = _HookedEngine(engine)
     try:
         load = hooked.load_timed_only(job.checkpoint())
-        hooked.close()
     except Exception as e:
         R.save(job.record, _error_record(job.cell, info, e))
         return
@@ -262,7 +261,6 @@ def _run_execute(job: Job, engine, info: R.EngineInfo) -> None:
         if job.sequences_out:
             _write_json(job.sequences_out, seqs)
 
-    # Not closed: the process ends right after (`main`), and vLLM's own shutdown alone takes ~1.3 s.
     record = execute.execute(_HookedEngine(engine), job.checkpoint, sequences=job.sequences,
                           on_sequences=on_sequences, witness=_witness(job), log=log, accuracy=job.mode == "cell",
                           close=False)
@@ -270,6 +268,12 @@ def _run_execute(job: Job, engine, info: R.EngineInfo) -> None:
         R.save(job.record, record)
     log(f"worker: done, status {record.status}")
 
+
+# The engine of the job, never closed nor released: the process ends right after the job (`main`'s
+# os._exit), and releasing the engine would run its shutdown first, which changes no output (vLLM's:
+# a garbage collection and freeing its KV cache, ~1.2 s at one rank; at two, ~3 s waiting for its
+# workers, which end on their own when this process has gone).
+_OPEN_UNTIL_EXIT: list = []
 
 RUN_MODES = {"cell": _run_execute, "continuation": _run_execute, "trace": _run_trace, "load": _run_load}
 
@@ -289,6 +293,7 @@ def run_job(job: Job) -> int:
     if job.info:
         _write_json(job.info, info.model_dump())
     RUN_MODES[job.mode](job, engine, info)
+    _OPEN_UNTIL_EXIT.append(engine)
     return 0
 
 
