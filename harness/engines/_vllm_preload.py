@@ -7,6 +7,8 @@ main thread alone, and /proc/self/task shows no thread pool; the one native thre
 ``jemalloc_bg_thd``, comes with pyarrow from the accuracy tasks' imports, in the other fork server
 too). vLLM itself sets variables on import (``LD_LIBRARY_PATH``, ``TORCHINDUCTOR_COMPILE_THREADS``,
 ...): a forked child keeps the server's environment, as a fresh child would have them."""
+import importlib
+
 import harness.engines._forkserver_preload  # noqa: F401
 import harness.engines.vllm  # noqa: F401
 from harness.engines import vllm_environment
@@ -18,6 +20,18 @@ try:
 
     import harness.engines.vllm_state  # noqa: F401
     import harness.engines.vllm_worker  # noqa: F401
+
+    # What every cell's engine start imports lazily, ~560 modules and ~0.4 s a child: the engine
+    # core and its scheduler, the executors (one rank, and a process per rank), the CPU worker and
+    # attention, the model loader, the compiler of the sampler's rank count, and the model classes
+    # of the cpu-tiny fixtures vLLM runs (Llama, Whisper).
+    for _module in ("vllm.v1.engine.core", "vllm.v1.core.sched.scheduler", "vllm.v1.executor.uniproc_executor",
+                    "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker",
+                    "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn",
+                    "vllm.model_executor.model_loader", "vllm.model_executor.models.llama",
+                    "vllm.model_executor.models.whisper", "torch._inductor.compile_fx"):
+        importlib.import_module(_module)
+
     from torch._inductor import cpu_vec_isa
 
     # vLLM compiles its sampler's rank count (batched_count_greater_than) in every cell, eager ones
