@@ -360,20 +360,23 @@ def fork_server(preload: str, env: dict[str, str], *, for_child: bool = False, p
     interpreter (``python``: a candidate build's environment, harness.candidates; default ours), started
     now (in the background: its imports overlap whatever runs meanwhile) unless it is running;
     ``for_child``: counted as forking a child until that child has ended. A process whose
-    environment keeps changing (tests) keeps at most MAX_SERVERS: the oldest idle ones end."""
+    environment keeps changing (tests) keeps at most MAX_SERVERS: the idle ones asked for least
+    recently end, so its most used environment keeps its server."""
     python = python or sys.executable
     env = {k: v for k, v in env.items() if k not in AFTER_FORK_ENV}
     key = (preload, python, tuple(sorted(env.items())))
     with _SERVERS_LOCK:
-        server = _SERVERS.get(key)
-        if server is None or not server.alive():
-            if server is not None:  # ended (killed from outside): replaced
-                _SERVERS.pop(key).stop()
+        server = _SERVERS.pop(key, None)
+        if server is not None and not server.alive():  # ended (killed from outside): replaced
+            server.stop()
+            server = None
+        if server is None:
             idle = [k for k, s in _SERVERS.items() if s.children == 0]
             for old in idle[:max(0, len(_SERVERS) + 1 - MAX_SERVERS)]:
                 _SERVERS.pop(old).stop()
-            server = _SERVERS[key] = ForkServer(preload, env, python)
+            server = ForkServer(preload, env, python)
             ledger("fork-server", preload=preload, python=python, environment=_digest(repr(key)))
+        _SERVERS[key] = server  # last: the order is of the latest use
         server.children += for_child
         return server
 

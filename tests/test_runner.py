@@ -588,6 +588,22 @@ def test_a_process_whose_environment_keeps_changing_keeps_few_fork_servers(tmp_p
         supervise.stop_fork_servers()
 
 
+def test_the_fork_server_asked_for_least_recently_is_the_one_that_ends(monkeypatch):
+    """The servers beyond MAX_SERVERS end by latest use, not by age: a test process's plain
+    environment, its first server and its most used, outlives the kernel conditions and builds
+    that come and go (each a server's imports again, ~8 s, when it ended first)."""
+    monkeypatch.setattr(supervise, "MAX_SERVERS", 2)
+    try:
+        plain = supervise.fork_server(LIGHT, supervise.child_env({"MARK": "plain"}, 1))
+        other = supervise.fork_server(LIGHT, supervise.child_env({"MARK": "other"}, 1))
+        assert supervise.fork_server(LIGHT, supervise.child_env({"MARK": "plain"}, 1)) is plain
+        supervise.fork_server(LIGHT, supervise.child_env({"MARK": "third"}, 1))
+        assert other.proc.wait(10) is not None
+        assert plain.alive()
+    finally:
+        supervise.stop_fork_servers()
+
+
 @pytest.mark.slow("a subprocess starting a fork server and a child, both waited out after it is killed")
 def test_a_fork_server_and_its_children_end_with_the_process_that_started_them(tmp_path):
     fifo = tmp_path / "job.fifo"
