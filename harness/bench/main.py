@@ -103,7 +103,6 @@ def decode_profile(rows: list[dict]) -> tuple[str, str]:
     import io
     import pstats
 
-
     worst = max(report.decoded(rows), key=lambda r: r["ratio"])
     profiler = cProfile.Profile()
     profiler.runcall(decode.measure, worst["format"], benchmark.build("S", worst["format"], lambda _: None))
