@@ -2,6 +2,10 @@
 # One BLAS/OpenMP thread per process: on a shared 2-core machine, torch's default of one thread per
 # core makes every small op contend, and two pytest workers (-n 2) already use both cores.
 export OMP_NUM_THREADS ?= 1
+# The matrix cells the suite runs (suites/matrix): the default tier and the configuration cells,
+# which CI runs here and the generated pipeline in steps of their own (docs/decisions.md). The
+# Buildkite suite step passes the same (harness/buildkite/suite.py, SUITE_TIERS).
+SUITE_TIERS = cpu-tiny,cpu-config
 
 .PHONY: run test quick durations venv fuzz
 venv:
@@ -11,7 +15,7 @@ run: venv
 # The import contract first (pyproject.toml, [tool.importlinter]; a second or two), then the suite.
 test: venv
 	.venv/bin/lint-imports --no-cache
-	.venv/bin/python -m pytest -n 2
+	.venv/bin/python -m pytest -n 2 --tier $(SUITE_TIERS)
 # The developer's loop: the suite without the tests marked slow (they start engines end to end)
 # and without the matrix's cells (`harness run` is their command), in under 3 minutes.
 quick: venv
@@ -19,7 +23,7 @@ quick: venv
 # Record every test's duration in .test_durations, which splits the suite over Buildkite agents
 # (harness/buildkite/suite.py): the whole suite once, to run when its shape has changed.
 durations: venv
-	.venv/bin/python -m pytest -n 2 --store-durations --durations-path .test_durations -q
+	.venv/bin/python -m pytest -n 2 --tier $(SUITE_TIERS) --store-durations --durations-path .test_durations -q
 # A longer, random run of the fault suite's fuzzing (suites/faults/test_fuzz.py): N examples per
 # property (CI runs a fixed few from a fixed seed inside `make test`).
 fuzz: venv

@@ -320,18 +320,10 @@ def _add_fixtures(sub) -> None:
 def _add_selection(sp) -> None:
     """The cell-selection options that cells, run, bisect and prefetch share (harness.matrix)."""
     # lazy: pydantic, +250 ms (scripts/import-graph --costs)
-    from harness.matrix import DEFAULT_PATH, ENGINES, TIERS
+    from harness.matrix import DEFAULT_PATH, ENGINES, TIERS, tier_selection
 
     sp.add_argument("-k", metavar="EXPR", help="select cells with a pytest -k expression over their ids")
-    def tiers(text: str) -> str:
-        named = [t.strip() for t in text.split(",")]
-        bad = [t for t in named if t not in (*TIERS, "all")]
-        if bad or ("all" in named and len(named) > 1):
-            raise argparse.ArgumentTypeError(f"{text!r}: give one of {', '.join((*TIERS, 'all'))}, or tiers "
-                                             "separated by commas (cpu-tiny,cpu-load)")
-        return ",".join(named)
-
-    sp.add_argument("--tier", default="cpu-tiny", type=tiers, metavar="TIER[,TIER]",
+    sp.add_argument("--tier", default="cpu-tiny", type=tier_selection, metavar="TIER[,TIER]",
                     help=f"the tiers to select ({', '.join(TIERS)}; default: cpu-tiny; all: every tier but cpu-load, "
                          "which is selected only by name)")
     sp.add_argument("--engine", metavar="NAME[,NAME]",

@@ -52,13 +52,14 @@ from harness.matrix_blocks import (
     Prompt,
     Scheme,
     Tier,
+    tier_selection,
 )
 
 __all__ = [
     "CPU_TIERS", "DEFAULT_PATH", "ENGINES", "GATED_TIERS", "MAX_TIMEOUT_S", "MAX_TOKENS", "MAX_TOP_K",
     "ON_DEMAND_TIERS", "TIERS", "UNPINNED", "Arch", "Bounds", "BoundsOverride", "Cell", "Defaults", "Engine",
     "EnvName", "Environment", "Hardware", "Hub", "KnownFailure", "Matrix", "MatrixError", "Model", "Name",
-    "Prompt", "Scheme", "Tier", "check_paths", "expand", "load", "loads", "warnings",
+    "Prompt", "Scheme", "Tier", "check_paths", "expand", "load", "loads", "tier_selection", "warnings",
 ]
 
 

@@ -5,6 +5,7 @@ problem becomes. The whole document is harness.cells.Matrix; harness.matrix load
 here imports torch."""
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -25,11 +26,24 @@ GATED_TIERS: frozenset[str] = frozenset({"cpu-load", "gpu-tiny", "gpu-full"})
 # generated pipeline): cpu-load's checkpoints are built on demand (harness.fixtures.benchmark) and
 # take minutes. cpu-config holds the configuration cells of the tiny fixtures (tensor-parallel,
 # compiled), which cost several plain cells each (docs/design.md, "Configurations"): `harness run`
-# and the matrix suite run cpu-tiny unless told otherwise, the generated pipeline runs it too.
+# and `pytest suites` run cpu-tiny unless told otherwise; `make test` and the generated pipeline
+# run cpu-config too.
 CPU_TIERS: frozenset[str] = frozenset({"cpu-tiny", "cpu-load", "cpu-config"})
 ON_DEMAND_TIERS: frozenset[str] = frozenset({"cpu-load"})
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
 UNPINNED = "unpinned"
+
+
+def tier_selection(text: str) -> str:
+    """``--tier``'s argparse type, for ``harness`` and pytest alike: one tier, several joined by
+    commas, or ``all``; normalised to ``a,b``."""
+    named = [t.strip() for t in text.split(",")]
+    bad = [t for t in named if t not in (*TIERS, "all")]
+    if bad or ("all" in named and len(named) > 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one of {', '.join((*TIERS, 'all'))}, or tiers "
+                                         "separated by commas (cpu-tiny,cpu-config)")
+    return ",".join(named)
+
 
 # A registered engine (harness.registry, an installed package's included): an unknown name is one
 # line listing the choices.

@@ -5,14 +5,14 @@ parametrized with the matrix's cells of the selected tier and engines; the test 
 ``<model>.<scheme>.<engine>``, so ``-k`` selects cells exactly as ``harness cells -k`` does (pytest
 also matches the markers below, and the test's own file and function names).
 
-Options: ``--tier`` (default cpu-tiny; ``all``), ``--engine NAME[,NAME]``, ``--candidate
-ENGINE=SPEC`` (``harness run --candidate``: each selected cell of ENGINE also runs on that build,
-as the test ``test_candidate_cell[<cell id>]``, judged against the pinned build's result; it never
-writes a baseline), ``--update-baselines``, ``--harness-trace`` (``harness run --trace``: pytest's
-own ``--trace`` is its debugger), ``--results DIR`` (default results/pytest-<UTC timestamp>; the
-session owns it, its xdist workers share it, and another run's directory is refused at start,
-harness.runs), ``--baselines DIR`` (default baselines/), ``--matrix FILE`` (default
-models.yaml).
+Options: ``--tier`` (default cpu-tiny; several joined by commas, or ``all``), ``--engine
+NAME[,NAME]``, ``--candidate ENGINE=SPEC`` (``harness run --candidate``: each selected cell of
+ENGINE also runs on that build, as the test ``test_candidate_cell[<cell id>]``, judged against the
+pinned build's result; it never writes a baseline), ``--update-baselines``, ``--harness-trace``
+(``harness run --trace``: pytest's own ``--trace`` is its debugger), ``--results DIR`` (default
+results/pytest-<UTC timestamp>; the session owns it, its xdist workers share it, and another run's
+directory is refused at start, harness.runs), ``--baselines DIR`` (default baselines/), ``--matrix
+FILE`` (default models.yaml).
 
 Markers (registered in pyproject.toml): the tier (``cpu_tiny``, ``cpu_config``, ``gpu_tiny``, ``gpu_full``), the
 hardware class (``cpu`` or ``gpu``), and for GPU cells ``hardware(gpus=, gpu_memory_gb=,
@@ -50,7 +50,7 @@ import pytest
 from harness import baselines, files, matrix, runs, verdicts
 from harness import records as R
 from harness.terminal import one_line
-from harness.matrix import DEFAULT_PATH, TIERS, MatrixError
+from harness.matrix import DEFAULT_PATH, TIERS, MatrixError, tier_selection
 
 __all__ = [
     "harness_runner",
@@ -68,8 +68,9 @@ __all__ = [
 
 def pytest_addoption(parser):
     g = parser.getgroup("harness", "the quantized-loading matrix (harness)")
-    g.addoption("--tier", default="cpu-tiny", choices=[*TIERS, "all"],
-                help="matrix tier to run (default: cpu-tiny)")
+    g.addoption("--tier", default="cpu-tiny", type=tier_selection, metavar="TIER[,TIER]",
+                help=f"the matrix tiers to run ({', '.join(TIERS)}; several joined by commas; default: cpu-tiny; "
+                     "all: every tier but cpu-load)")
     g.addoption("--engine", default=None, metavar="NAME[,NAME]", help="limit the engines (reference, transformers, vllm)")
     g.addoption("--update-baselines", action="store_true", default=False,
                 help="write the baselines of cells that may become one (never failed/error/unsupported)")

@@ -83,7 +83,7 @@ def test_collect_selects_exactly_the_cells():
         "whisper.torchao-int8wo.reference", "whisper.torchao-int8wo.transformers"]
 
 
-@pytest.mark.slow("two pytest --collect-only subprocesses of suites/matrix")
+@pytest.mark.slow("three pytest --collect-only subprocesses of suites/matrix")
 def test_markers_and_options():
     proc = subprocess.run([sys.executable, "-m", "pytest", "suites/matrix", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "--tier", "gpu-tiny", "-m", "gpu and gpu_tiny"], cwd=ROOT, capture_output=True, text=True,
@@ -93,6 +93,13 @@ def test_markers_and_options():
     proc = subprocess.run([sys.executable, "-m", "pytest", "suites/matrix", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "--engine", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--engine: unknown engine 'nope'" in proc.stdout + proc.stderr
+    # tiers joined by commas, as `make test` selects the configuration cells beside the default tier's
+    proc = subprocess.run([sys.executable, "-m", "pytest", "suites/matrix", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "--tier", "cpu-tiny,cpu-config", "-k", "whisper.unquantized.vllm"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [ln.split("[", 1)[1].rstrip("]") for ln in proc.stdout.splitlines() if "::test_cell[" in ln] == [
+        "whisper.unquantized.vllm", "whisper.unquantized.vllm-compiled", "whisper.unquantized.vllm-tp2"]
 
 
 def test_a_path_the_session_cannot_write_fails_its_cells_before_any_runs(tmp_path):

@@ -17,6 +17,8 @@ from typing import Any
 from harness.buildkite.agents import CPU_QUEUE
 
 DURATIONS = ".test_durations"
+# The matrix tiers the suite runs, as the Makefile's SUITE_TIERS (tests/test_buildkite_suite.py).
+SUITE_TIERS = "cpu-tiny,cpu-config"
 # The longest share of the suite one agent may take: the suite on a 2-core agent and the bootstrap.
 TIMEOUT_MINUTES = 60
 # 1-based group of this parallel job; "$" reaches the shell as is (the pipeline is uploaded with
@@ -26,7 +28,7 @@ GROUP = '"$((BUILDKITE_PARALLEL_JOB + 1))"'
 
 def pytest_command(junit: str = "reports/suite-$BUILDKITE_PARALLEL_JOB.xml") -> str:
     """This agent's share of the suite: ``make test``'s pytest, split by recorded durations."""
-    return (f'.venv/bin/python -m pytest -n 2 --splits "$BUILDKITE_PARALLEL_JOB_COUNT" --group {GROUP} '
+    return (f'.venv/bin/python -m pytest -n 2 --tier {SUITE_TIERS} --splits "$BUILDKITE_PARALLEL_JOB_COUNT" --group {GROUP} '
             f"--durations-path {DURATIONS} --junitxml={junit}")
 
 
