@@ -17,8 +17,11 @@ from typing import Any
 from harness.buildkite.agents import CPU_QUEUE
 
 DURATIONS = ".test_durations"
-# The matrix tiers the suite runs, as the Makefile's SUITE_TIERS (tests/test_buildkite_suite.py).
+# The matrix tiers the suite runs and its paths, as the Makefile's test target names them
+# (tests/test_buildkite_suite.py): pytest knows --tier, an option of suites/conftest.py, when it
+# parses the command line only if a path there loads that conftest.
 SUITE_TIERS = "cpu-tiny,cpu-config"
+SUITE_PATHS = "tests suites"
 # The longest share of the suite one agent may take: the suite on a 2-core agent and the bootstrap.
 TIMEOUT_MINUTES = 60
 # 1-based group of this parallel job; "$" reaches the shell as is (the pipeline is uploaded with
@@ -26,10 +29,10 @@ TIMEOUT_MINUTES = 60
 GROUP = '"$((BUILDKITE_PARALLEL_JOB + 1))"'
 
 
-def pytest_command(junit: str = "reports/suite-$BUILDKITE_PARALLEL_JOB.xml") -> str:
+def pytest_command(junit: str = "reports/suite-$BUILDKITE_PARALLEL_JOB.xml", paths: str = SUITE_PATHS) -> str:
     """This agent's share of the suite: ``make test``'s pytest, split by recorded durations."""
     return (f'.venv/bin/python -m pytest -n 2 --tier {SUITE_TIERS} --splits "$BUILDKITE_PARALLEL_JOB_COUNT" --group {GROUP} '
-            f"--durations-path {DURATIONS} --junitxml={junit}")
+            f"--durations-path {DURATIONS} --junitxml={junit} {paths}")
 
 
 def suite_step(agents: int, retry: dict[str, Any]) -> dict[str, Any]:
