@@ -4,7 +4,7 @@ same run.
 
 The matrix part and the reassembly of the ranks' readings run in milliseconds. Every configuration
 cell of models.yaml runs clean in `make test` (suites/matrix, ``--tier cpu-tiny,cpu-config``); the
-end-to-end tests here run vLLM at two ranks and compiled (about 15-30 s a cell here) under the
+end-to-end tests here run vLLM at two ranks and compiled (15-60 s a cell, by machine) under the
 planted faults (harness.engines.vllm_mutations), each caught with the module (and the rank) named:
 
 | fault           | cell                            | caught by                                              |
